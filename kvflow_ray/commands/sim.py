@@ -1,0 +1,115 @@
+"""Run a workflow scenario on the discrete-event simulator, comparing KV cache policies side by side.
+
+Policies: lru (device only, a miss recomputes), hicache (LRU + host tier, load on demand),
+kvflow (workflow-aware eviction + prefetch + status-aware admission), kvflow-noprefetch (ablation),
+belady (offline optimum eviction over the known access order), infinite (no capacity limit).
+
+Examples:
+  kvflow-ray sim --scenario single --agents 10 --fixed 8192 --dynamic 32 --output 32 \\
+      --profile a10g-llama3.1-8b --policies lru,hicache,kvflow,belady,infinite --json
+  kvflow-ray sim --scenario concurrent --fixed 1024 --tasks 64 --profile h100-qwen2.5-32b \\
+      --policies lru,hicache,kvflow --json
+  kvflow-ray sim --workflow workflows/peer.yaml --clients 32 --profile a10g-llama3.1-8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvflow_ray.core.graph import SpecError, load_spec
+from kvflow_ray.engines.sim import workload
+from kvflow_ray.engines.sim.profile import available_profiles, load_profile
+from kvflow_ray.engines.sim.runner import parse_policies, run_policies
+
+DEFAULT_POLICIES = "lru,hicache,kvflow,belady,infinite"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--scenario", choices=["single", "concurrent", "peer"], help="a built-in scenario")
+    which.add_argument("--workflow", metavar="FILE", help="run any workflow spec (YAML/JSON)")
+    parser.add_argument("--profile", default="a10g-llama3.1-8b",
+                        help=f"GPU cost profile name or YAML path (built in: {', '.join(available_profiles())})")
+    parser.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
+    parser.add_argument("--agents", type=int, default=10, help="agents per workflow (single, concurrent)")
+    parser.add_argument("--fixed", type=int, default=None,
+                        help="fixed prompt tokens per agent (default: 8192 single, 1024 concurrent/workflow)")
+    parser.add_argument("--dynamic", type=int, default=None,
+                        help="dynamic suffix tokens per call (default: 32 single, 256 concurrent, 128 peer)")
+    parser.add_argument("--output", type=int, default=None,
+                        help="output tokens per call (default: 32 single, 256 concurrent, 64 peer)")
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="measured passes per workflow after one warm-up pass (default 10 single, 3 peer)")
+    parser.add_argument("--tasks", type=int, default=64, help="concurrent workflow instances (concurrent)")
+    parser.add_argument("--clients", type=int, default=None, help="concurrent clients (peer: 64, workflow: 1)")
+    parser.add_argument("--replicas", type=int, default=1, help="simulated GPU replicas")
+    parser.add_argument("--horizon", type=int, default=1, help="prefetch agents at most this many steps ahead")
+    parser.add_argument("--max-inflight", type=int, default=4, help="concurrent prefetch loads per replica")
+    parser.add_argument("--gpu-kv-tokens", type=int, default=None,
+                        help="override the device KV pool size (default: derived from the profile)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _scenario(args: argparse.Namespace) -> workload.Scenario:
+    def pick(value: int | None, default: int) -> int:
+        return default if value is None else value
+
+    if args.workflow:
+        spec = load_spec(args.workflow)
+        return workload.from_spec(spec, clients=pick(args.clients, 1), fixed=pick(args.fixed, 1024),
+                                  dynamic=pick(args.dynamic, 32), output=pick(args.output, 32),
+                                  iterations=pick(args.iterations, 3))
+    if args.scenario == "single":
+        return workload.single(agents=args.agents, fixed=pick(args.fixed, 8192), dynamic=pick(args.dynamic, 32),
+                               output=pick(args.output, 32), iterations=pick(args.iterations, 10))
+    if args.scenario == "concurrent":
+        return workload.concurrent(tasks=args.tasks, fixed=pick(args.fixed, 1024), agents=args.agents,
+                                   dynamic=pick(args.dynamic, 256), output=pick(args.output, 256),
+                                   iterations=pick(args.iterations, 1))
+    return workload.peer(clients=pick(args.clients, 64), dynamic=pick(args.dynamic, 128),
+                         output=pick(args.output, 64), iterations=pick(args.iterations, 3))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        policies = parse_policies(args.policies)
+        profile = load_profile(args.profile)
+        scenario = _scenario(args)
+    except (ValueError, SpecError) as exc:
+        print(f"kvflow-ray sim: error: {exc}", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(policies), desc=f"sim {scenario.name}", unit="policy", file=sys.stderr,
+               disable=None)
+
+    def progress(policy: str) -> None:
+        if bar.n or policy != policies[0]:
+            bar.update(1)
+        bar.set_postfix_str(policy)
+
+    out = run_policies(scenario, profile, policies, replicas=args.replicas, horizon=args.horizon,
+                       max_inflight=args.max_inflight, gpu_capacity=args.gpu_kv_tokens, progress=progress)
+    bar.update(1)
+    bar.close()
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(format_table(out))
+    return 0
+
+
+def format_table(out: dict) -> str:
+    results = out["results"]
+    base = results.get("lru") or next(iter(results.values()))
+    lines = [f"scenario {out['scenario']} on {out['profile']} {out['params']}",
+             f"{'policy':<18}{'latency s':>11}{'p99 s':>9}{'vs lru':>8}{'gpu hit':>9}{'cpu hit':>9}"
+             f"{'recomputed':>12}{'loaded':>10}{'stall s':>9}"]
+    for name, r in results.items():
+        speedup = base["latency_s"] / r["latency_s"] if r["latency_s"] else float("nan")
+        lines.append(f"{name:<18}{r['latency_s']:>11.3f}{r['p99_latency_s']:>9.3f}{speedup:>7.2f}x"
+                     f"{r['gpu_hit_ratio']:>9.3f}{r['cpu_hit_ratio']:>9.3f}{r['recomputed_tokens']:>12}"
+                     f"{r['loaded_tokens']:>10}{r['prefetch_stall_s']:>9.3f}")
+    return "\n".join(lines)

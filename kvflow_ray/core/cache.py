@@ -1,0 +1,213 @@
+"""The tiered cache driver: device/host capacity, eviction, write-back and loads over a `RadixTree`.
+
+Engine-agnostic: it decides, the engine moves bytes. Every method that starts a copy returns the
+nodes to copy; the engine calls `finish_load` / `finish_offload` when its copy completes (a simulated
+stream, a CPU thread, or SGLang's HiCache controller).
+
+Device memory = tokens held by tree nodes (READY or LOADING) + `private_tokens` that running
+requests hold for KV not yet in the tree (their uncached prompt part and output).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvflow_ray.core.policies import EvictionPolicy
+from kvflow_ray.core.radix import GpuState, Match, RadixNode, RadixTree
+
+NodeFilter = Callable[[RadixNode], bool]
+
+
+@dataclass
+class EvictionCounters:
+    evicted_gpu_tokens: int = 0  # device copies freed
+    written_back_tokens: int = 0  # device -> host copies started by eviction
+    dropped_tokens: int = 0  # KV that left both tiers (recompute on next use)
+    evicted_cpu_tokens: int = 0  # host copies freed to make room on the host
+
+
+class TieredCache:
+    def __init__(self, gpu_capacity: int, eviction: EvictionPolicy, *, cpu_capacity: int = 0,
+                 host_tier: bool = False, page_size: int = 1) -> None:
+        if gpu_capacity <= 0:
+            raise ValueError(f"device KV capacity must be positive, got {gpu_capacity} tokens")
+        if host_tier and cpu_capacity <= 0:
+            raise ValueError("a host tier needs a positive cpu_capacity")
+        self.tree = RadixTree(page_size)
+        self.gpu_capacity = gpu_capacity
+        self.cpu_capacity = cpu_capacity if host_tier else 0
+        self.host_tier = host_tier
+        self.eviction = eviction
+        self.private_tokens = 0
+        self.pending_free = 0  # device tokens freed once in-flight write-backs complete
+        self.counters = EvictionCounters()
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def used_tokens(self) -> int:
+        return self.tree.gpu_tokens + self.private_tokens
+
+    @property
+    def free_tokens(self) -> int:
+        return self.gpu_capacity - self.used_tokens
+
+    def alloc(self, n: int) -> None:
+        """Take `n` private device tokens; the caller made room first."""
+        if n > self.free_tokens:
+            raise MemoryError(f"alloc({n}) with only {self.free_tokens} free device tokens")
+        self.private_tokens += n
+
+    def release(self, n: int) -> None:
+        assert 0 <= n <= self.private_tokens, (n, self.private_tokens)
+        self.private_tokens -= n
+
+    # ------------------------------------------------------------------ lookup / insert
+    def match(self, tokens: Sequence[int]) -> Match:
+        m = self.tree.match_prefix(tokens)
+        self.tree.touch(m.path)
+        return m
+
+    def commit(self, tokens: Sequence[int], private_tokens: int, gpu_value: object = None) -> list[RadixNode]:
+        """Hand a request's freshly computed KV to the tree: `private_tokens` of its private
+        allocation covered `tokens` past what it matched; KV someone else inserted meanwhile is freed."""
+        path, new = self.tree.insert(tokens, gpu_value)
+        assert new <= private_tokens, (new, private_tokens)
+        self.release(private_tokens)
+        # keep used accounting: the tree now owns `new` tokens that were private
+        return path
+
+    # ------------------------------------------------------------------ eviction
+    def _evictable(self, node: RadixNode) -> bool:
+        """A device leaf, or a node whose device children are all already being evicted (their
+        write-backs in flight): evicting it now keeps the policy's order instead of skipping to a
+        worse leaf while those copies run."""
+        if (node.gpu is not GpuState.READY or node.lock_ref or node.offloading or node.evict_pending
+                or node is self.tree.root):
+            return False
+        return node.n_gpu_children == 0 or all(
+            c.evict_pending or c.gpu is GpuState.NONE for c in node.children.values())
+
+    def evictable_tokens(self, may_evict: NodeFilter | None = None) -> int:
+        """Device tokens that eviction could free, leaf by leaf (an upper bound used for budgets)."""
+        total = 0
+        for node in self.tree.nodes():
+            if (node.gpu is GpuState.READY and node.lock_ref == 0 and not node.in_flight
+                    and not node.evict_pending and (may_evict is None or may_evict(node))):
+                total += len(node.key)
+        return total
+
+    def make_room(self, n: int, may_evict: NodeFilter | None = None) -> tuple[bool, list[RadixNode]]:
+        """Evict until `n` device tokens are free. Returns (free now, write-backs started).
+
+        With a host tier, a node without a host copy is written back first and its device copy freed
+        when the engine reports the copy done; callers wait for that (free now = False) and retry.
+        A node above such a node is evicted in policy order too: it is freed as soon as its last
+        device child is (the device tier stays prefix-closed)."""
+        writebacks: list[RadixNode] = []
+        if self.free_tokens >= n:
+            return True, writebacks
+        pri = self.eviction.priority
+        heap = [(pri(node), node.id, node) for node in self.tree.gpu_leaves
+                if self._evictable(node) and (may_evict is None or may_evict(node))]
+        heapq.heapify(heap)
+        while self.free_tokens + self.pending_free < n and heap:
+            _, _, node = heapq.heappop(heap)
+            if not self._evictable(node):
+                continue
+            parent = node.parent
+            if self.host_tier and not node.cpu and self._make_host_room(len(node.key)):
+                node.offloading = True
+                node.evict_pending = True
+                self.pending_free += len(node.key)
+                self.counters.written_back_tokens += len(node.key)
+                writebacks.append(node)
+            elif node.n_gpu_children:
+                node.evict_pending = True  # freed when its children's write-backs land
+                self.pending_free += len(node.key)
+            else:
+                self._drop_gpu(node)
+            if (parent is not None and self._evictable(parent)
+                    and (may_evict is None or may_evict(parent))):
+                heapq.heappush(heap, (pri(parent), parent.id, parent))
+        return self.free_tokens >= n, writebacks
+
+    def _drop_gpu(self, node: RadixNode) -> None:
+        self.counters.evicted_gpu_tokens += len(node.key)
+        if not node.cpu:
+            self.counters.dropped_tokens += len(node.key)
+        parent = node.parent
+        self.tree.drop_gpu(node)
+        # an ancestor waiting for this child to go is freed now (or kept, if a request locked it)
+        if parent is not None and parent.evict_pending and not parent.offloading and parent.n_gpu_children == 0:
+            self._settle_pending(parent)
+
+    def _settle_pending(self, node: RadixNode) -> None:
+        """Complete (or cancel) a deferred eviction whose blockers are gone."""
+        node.evict_pending = False
+        self.pending_free -= len(node.key)
+        if node.lock_ref == 0 and node.n_gpu_children == 0:
+            self._drop_gpu(node)
+        else:
+            self._cancel_pending_ancestors(node.parent)
+
+    def _cancel_pending_ancestors(self, node: RadixNode | None) -> None:
+        """A kept node blocks its pending ancestors for good: give their space back to the books."""
+        while node is not None and node.evict_pending and not node.offloading:
+            node.evict_pending = False
+            self.pending_free -= len(node.key)
+            node = node.parent
+
+    def _make_host_room(self, n: int) -> bool:
+        if n > self.cpu_capacity:
+            return False
+        if self.cpu_capacity - self.tree.cpu_tokens >= n:
+            return True
+        # Host copies that can go: device-resident ones (the device copy stays) and host-only leaves.
+        candidates = [node for node in self.tree.nodes()
+                      if node.cpu and not node.in_flight and node.lock_ref == 0 and not node.evict_pending
+                      and (node.gpu is GpuState.READY or not node.children)]
+        pri = self.eviction.priority
+        candidates.sort(key=lambda node: (pri(node), node.id))
+        for node in candidates:
+            if self.cpu_capacity - self.tree.cpu_tokens >= n:
+                break
+            if node.cpu and node.lock_ref == 0 and (node.gpu is GpuState.READY or not node.children):
+                self.counters.evicted_cpu_tokens += len(node.key)
+                if node.gpu is GpuState.NONE:
+                    self.counters.dropped_tokens += len(node.key)
+                self.tree.drop_cpu(node)
+        return self.cpu_capacity - self.tree.cpu_tokens >= n
+
+    # ------------------------------------------------------------------ copies
+    def start_load(self, nodes: Sequence[RadixNode]) -> int:
+        """Reserve device space for host-only `nodes` (path order) and mark them LOADING; the caller
+        made room. Returns the tokens to copy."""
+        tokens = sum(len(node.key) for node in nodes)
+        if tokens > self.free_tokens:
+            raise MemoryError(f"load of {tokens} tokens with only {self.free_tokens} free")
+        for node in nodes:
+            self.tree.begin_load(node)
+        return tokens
+
+    def finish_load(self, node: RadixNode, gpu_value: object = None) -> None:
+        self.tree.finish_load(node, gpu_value)
+
+    def finish_offload(self, node: RadixNode, cpu_value: object = None) -> None:
+        assert node.offloading, node
+        node.offloading = False
+        self.tree.set_cpu(node, True, cpu_value)
+        # A request may have matched the node while its copy was in flight: then it stays. A node
+        # whose device children are still being written back stays pending until they are freed.
+        if node.evict_pending and (node.lock_ref or node.n_gpu_children == 0):
+            self._settle_pending(node)
+
+    def backup(self, node: RadixNode) -> bool:
+        """Start a device -> host copy of `node` without evicting it (write-through); False if no room."""
+        if not self.host_tier or node.cpu or node.in_flight or node.gpu is not GpuState.READY:
+            return False
+        if not self._make_host_room(len(node.key)):
+            return False
+        node.offloading = True
+        return True

@@ -1,0 +1,530 @@
+"""Agent Step Graph: workflow spec loading/validation and steps-to-execution (DESIGN.md §3, §6).
+
+A workflow spec names agents and, for each, the agents it runs after (``after``) and how it joins
+them (``join: all`` = barrier, ``join: any`` = branch). A :class:`WorkflowState` is the live state of
+one running instance of a workflow; :meth:`WorkflowState.steps_to_execution` turns it into E values,
+the number of steps until each agent runs next, which the cache policies use as eviction priority.
+
+Pure Python on purpose: the router, every engine and the simulator all import this module, and none
+of them should pay for torch/ray/numpy just to read a workflow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "AGENT_KEYS",
+    "JOINS",
+    "NAME_PATTERN",
+    "TOP_LEVEL_KEYS",
+    "AgentSpec",
+    "SpecError",
+    "UnknownAgentError",
+    "WorkflowSpec",
+    "WorkflowState",
+    "load_spec",
+    "loads_spec",
+    "parse_spec",
+]
+
+# Workflow and agent names end up in Redis keys, Prometheus labels and URLs, so they are restricted
+# to characters that need no escaping in any of those.
+NAME_PATTERN = r"[A-Za-z0-9_.-]{1,64}"
+_NAME_RE = re.compile(NAME_PATTERN)
+
+TOP_LEVEL_KEYS: tuple[str, ...] = ("name", "entry", "agents", "description")
+AGENT_KEYS: tuple[str, ...] = ("prompt", "prompt_file", "after", "join", "description")
+JOINS: tuple[str, ...] = ("all", "any")
+
+
+class SpecError(ValueError):
+    """An invalid workflow spec. ``field`` is the dotted path of the offending value
+    (``"agents.executor.after[0]"``) so a user can find it in the file without guessing."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class UnknownAgentError(KeyError, ValueError):
+    """A live-state operation named an agent that the workflow does not have.
+
+    Subclasses both KeyError (it is a failed lookup) and ValueError (it is bad input from a request),
+    so callers can catch whichever reads naturally at their level.
+    """
+
+    def __init__(self, agent: str, workflow: str, known: Iterable[str] = ()) -> None:
+        known_list = ", ".join(known)
+        message = f"unknown agent {agent!r} in workflow {workflow!r}"
+        if known_list:
+            message += f" (agents: {known_list})"
+        super().__init__(message)
+        self.agent = agent
+        self.workflow = workflow
+        self.message = message
+
+    def __str__(self) -> str:
+        # KeyError.__str__ would repr() the message and wrap it in quotes.
+        return self.message
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """One agent of a workflow. ``after`` lists its predecessors in file order."""
+
+    name: str
+    prompt: str | None = None
+    after: tuple[str, ...] = ()
+    join: str = "all"
+    description: str | None = None
+
+    def __post_init__(self) -> None:
+        # Accept any iterable for convenience in code-built specs; a tuple keeps the object hashable.
+        if not isinstance(self.after, tuple):
+            object.__setattr__(self, "after", tuple(self.after))
+        if self.join not in JOINS:
+            raise SpecError(
+                f"agents.{self.name}.join", f"must be one of {', '.join(JOINS)}, got {self.join!r}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.prompt is not None:
+            out["prompt"] = self.prompt
+        out["after"] = list(self.after)
+        out["join"] = self.join
+        if self.description is not None:
+            out["description"] = self.description
+        return out
+
+
+@dataclass(frozen=True)
+class WorkflowSpec:
+    """A validated workflow. Constructing one directly runs the same structural checks as
+    :func:`parse_spec`, so every ``WorkflowSpec`` in the system is known to be well formed.
+
+    ``agents`` keeps the file's order (outputs list agents in that order); treat it as read-only,
+    because the successor lists below are derived from it once.
+    """
+
+    name: str
+    entry: str | None
+    agents: dict[str, AgentSpec]
+    description: str | None = None
+    # Derived once here because steps_to_execution runs on every agent transition of every live
+    # workflow; recomputing successors there would dominate its cost.
+    _successors: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
+    _start: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_name("name", self.name)
+        if not self.agents:
+            raise SpecError("agents", "must define at least one agent")
+        succ: dict[str, list[str]] = {name: [] for name in self.agents}
+        for key, agent in self.agents.items():
+            _check_name(f"agents.{key}", key)
+            if agent.name != key:
+                raise SpecError(f"agents.{key}", f"AgentSpec.name {agent.name!r} does not match its key")
+            seen: set[str] = set()
+            for i, pred in enumerate(agent.after):
+                where = f"agents.{key}.after[{i}]"
+                if pred not in self.agents:
+                    raise SpecError(where, f"unknown agent {pred!r}")
+                if pred in seen:
+                    raise SpecError(where, f"duplicate predecessor {pred!r}")
+                seen.add(pred)
+                succ[pred].append(key)
+        object.__setattr__(self, "_successors", {k: tuple(v) for k, v in succ.items()})
+
+        if self.entry is not None:
+            if self.entry not in self.agents:
+                raise SpecError("entry", f"unknown agent {self.entry!r}")
+            start: tuple[str, ...] = (self.entry,)
+        else:
+            start = tuple(name for name, agent in self.agents.items() if not agent.after)
+            if not start:
+                raise SpecError(
+                    "entry", "required when every agent has a predecessor (the workflow is a loop)"
+                )
+        object.__setattr__(self, "_start", start)
+
+        # An agent no start agent leads to can never run: almost always a typo in `after`.
+        reached = set(start)
+        frontier = list(start)
+        while frontier:
+            for nxt in self._successors[frontier.pop()]:
+                if nxt not in reached:
+                    reached.add(nxt)
+                    frontier.append(nxt)
+        for name in self.agents:
+            if name not in reached:
+                if self.entry is not None:
+                    origin = f"the entry {self.entry!r}"
+                else:
+                    origin = f"the entry (start agents, those without `after`: {', '.join(start)})"
+                raise SpecError(f"agents.{name}", f"unreachable from {origin}")
+
+    def successors(self, agent: str) -> tuple[str, ...]:
+        """Agents that list ``agent`` in their ``after``, in file order."""
+        try:
+            return self._successors[agent]
+        except KeyError:
+            raise UnknownAgentError(agent, self.name, self.agents) from None
+
+    def start_agents(self) -> tuple[str, ...]:
+        """Where a new instance begins: the entry if given, else every agent without predecessors."""
+        return self._start
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data that :func:`parse_spec` turns back into an equal spec (prompt files are inlined)."""
+        out: dict[str, Any] = {"name": self.name}
+        if self.entry is not None:
+            out["entry"] = self.entry
+        if self.description is not None:
+            out["description"] = self.description
+        out["agents"] = {name: agent.to_dict() for name, agent in self.agents.items()}
+        return out
+
+
+class WorkflowState:
+    """Live state of ONE workflow instance: which agents run now, and which predecessors have
+    already arrived at each barrier.
+
+    ``arrived[v]`` holds the predecessors of ``v`` that finished since ``v`` last started. It is what
+    makes a barrier remember partial progress: in A → {B, C} → D, once B finished only C still holds
+    D back, so D is one step away while C runs instead of looking unreachable.
+    """
+
+    __slots__ = ("arrived", "running", "spec")
+
+    def __init__(self, spec: WorkflowSpec, running: Iterable[str] | None = None) -> None:
+        self.spec = spec
+        if running is None:
+            self.running: set[str] = set(spec.start_agents())
+        else:
+            self.running = set(running)
+            for agent in self.running:
+                self._check(agent)
+        # Only agents with at least one arrival have an entry, which keeps copies cheap.
+        self.arrived: dict[str, set[str]] = {}
+
+    def _check(self, agent: str) -> None:
+        if agent not in self.spec.agents:
+            raise UnknownAgentError(agent, self.spec.name, self.spec.agents)
+
+    def start(self, agent: str) -> None:
+        """``agent`` begins executing; the arrivals it was waiting for are consumed."""
+        self._check(agent)
+        self.running.add(agent)
+        self.arrived.pop(agent, None)
+
+    def finish(self, agent: str) -> None:
+        """``agent`` completed. Also accepted for an agent not marked running, because a router that
+        missed a start event should still record the completion rather than fail the request."""
+        self._check(agent)
+        self.running.discard(agent)
+        arrived = self.arrived
+        for succ in self.spec._successors[agent]:
+            got = arrived.get(succ)
+            if got is None:
+                arrived[succ] = {agent}
+            else:
+                got.add(agent)
+
+    def ready(self, agent: str) -> bool:
+        """Whether ``agent`` may start now: every predecessor arrived (``join: all``) or any one did
+        (``join: any``). A workflow driver asks this after each ``finish`` for the successors."""
+        self._check(agent)
+        spec = self.spec.agents[agent]
+        got = self.arrived.get(agent)
+        if not got:
+            return False
+        return spec.join == "any" or all(u in got for u in spec.after)
+
+    def steps_to_execution(self) -> dict[str, float]:
+        """E value of every agent, in spec order: 0 when running, ``math.inf`` when it cannot run
+        again, otherwise f(E of pending predecessors) + 1 with f = max (``join: all``) or min
+        (``join: any``). Finite values are ints.
+
+        Loops make this a fixed-point problem. We take the greatest fixed point by starting every
+        non-running agent at ∞ and only ever lowering values (a worklist form of Bellman-Ford): an
+        agent whose only way to run is through itself stays at ∞ instead of getting a made-up value.
+        Termination: a value only drops when a predecessor's value dropped, and tracing any finite
+        value back through the evaluations that produced it visits distinct agents (a later value of
+        an agent is never larger than an earlier one), so finite values are <= len(agents) and each
+        agent is lowered at most len(agents) + 1 times. Typical DAGs settle in one pass.
+        """
+        spec = self.spec
+        agents = spec.agents
+        successors = spec._successors
+        running = self.running
+        arrived = self.arrived
+        inf = math.inf
+
+        e: dict[str, float] = {}
+        work: deque[str] = deque()
+        for name in agents:
+            if name in running:
+                e[name] = 0
+            else:
+                e[name] = inf
+                work.append(name)
+        queued = set(work)
+
+        while work:
+            name = work.popleft()
+            queued.discard(name)
+            agent = agents[name]
+            after = agent.after
+            if not after:
+                continue  # a start agent that is not running cannot be reached again: stays ∞
+            got = arrived.get(name)
+            if agent.join == "all":
+                if got:
+                    pending = [e[u] for u in after if u not in got]
+                    value = max(pending) + 1 if pending else 1
+                else:
+                    value = max(e[u] for u in after) + 1
+            elif got:
+                # join any: one arrival is enough, the branch is ready (an arrived predecessor
+                # counts as E = 0 in the min, consistent with how join all treats arrivals).
+                value = 1
+            else:
+                value = min(e[u] for u in after) + 1
+            if value < e[name]:
+                e[name] = value
+                for nxt in successors[name]:
+                    if nxt not in running and nxt not in queued:
+                        queued.add(nxt)
+                        work.append(nxt)
+        return e
+
+    def copy(self) -> WorkflowState:
+        """Independent state sharing the (immutable) spec; only the small sets are copied."""
+        new = WorkflowState.__new__(WorkflowState)
+        new.spec = self.spec
+        new.running = set(self.running)
+        new.arrived = {k: set(v) for k, v in self.arrived.items()}
+        return new
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly snapshot (for Redis), in spec order so it is stable across processes."""
+        order = self.spec.agents
+        return {
+            "running": [a for a in order if a in self.running],
+            "arrived": {v: [u for u in order[v].after if u in got] for v, got in self.arrived.items() if got},
+        }
+
+    @classmethod
+    def from_dict(cls, spec: WorkflowSpec, data: Mapping[str, Any]) -> WorkflowState:
+        """Inverse of :meth:`to_dict`; unknown agents raise :class:`UnknownAgentError`."""
+        state = cls(spec, running=data.get("running", ()))
+        for v, preds in (data.get("arrived") or {}).items():
+            state._check(v)
+            for u in preds:
+                state._check(u)
+            if preds:
+                state.arrived[v] = set(preds)
+        return state
+
+    def __repr__(self) -> str:
+        return f"WorkflowState({self.spec.name!r}, running={sorted(self.running)}, arrived={self.arrived})"
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsing
+
+
+def _type_name(value: object) -> str:
+    # Users write YAML, so describe values in YAML's vocabulary rather than Python's.
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list | tuple):
+        return "a list"
+    return type(value).__name__
+
+
+def _check_name(field_path: str, value: object) -> None:
+    if not isinstance(value, str):
+        hint = " (quote it: YAML reads yes/no/on/off and numbers as non-strings)" if value is not None else ""
+        raise SpecError(field_path, f"name must be a string, got {_type_name(value)}{hint}")
+    if not _NAME_RE.fullmatch(value):
+        raise SpecError(field_path, f"invalid name {value!r}: must match {NAME_PATTERN}")
+
+
+def _optional_str(data: Mapping[Any, Any], key: str, field_path: str) -> str | None:
+    value = data.get(key)
+    if value is not None and not isinstance(value, str):
+        raise SpecError(field_path, f"must be a string, got {_type_name(value)}")
+    return value
+
+
+def _check_keys(data: Mapping[Any, Any], allowed: tuple[str, ...], prefix: str) -> None:
+    for key in data:
+        if key not in allowed:
+            raise SpecError(f"{prefix}{key}", f"unknown key {key!r} (allowed: {', '.join(allowed)})")
+
+
+def _parse_agent(name: str, raw: object, base_dir: Path | None) -> AgentSpec:
+    where = f"agents.{name}"
+    if raw is None:
+        raw = {}  # `planner:` with nothing under it is an agent with all defaults
+    if not isinstance(raw, Mapping):
+        raise SpecError(where, f"must be a mapping, got {_type_name(raw)}")
+    _check_keys(raw, AGENT_KEYS, f"{where}.")
+
+    prompt = _optional_str(raw, "prompt", f"{where}.prompt")
+    prompt_file = _optional_str(raw, "prompt_file", f"{where}.prompt_file")
+    if prompt is not None and prompt_file is not None:
+        raise SpecError(f"{where}.prompt_file", "cannot be combined with prompt (give one of them)")
+    if prompt_file is not None:
+        path = Path(prompt_file)
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        try:
+            prompt = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise SpecError(f"{where}.prompt_file", f"cannot read {str(path)!r}: {reason}") from exc
+
+    after_raw = raw.get("after")
+    if after_raw is None:
+        after: tuple[str, ...] = ()
+    elif isinstance(after_raw, list):
+        for i, pred in enumerate(after_raw):
+            if not isinstance(pred, str):
+                raise SpecError(
+                    f"{where}.after[{i}]", f"must be an agent name (string), got {_type_name(pred)}"
+                )
+        after = tuple(after_raw)
+    else:
+        raise SpecError(f"{where}.after", f"must be a list of agent names, got {_type_name(after_raw)}")
+
+    join = raw.get("join", "all")
+    if not isinstance(join, str) or join not in JOINS:
+        shown = repr(join) if isinstance(join, str) else _type_name(join)
+        raise SpecError(f"{where}.join", f"must be one of {', '.join(JOINS)}, got {shown}")
+
+    description = _optional_str(raw, "description", f"{where}.description")
+    return AgentSpec(name=name, prompt=prompt, after=after, join=join, description=description)
+
+
+def parse_spec(data: object, base_dir: Path | None = None) -> WorkflowSpec:
+    """Validate plain data (as loaded from YAML or JSON) into a :class:`WorkflowSpec`.
+
+    ``base_dir`` is where ``prompt_file`` paths are resolved (the spec file's folder); without it they
+    are resolved against the current directory. Raises :class:`SpecError` naming the bad field.
+    """
+    if not isinstance(data, Mapping):
+        got = "an empty document" if data is None else _type_name(data)
+        raise SpecError("spec", f"must be a mapping with name and agents, got {got}")
+    _check_keys(data, TOP_LEVEL_KEYS, "")
+
+    if "name" not in data:
+        raise SpecError("name", "required")
+    name = data["name"]
+    _check_name("name", name)
+
+    entry = data.get("entry")
+    if entry is not None and not isinstance(entry, str):
+        raise SpecError("entry", f"must be an agent name (string), got {_type_name(entry)}")
+    description = _optional_str(data, "description", "description")
+
+    if "agents" not in data:
+        raise SpecError("agents", "required")
+    agents_raw = data["agents"]
+    if not isinstance(agents_raw, Mapping):
+        raise SpecError(
+            "agents", f"must be a mapping of agent name to settings, got {_type_name(agents_raw)}"
+        )
+    if not agents_raw:
+        raise SpecError("agents", "must define at least one agent")
+
+    agents: dict[str, AgentSpec] = {}
+    for agent_name, raw in agents_raw.items():
+        _check_name(f"agents.{agent_name}", agent_name)
+        agents[agent_name] = _parse_agent(agent_name, raw, base_dir)
+    return WorkflowSpec(name=name, entry=entry, agents=agents, description=description)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate mapping keys: PyYAML silently keeps the last one, which
+    would quietly drop an agent defined twice."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            duplicate = key in seen
+        except TypeError:  # unhashable key: let the default constructor report it
+            break
+        if duplicate:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _parse_text(text: str, as_json: bool) -> object:
+    if as_json:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SpecError("file", f"invalid JSON: {exc}") from exc
+    try:
+        # _StrictLoader derives from SafeLoader, so this builds plain data only.
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        raise SpecError("file", f"invalid YAML: {exc}") from exc
+
+
+def loads_spec(text: str, base_dir: Path | None = None) -> WorkflowSpec:
+    """Parse a spec from YAML or JSON text (JSON objects are tried as JSON first, since a few valid
+    JSON documents are not valid YAML 1.1)."""
+    stripped = text.lstrip()
+    data: object
+    if stripped.startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = _parse_text(text, as_json=False)  # flow-style YAML mapping
+    else:
+        data = _parse_text(text, as_json=False)
+    return parse_spec(data, base_dir=base_dir)
+
+
+def load_spec(path: str | Path) -> WorkflowSpec:
+    """Load a spec file (.yaml, .yml or .json); ``prompt_file`` paths are relative to its folder."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise SpecError("file", f"cannot read {str(path)!r}: {reason}") from exc
+    base_dir = path.parent
+    if path.suffix.lower() == ".json":
+        return parse_spec(_parse_text(text, as_json=True), base_dir=base_dir)
+    return loads_spec(text, base_dir=base_dir)

@@ -1,0 +1,174 @@
+"""Eviction strategies: one small class per policy, one method (in the style of SGLang's
+`evict_policy.py`). The driver (`cache.TieredCache`) pops the node with the smallest `priority` first
+and knows nothing else about the policy.
+
+The workflow-aware policies rank a node by a *distance*: how soon any user of the node needs it.
+A node tagged by several agents (a shared preamble, or the same template in several workflow
+instances) takes the minimum; an untagged node (a dynamic suffix, or a retired workflow's prompt)
+is at distance +inf and goes first. Ties break by LRU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
+
+from kvflow_ray.core.radix import RadixNode, Tag
+
+INF = math.inf
+
+
+class StepBook:
+    """What the workflow layer knows: steps-to-execution of every live agent and its fixed prompt.
+
+    Written by whoever tracks workflow state (the router, or a simulator's client), read by the
+    eviction and prefetch policies of every replica. `version` changes on every update so nodes can
+    cache their distance between updates."""
+
+    def __init__(self, near_horizon: int = 2) -> None:
+        self.version = 0
+        self._steps: dict[str, dict[str, float]] = {}
+        self._prompts: dict[Tag, tuple[int, ...]] = {}
+        self.near_horizon = near_horizon
+        # agents with E <= near_horizon, so prefetch planning never scans every live workflow
+        self.near: dict[Tag, float] = {}
+
+    def set_steps(self, workflow: str, steps: Mapping[str, float]) -> None:
+        old = self._steps.get(workflow, {})
+        for agent, e in old.items():
+            if e <= self.near_horizon:
+                self.near.pop((workflow, agent), None)
+        self._steps[workflow] = dict(steps)
+        for agent, e in steps.items():
+            if e <= self.near_horizon:
+                self.near[(workflow, agent)] = e
+        self.version += 1
+
+    def retire(self, workflow: str) -> None:
+        for agent, e in self._steps.pop(workflow, {}).items():
+            if e <= self.near_horizon:
+                self.near.pop((workflow, agent), None)
+        for tag in [t for t in self._prompts if t[0] == workflow]:
+            del self._prompts[tag]
+        self.version += 1
+
+    def steps(self, tag: Tag) -> float:
+        agents = self._steps.get(tag[0])
+        if agents is None:
+            return INF
+        return agents.get(tag[1], INF)
+
+    def live(self, workflow: str) -> bool:
+        return workflow in self._steps
+
+    def register_prompt(self, tag: Tag, tokens: Sequence[int]) -> None:
+        self._prompts[tag] = tuple(tokens)
+
+    def prompt(self, tag: Tag) -> tuple[int, ...] | None:
+        return self._prompts.get(tag)
+
+
+class EvictionPolicy(Protocol):
+    name: str
+
+    def priority(self, node: RadixNode) -> tuple[float, ...]:
+        """Sort key: the node with the smallest key is evicted first."""
+        ...
+
+
+class LRUPolicy:
+    name = "lru"
+
+    def priority(self, node: RadixNode) -> tuple[float, ...]:
+        return (node.last_access,)
+
+
+class _DistancePolicy:
+    """Evict the node whose nearest user is farthest away; ties by LRU."""
+
+    name = "distance"
+
+    def distance(self, tag: Tag) -> float:
+        raise NotImplementedError
+
+    def version(self) -> int:
+        raise NotImplementedError
+
+    def node_distance(self, node: RadixNode) -> float:
+        v = self.version()
+        cached_v, cached = node.prio_cache
+        if cached_v == v:
+            return cached
+        d = min((self.distance(t) for t in node.tags), default=INF)
+        node.prio_cache = (v, d)
+        return d
+
+    def priority(self, node: RadixNode) -> tuple[float, ...]:
+        return (-self.node_distance(node), node.last_access)
+
+
+class KVFlowPolicy(_DistancePolicy):
+    """KVFlow: distance = steps-to-execution from the Agent Step Graph."""
+
+    name = "kvflow"
+
+    def __init__(self, book: StepBook) -> None:
+        self.book = book
+
+    def distance(self, tag: Tag) -> float:
+        return self.book.steps(tag)
+
+    def version(self) -> int:
+        return self.book.version
+
+
+class FutureAccesses:
+    """A known future sequence of agent invocations (an offline trace), for the Belady bound."""
+
+    def __init__(self, sequence: Iterable[Tag]) -> None:
+        self._positions: dict[Tag, list[int]] = {}
+        for i, tag in enumerate(sequence):
+            self._positions.setdefault(tag, []).append(i)
+        self.position = 0  # index of the next invocation to arrive
+
+    def advance(self, to: int | None = None) -> None:
+        self.position = self.position + 1 if to is None else to
+
+    def next_use(self, tag: Tag) -> float:
+        positions = self._positions.get(tag)
+        if not positions:
+            return INF
+        i = bisect.bisect_left(positions, self.position)
+        return INF if i == len(positions) else positions[i] - self.position
+
+
+class BeladyPolicy(_DistancePolicy):
+    """Offline optimum (MIN): evict the node whose next use in the known future is farthest."""
+
+    name = "belady"
+
+    def __init__(self, future: FutureAccesses) -> None:
+        self.future = future
+
+    def distance(self, tag: Tag) -> float:
+        return self.future.next_use(tag)
+
+    def version(self) -> int:
+        return self.future.position
+
+
+def make_eviction_policy(name: str, book: StepBook | None = None,
+                         future: FutureAccesses | None = None) -> EvictionPolicy:
+    if name == "lru":
+        return LRUPolicy()
+    if name == "kvflow":
+        if book is None:
+            raise ValueError("the kvflow eviction policy needs a StepBook")
+        return KVFlowPolicy(book)
+    if name == "belady":
+        if future is None:
+            raise ValueError("the belady eviction policy needs the future access sequence")
+        return BeladyPolicy(future)
+    raise ValueError(f"unknown eviction policy {name!r} (known: lru, kvflow, belady)")

@@ -1,0 +1,398 @@
+"""Paged radix tree over token ids with per-node tier state.
+
+The tree only knows *where* each cached prefix lives (device tier, host tier, a copy in flight) and
+*who* uses it (agent tags); it never decides what to evict or load — that is `cache.TieredCache`
+driving a policy from `policies.py`. Engines attach their own payload (page indices, tensors) to
+`gpu_value` / `cpu_value`; the tree slices it on node splits, so any sliceable payload works.
+
+Invariants (checked by `check_invariants`, exercised by property tests):
+- every key length is a multiple of `page_size`; children are keyed by their first page;
+- a node is in the tree only while it holds KV somewhere (device, host or a load in flight);
+- device residency is prefix-closed: a node that is on (or loading to) the device has a parent that is;
+- `gpu_tokens` / `cpu_tokens` equal the sums over nodes; a locked node's ancestors are locked.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+Tag = tuple[str, str]
+"""(workflow key, agent): the node is part of that agent's fixed prompt in that workflow instance."""
+
+
+class GpuState(enum.Enum):
+    NONE = 0  # no device copy
+    LOADING = 1  # host -> device copy in flight; device space is already reserved
+    READY = 2  # usable on the device
+
+
+class Tier(enum.Enum):
+    """The tier a node shows to metrics and tests (DESIGN.md §3)."""
+
+    GPU = "GPU"
+    CPU = "CPU"
+    LOADING = "LOADING"
+    OFFLOADING = "OFFLOADING"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class RadixNode:
+    key: tuple[int, ...]
+    parent: RadixNode | None
+    children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
+    gpu: GpuState = GpuState.NONE
+    cpu: bool = False  # holds a host-tier copy
+    offloading: bool = False  # device -> host copy in flight
+    evict_pending: bool = False  # device copy is freed once the offload completes (write-back eviction)
+    lock_ref: int = 0
+    last_access: int = 0
+    tags: set[Tag] = field(default_factory=set)
+    gpu_value: object = None
+    cpu_value: object = None
+    # children whose gpu state is not NONE; a READY node with none of them is a device leaf
+    n_gpu_children: int = 0
+    id: int = field(default_factory=lambda: next(_ids))
+    # cached min-distance for the eviction policy: (policy version, value)
+    prio_cache: tuple[int, float] = (-1, 0.0)
+
+    @property
+    def tier(self) -> Tier:
+        if self.gpu is GpuState.LOADING:
+            return Tier.LOADING
+        if self.offloading:
+            return Tier.OFFLOADING
+        return Tier.GPU if self.gpu is GpuState.READY else Tier.CPU
+
+    @property
+    def in_flight(self) -> bool:
+        return self.gpu is GpuState.LOADING or self.offloading
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def __repr__(self) -> str:
+        return (f"RadixNode(id={self.id}, len={len(self.key)}, tier={self.tier.value}, cpu={self.cpu}, "
+                f"lock={self.lock_ref}, tags={sorted(self.tags)})")
+
+
+@dataclass
+class Match:
+    """Result of a prefix lookup: the node path from the root (root excluded) and its token length."""
+
+    path: list[RadixNode]
+    length: int
+
+    @property
+    def last(self) -> RadixNode | None:
+        return self.path[-1] if self.path else None
+
+    def gpu_length(self) -> int:
+        """Tokens usable on the device right now (leading READY nodes)."""
+        n = 0
+        for node in self.path:
+            if node.gpu is not GpuState.READY:
+                break
+            n += len(node.key)
+        return n
+
+    def split_by_tier(self) -> tuple[int, list[RadixNode], list[RadixNode]]:
+        """(ready device tokens, nodes loading now, host-only nodes) along the path, in path order.
+
+        Device residency is prefix-closed, so the path is READY*, then LOADING/host-only nodes."""
+        ready = 0
+        loading: list[RadixNode] = []
+        host: list[RadixNode] = []
+        for node in self.path:
+            if node.gpu is GpuState.READY and not loading:
+                ready += len(node.key)
+            elif node.gpu is GpuState.LOADING:
+                loading.append(node)
+            elif node.gpu is GpuState.NONE:
+                host.append(node)
+        return ready, loading, host
+
+
+def _common_length(key: tuple[int, ...], tokens: tuple[int, ...], start: int, page: int) -> int:
+    """Length of the common prefix of `key` and tokens[start:], rounded down to whole pages."""
+    n = len(key)
+    if tokens[start:start + n] == key:
+        return n
+    limit = min(n, len(tokens) - start)
+    i = 0
+    while i < limit and key[i] == tokens[start + i]:
+        i += 1
+    return i - i % page
+
+
+class RadixTree:
+    """Paged radix tree; token accounting per tier; tag index per workflow for cheap retirement."""
+
+    def __init__(self, page_size: int = 1) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.root = RadixNode(key=(), parent=None, gpu=GpuState.READY, lock_ref=1)
+        self.gpu_tokens = 0  # device tokens held by nodes (READY or LOADING)
+        self.cpu_tokens = 0  # host tokens held by nodes
+        self.clock = 0  # logical time for LRU
+        self.gpu_leaves: set[RadixNode] = set()  # READY nodes without device children
+        self._by_workflow: dict[str, set[RadixNode]] = {}
+
+    # ------------------------------------------------------------------ lookup
+    def page_aligned(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        n = len(tokens) - len(tokens) % self.page_size
+        return tuple(tokens[:n])
+
+    def match_prefix(self, tokens: Sequence[int], split: bool = True) -> Match:
+        """Longest cached prefix of `tokens` (whole pages). With `split`, a partially matched node is
+        split so the match ends on a node boundary; nodes with a copy in flight are never split (their
+        copy callbacks hold the node), so a match stops before them instead."""
+        key = self.page_aligned(tokens)
+        page = self.page_size
+        node = self.root
+        path: list[RadixNode] = []
+        i = 0
+        while i < len(key):
+            child = node.children.get(key[i:i + page])
+            if child is None:
+                break
+            n = _common_length(child.key, key, i, page)
+            if n < len(child.key):
+                if split and n > 0 and not child.in_flight:
+                    path.append(self.split(child, n))
+                    i += n
+                break
+            path.append(child)
+            i += n
+            node = child
+        return Match(path, i)
+
+    def touch(self, path: Iterable[RadixNode]) -> None:
+        self.clock += 1
+        for node in path:
+            node.last_access = self.clock
+
+    # ------------------------------------------------------------------ structure
+    def split(self, node: RadixNode, at: int) -> RadixNode:
+        """Split `node` after `at` tokens; returns the new upper node. Tags, locks, tiers and payloads
+        carry over: the upper part is a prefix of the same KV, used by the same agents."""
+        assert 0 < at < len(node.key) and at % self.page_size == 0, (at, len(node.key))
+        assert not node.in_flight, "never split a node with a copy in flight"
+        parent = node.parent
+        assert parent is not None
+        upper = RadixNode(
+            key=node.key[:at], parent=parent, gpu=node.gpu, cpu=node.cpu, lock_ref=node.lock_ref,
+            last_access=node.last_access, tags=set(node.tags),
+            gpu_value=_head(node.gpu_value, at), cpu_value=_head(node.cpu_value, at),
+        )
+        parent.children[upper.key[:self.page_size]] = upper
+        node.key = node.key[at:]
+        node.gpu_value = _tail(node.gpu_value, at)
+        node.cpu_value = _tail(node.cpu_value, at)
+        node.parent = upper
+        upper.children[node.key[:self.page_size]] = node
+        upper.n_gpu_children = 1 if node.gpu is not GpuState.NONE else 0
+        for wf, _agent in upper.tags:
+            self._by_workflow.setdefault(wf, set()).add(upper)
+        return upper
+
+    def insert(self, tokens: Sequence[int], gpu_value: object = None) -> tuple[list[RadixNode], int]:
+        """Insert freshly computed KV for `tokens` (whole pages) on the device.
+
+        Returns (path, newly device-resident tokens). Nodes that existed host-only become device-resident
+        again (the engine recomputed them), so the count covers both new nodes and revived ones;
+        `gpu_value` (if any) is the payload for the whole sequence and is sliced per node."""
+        key = self.page_aligned(tokens)
+        match = self.match_prefix(key)
+        new_tokens = 0
+        offset = 0
+        for node in match.path:
+            if node.gpu is GpuState.NONE:
+                node.gpu_value = _slice(gpu_value, offset, offset + len(node.key))
+                self._set_gpu(node, GpuState.READY)
+                new_tokens += len(node.key)
+            offset += len(node.key)
+        path = match.path
+        parent = path[-1] if path else self.root
+        # A match that stopped at a partially matching node with a copy in flight (never split) leaves
+        # the rest uncached: a sibling with the same first page cannot be added.
+        if match.length < len(key) and key[match.length:match.length + self.page_size] not in parent.children:
+            child = RadixNode(key=key[match.length:], parent=parent,
+                              gpu_value=_slice(gpu_value, match.length, len(key)))
+            parent.children[child.key[:self.page_size]] = child
+            self._set_gpu(child, GpuState.READY)
+            new_tokens += len(child.key)
+            path = [*path, child]
+        self.touch(path)
+        return path, new_tokens
+
+    def remove(self, node: RadixNode) -> None:
+        """Drop a node that holds no KV anywhere (and has no children)."""
+        assert node.gpu is GpuState.NONE and not node.cpu and not node.children, node
+        assert node.parent is not None
+        del node.parent.children[node.key[:self.page_size]]
+        for wf, _agent in node.tags:
+            nodes = self._by_workflow.get(wf)
+            if nodes is not None:
+                nodes.discard(node)
+        node.parent = None
+
+    # ------------------------------------------------------------------ tiers
+    def _set_gpu(self, node: RadixNode, state: GpuState) -> None:
+        """Every device-state change goes through here so accounting and the leaf set never drift."""
+        old = node.gpu
+        if old is state:
+            return
+        parent = node.parent
+        assert parent is not None
+        if old is GpuState.NONE:
+            self.gpu_tokens += len(node.key)
+            parent.n_gpu_children += 1
+            self.gpu_leaves.discard(parent)
+        elif state is GpuState.NONE:
+            self.gpu_tokens -= len(node.key)
+            parent.n_gpu_children -= 1
+            if parent.n_gpu_children == 0 and parent.gpu is GpuState.READY and parent is not self.root:
+                self.gpu_leaves.add(parent)
+        node.gpu = state
+        if state is GpuState.READY and node.n_gpu_children == 0:
+            self.gpu_leaves.add(node)
+        else:
+            self.gpu_leaves.discard(node)
+
+    def set_cpu(self, node: RadixNode, present: bool, value: object = None) -> None:
+        if node.cpu != present:
+            self.cpu_tokens += len(node.key) if present else -len(node.key)
+        node.cpu = present
+        node.cpu_value = value if present else None
+
+    def begin_load(self, node: RadixNode) -> None:
+        assert node.gpu is GpuState.NONE and node.cpu and not node.offloading, node
+        assert node.parent is self.root or node.parent.gpu is not GpuState.NONE, "load parents first"
+        self._set_gpu(node, GpuState.LOADING)
+
+    def finish_load(self, node: RadixNode, gpu_value: object = None) -> None:
+        assert node.gpu is GpuState.LOADING, node
+        node.gpu_value = gpu_value
+        self._set_gpu(node, GpuState.READY)
+
+    def drop_gpu(self, node: RadixNode) -> None:
+        """Free the device copy; the node leaves the tree when no host copy remains."""
+        assert node.gpu is GpuState.READY and node.n_gpu_children == 0 and node.lock_ref == 0, node
+        node.gpu_value = None
+        self._set_gpu(node, GpuState.NONE)
+        if not node.cpu:
+            self._prune(node)
+
+    def drop_cpu(self, node: RadixNode) -> None:
+        assert node.cpu and not node.in_flight and node.lock_ref == 0, node
+        self.set_cpu(node, False)
+        if node.gpu is GpuState.NONE:
+            self._prune(node)
+
+    def _prune(self, node: RadixNode) -> None:
+        """Remove `node` and any ancestors left holding nothing (host-only ancestors stay)."""
+        while (node is not self.root and node.gpu is GpuState.NONE and not node.cpu
+               and not node.children):
+            parent = node.parent
+            self.remove(node)
+            assert parent is not None
+            node = parent
+
+    # ------------------------------------------------------------------ locks
+    def lock(self, node: RadixNode | None) -> None:
+        while node is not None and node is not self.root:
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode | None) -> None:
+        while node is not None and node is not self.root:
+            assert node.lock_ref > 0, node
+            node.lock_ref -= 1
+            node = node.parent
+
+    # ------------------------------------------------------------------ tags
+    def tag_prefix(self, tokens: Sequence[int], tag: Tag, split: bool = True) -> list[RadixNode]:
+        """Tag the cached nodes that lie entirely within `tokens` (an agent's fixed prompt).
+
+        A node straddling the fixed-prompt boundary is split so the dynamic remainder stays untagged."""
+        match = self.match_prefix(tokens, split=split)
+        wf_nodes = self._by_workflow.setdefault(tag[0], set())
+        for node in match.path:
+            if tag not in node.tags:
+                node.tags.add(tag)
+                node.prio_cache = (-1, 0.0)  # its distance may change: recompute on next use
+                wf_nodes.add(node)
+        return match.path
+
+    def untag_workflow(self, workflow: str) -> int:
+        """Drop every tag of a retired workflow instance; returns the number of nodes touched."""
+        nodes = self._by_workflow.pop(workflow, set())
+        for node in nodes:
+            node.tags = {t for t in node.tags if t[0] != workflow}
+            node.prio_cache = (-1, 0.0)
+        return len(nodes)
+
+    def workflow_nodes(self, workflow: str) -> set[RadixNode]:
+        return self._by_workflow.get(workflow, set())
+
+    # ------------------------------------------------------------------ inspection
+    def nodes(self) -> Iterator[RadixNode]:
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def token_sequences(self, tier: Tier | None = None) -> list[tuple[int, ...]]:
+        """Every root-to-node token sequence whose last node is in `tier` (all nodes if None)."""
+        out: list[tuple[int, ...]] = []
+        stack: list[tuple[RadixNode, tuple[int, ...]]] = [(c, c.key) for c in self.root.children.values()]
+        while stack:
+            node, seq = stack.pop()
+            if tier is None or node.tier is tier:
+                out.append(seq)
+            stack.extend((c, seq + c.key) for c in node.children.values())
+        return out
+
+    def check_invariants(self) -> None:
+        gpu = cpu = 0
+        leaves: set[RadixNode] = set()
+        for node in self.nodes():
+            assert node.parent is not None and node.parent.children[node.key[:self.page_size]] is node
+            assert len(node.key) > 0 and len(node.key) % self.page_size == 0, node
+            assert node.gpu is not GpuState.NONE or node.cpu, f"node holds no KV: {node}"
+            if node.gpu is not GpuState.NONE:
+                gpu += len(node.key)
+                assert node.parent is self.root or node.parent.gpu is not GpuState.NONE, "device not prefix-closed"
+            cpu += len(node.key) if node.cpu else 0
+            n_dev = sum(1 for c in node.children.values() if c.gpu is not GpuState.NONE)
+            assert node.n_gpu_children == n_dev, node
+            if node.gpu is GpuState.READY and n_dev == 0:
+                leaves.add(node)
+            if node.lock_ref > 0 and node.parent is not self.root:
+                assert node.parent.lock_ref >= node.lock_ref, node
+            assert not (node.offloading and node.gpu is not GpuState.READY), node
+            for wf, _agent in node.tags:
+                assert node in self._by_workflow.get(wf, ()), node
+        assert gpu == self.gpu_tokens, (gpu, self.gpu_tokens)
+        assert cpu == self.cpu_tokens, (cpu, self.cpu_tokens)
+        assert leaves == self.gpu_leaves, (leaves ^ self.gpu_leaves)
+
+
+def _slice(value: object, start: int, stop: int) -> object:
+    return None if value is None else value[start:stop]  # type: ignore[index]
+
+
+def _head(value: object, at: int) -> object:
+    return None if value is None else value[:at]  # type: ignore[index]
+
+
+def _tail(value: object, at: int) -> object:
+    return None if value is None else value[at:]  # type: ignore[index]

@@ -1,0 +1,102 @@
+"""GPU cost profiles for the simulator: data files in `profiles/`, each number with its derivation.
+
+The cost model is a roofline per forward step: a step takes the longer of its compute time (FLOPs
+at an achieved fraction of peak) and its memory time (weights + KV read at an achieved fraction of
+HBM bandwidth), plus a fixed per-step overhead. Copies between tiers take bytes / link bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import yaml
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    gpu_memory_bytes: float
+    mem_fraction_static: float
+    weight_bytes: float
+    peak_flops: float
+    hbm_bytes_per_s: float
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    params: float
+    n_layers: int
+    hidden_size: int
+    n_kv_heads: int
+    head_dim: int
+    kv_bytes_per_token: float
+    prefill_mfu: float
+    decode_mbu: float
+    iteration_overhead_s: float
+    chunked_prefill_tokens: int
+    max_running_requests: int
+    host_kv_tokens: int
+
+    @property
+    def gpu_kv_tokens(self) -> int:
+        """Device KV pool: what SGLang's static memory fraction leaves after the weights."""
+        return int((self.gpu_memory_bytes * self.mem_fraction_static - self.weight_bytes) // self.kv_bytes_per_token)
+
+    # ------------------------------------------------------------------ costs
+    def attention_flops(self, new_tokens: int, context_before: int) -> float:
+        """QK^T and AV for `new_tokens` queries over a causal context that starts at `context_before`:
+        2 matmuls x 2 FLOPs/MAC x hidden per (query, key) pair, summed over layers."""
+        pairs = new_tokens * context_before + new_tokens * (new_tokens + 1) / 2
+        return 4.0 * self.n_layers * self.hidden_size * pairs
+
+    def step_time(self, prefill: list[tuple[int, int]], decode_contexts: list[int]) -> float:
+        """One forward step: `prefill` is (new tokens, tokens already in context) per request chunk;
+        `decode_contexts` the context length of each decoding request (one new token each)."""
+        if not prefill and not decode_contexts:
+            return 0.0
+        tokens = sum(n for n, _ in prefill) + len(decode_contexts)
+        flops = 2.0 * self.params * tokens
+        flops += sum(self.attention_flops(n, ctx) for n, ctx in prefill)
+        flops += sum(self.attention_flops(1, ctx) for ctx in decode_contexts)
+        kv_read = sum(decode_contexts) + sum(ctx for _, ctx in prefill)
+        bytes_moved = self.weight_bytes + kv_read * self.kv_bytes_per_token
+        compute = flops / (self.peak_flops * self.prefill_mfu)
+        memory = bytes_moved / (self.hbm_bytes_per_s * self.decode_mbu)
+        return max(compute, memory) + self.iteration_overhead_s
+
+    def h2d_time(self, tokens: int) -> float:
+        return tokens * self.kv_bytes_per_token / self.h2d_bytes_per_s
+
+    def d2h_time(self, tokens: int) -> float:
+        return tokens * self.kv_bytes_per_token / self.d2h_bytes_per_s
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A profile by name (a file in `profiles/`) or by path to a YAML file."""
+    path = PROFILE_DIR / f"{name_or_path}.yaml"
+    if name_or_path not in available_profiles():
+        path = Path(name_or_path)
+    if not path.exists():
+        raise ValueError(f"unknown profile {name_or_path!r} (available: {', '.join(available_profiles())})")
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a profile is a mapping of fields")
+    known = {f.name: f for f in fields(Profile)}
+    missing = sorted(set(known) - set(data))
+    unknown = sorted(set(data) - set(known))
+    if missing or unknown:
+        raise ValueError(f"{path}: missing fields {missing}, unknown fields {unknown}")
+    values = {}
+    for name, f in known.items():
+        raw = data[name]
+        values[name] = raw if f.type == "str" else (int(raw) if f.type == "int" else float(raw))
+    profile = Profile(**values)
+    if profile.gpu_kv_tokens <= 0:
+        raise ValueError(f"{path}: weights leave no device memory for KV ({profile.gpu_kv_tokens} tokens)")
+    return profile

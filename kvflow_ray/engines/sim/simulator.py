@@ -1,0 +1,204 @@
+"""Discrete-event simulation: a clock, an event heap, N replicas, and the workflow clients that drive
+them. Deterministic: events at equal times run in the order they were scheduled.
+
+The simulation plays the router's part too: it keeps every client's step graph state, publishes
+steps-to-execution to a `StepBook` all replicas read, and pins each workflow to one replica
+(round-robin placement; prefix-affinity routing arrives with the Ray router).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvflow_ray.core.graph import WorkflowSpec, WorkflowState
+from kvflow_ray.core.policies import FutureAccesses, StepBook, make_eviction_policy
+from kvflow_ray.core.radix import Tag
+from kvflow_ray.engines.sim.profile import Profile
+from kvflow_ray.engines.sim.replica import PolicyConfig, SimReplica, SimRequest
+
+
+@dataclass
+class ClientPlan:
+    """One workflow instance to drive: its graph, agents' fixed prompts and request shapes."""
+
+    key: str
+    spec: WorkflowSpec
+    prompts: dict[str, tuple[int, ...]]
+    dynamic: int
+    output: int
+    iterations: int
+    warmup: int = 0
+    start_at: float = 0.0
+
+
+@dataclass
+class IterationRecord:
+    client: str
+    index: int
+    start: float
+    end: float
+    measured: bool
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.start
+
+
+class TokenSource:
+    """Fresh token ids: every dynamic suffix and output is unique, so only fixed prompts are reused."""
+
+    def __init__(self, start: int = 1_000_000) -> None:
+        self.next = start
+
+    def fresh(self, n: int) -> tuple[int, ...]:
+        out = tuple(range(self.next, self.next + n))
+        self.next += n
+        return out
+
+
+class Simulation:
+    def __init__(self, profile: Profile, policy: PolicyConfig, *, replicas: int = 1, horizon: int = 1,
+                 max_inflight: int = 4, future: list[Tag] | None = None,
+                 gpu_capacity: int | None = None) -> None:
+        if replicas < 1:
+            raise ValueError("a simulation needs at least one replica")
+        self.profile = profile
+        self.policy = policy
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = 0
+        self.book = StepBook(near_horizon=max(horizon, 2))
+        self.future = FutureAccesses(future or []) if policy.eviction == "belady" else None
+        if policy.eviction == "belady" and future is None:
+            raise ValueError("belady needs the future access sequence (run another policy first)")
+        self.replicas = [
+            SimReplica(self, i, profile, policy,
+                       make_eviction_policy(policy.eviction, self.book, self.future), self.book,
+                       horizon=horizon, max_inflight=max_inflight, gpu_capacity=gpu_capacity)
+            for i in range(replicas)
+        ]
+        self._placement: dict[str, int] = {}
+        self.trace: list[Tag] = []  # agent invocations in arrival order (the belady oracle's input)
+        self.tokens = TokenSource()
+        self.iterations: list[IterationRecord] = []
+        self.measuring = False
+        self._rid = 0
+
+    # ------------------------------------------------------------------ event loop
+    def at(self, time: float, fn: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (time, self._seq, fn))
+
+    def run(self, max_events: int = 50_000_000) -> None:
+        for _ in range(max_events):
+            if not self._events:
+                return
+            time, _seq, fn = heapq.heappop(self._events)
+            self.now = time
+            fn()
+        raise RuntimeError(f"simulation did not finish within {max_events} events")
+
+    # ------------------------------------------------------------------ router role
+    def replica_for(self, workflow: str) -> SimReplica:
+        index = self._placement.setdefault(workflow, len(self._placement) % len(self.replicas))
+        return self.replicas[index]
+
+    def submit(self, req: SimRequest) -> None:
+        self.trace.append((req.workflow, req.agent))
+        if self.future is not None:
+            self.future.advance(len(self.trace))
+        self.replica_for(req.workflow).submit(req)
+
+    def publish(self, workflow: str, state: WorkflowState) -> None:
+        self.book.set_steps(workflow, state.steps_to_execution())
+        for replica in self.replicas:
+            replica.on_hints()
+
+    def retire(self, workflow: str) -> None:
+        self.book.retire(workflow)
+        for replica in self.replicas:
+            replica.cache.tree.untag_workflow(workflow)
+
+    def add_client(self, plan: ClientPlan) -> WorkflowClient:
+        client = WorkflowClient(self, plan)
+        self.at(plan.start_at, client.begin)
+        return client
+
+    def new_request(self, client: WorkflowClient, agent: str) -> SimRequest:
+        self._rid += 1
+        plan = client.plan
+        prompt = plan.prompts[agent]
+        return SimRequest(
+            rid=self._rid, workflow=plan.key, agent=agent,
+            tokens=prompt + self.tokens.fresh(plan.dynamic), fixed_len=len(prompt),
+            output_tokens=self.tokens.fresh(max(plan.output, 1)),
+            measured=client.iteration >= plan.warmup, on_done=client.on_done,
+        )
+
+
+@dataclass
+class WorkflowClient:
+    """Runs one workflow instance: starts agents as the step graph allows, one request per agent
+    call, and counts an iteration each time the workflow returns to its entry (loops) or drains (DAGs)."""
+
+    sim: Simulation
+    plan: ClientPlan
+    state: WorkflowState = field(init=False)
+    iteration: int = 0
+    iteration_start: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.state = WorkflowState(self.plan.spec, running=[])
+        self._entry = set(self.plan.spec.start_agents())
+
+    def begin(self) -> None:
+        for agent, tokens in self.plan.prompts.items():
+            self.sim.book.register_prompt((self.plan.key, agent), tokens)
+        self._start_iteration()
+
+    def _start_iteration(self) -> None:
+        self.iteration_start = self.sim.now
+        if self.iteration >= self.plan.warmup:
+            self.sim.measuring = True
+        self.state = WorkflowState(self.plan.spec, running=[])
+        self._launch(sorted(self._entry))
+
+    def _launch(self, agents: list[str]) -> None:
+        for agent in agents:
+            self.state.start(agent)
+        self.sim.publish(self.plan.key, self.state)
+        for agent in agents:
+            self.sim.submit(self.sim.new_request(self, agent))
+
+    def _end_iteration(self) -> bool:
+        """Record the iteration; True if another one follows."""
+        self.sim.iterations.append(IterationRecord(self.plan.key, self.iteration, self.iteration_start,
+                                                   self.sim.now, self.iteration >= self.plan.warmup))
+        self.iteration += 1
+        self.iteration_start = self.sim.now
+        return self.iteration < self.plan.iterations
+
+    def on_done(self, req: SimRequest) -> None:
+        state = self.state
+        state.finish(req.agent)
+        ready = [v for v in self.plan.spec.successors(req.agent) if v not in state.running and state.ready(v)]
+        loop_back = [v for v in ready if v in self._entry]
+        if loop_back:  # back at the entry: one pass of the loop is done
+            if self._end_iteration():
+                if self.iteration >= self.plan.warmup:
+                    self.sim.measuring = True
+            else:
+                ready = [v for v in ready if v not in self._entry]
+        if ready:
+            self._launch(ready)
+            return
+        if state.running:
+            self.sim.publish(self.plan.key, state)
+            return
+        # drained: a DAG pass finished (or the loop's last pass)
+        if not loop_back and self._end_iteration():
+            self._start_iteration()
+            return
+        self.sim.retire(self.plan.key)
