@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=int, default=None,
                         help="output tokens per call (default: 32 single, 256 concurrent, 64 peer)")
     parser.add_argument("--iterations", type=int, default=None,
-                        help="measured passes per workflow after one warm-up pass (default 10 single, 3 peer)")
+                        help="measured passes per workflow after one warm-up pass (default 10 single, 3 otherwise)")
     parser.add_argument("--tasks", type=int, default=64, help="concurrent workflow instances (concurrent)")
     parser.add_argument("--clients", type=int, default=None, help="concurrent clients (peer: 64, workflow: 1)")
     parser.add_argument("--replicas", type=int, default=1, help="simulated GPU replicas")
@@ -67,7 +67,7 @@ def _scenario(args: argparse.Namespace) -> workload.Scenario:
     if args.scenario == "concurrent":
         return workload.concurrent(tasks=args.tasks, fixed=pick(args.fixed, 1024), agents=args.agents,
                                    dynamic=pick(args.dynamic, 256), output=pick(args.output, 256),
-                                   iterations=pick(args.iterations, 1))
+                                   iterations=pick(args.iterations, 3))
     return workload.peer(clients=pick(args.clients, 64), dynamic=pick(args.dynamic, 128),
                          output=pick(args.output, 64), iterations=pick(args.iterations, 3))
 

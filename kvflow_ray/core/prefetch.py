@@ -59,8 +59,13 @@ class StepsAheadPrefetch:
         return [(tag, e) for e, tag in near]
 
 
-def plan_prefetch(cache: TieredCache, policy: PrefetchPolicy, book: StepBook, inflight: int) -> list[PrefetchOp]:
-    """Start the loads `policy` asks for that fit the budget; the engine copies the returned nodes."""
+def plan_prefetch(cache: TieredCache, policy: PrefetchPolicy, book: StepBook, inflight: int,
+                  reserved_tokens: int = 0) -> list[PrefetchOp]:
+    """Start the loads `policy` asks for that fit the budget; the engine copies the returned nodes.
+
+    `reserved_tokens` is device memory that requests already queued need: a prefetch never takes it,
+    because a load for an agent that runs *later* must not delay one that could run *now* (and under
+    memory pressure such a load would be evicted again before use)."""
     ops: list[PrefetchOp] = []
     node_distance = getattr(cache.eviction, "node_distance", None)
     for tag, steps in policy.choose(book, inflight):
@@ -74,12 +79,14 @@ def plan_prefetch(cache: TieredCache, policy: PrefetchPolicy, book: StepBook, in
         if not host:
             continue
         need = sum(len(node.key) for node in host)
+        if need + reserved_tokens > cache.gpu_capacity:
+            continue
         if node_distance is not None:
             def farther(node: RadixNode, steps: float = steps) -> bool:
                 return node_distance(node) > steps
-            ok, writebacks = cache.make_room(need, farther)
+            ok, writebacks = cache.make_room(need + reserved_tokens, farther)
         else:
-            ok, writebacks = cache.make_room(need)
+            ok, writebacks = cache.make_room(need + reserved_tokens)
         if not ok:
             if writebacks:  # room comes once these copies finish; the engine must still run them
                 ops.append(PrefetchOp(tag, steps, [], 0, writebacks))

@@ -129,7 +129,9 @@ class SimReplica:
         """New steps-to-execution values: plan prefetches (a no-op for policies without prefetch)."""
         if not self.policy.prefetch:
             return
-        for op in plan_prefetch(self.cache, self.prefetcher, self.book, self.prefetch_inflight):
+        # what queued requests still need on the device (their uncached prompt part and output)
+        reserved = sum(len(r.tokens) - r.ready_at_arrival + len(r.output_tokens) for r in self.waiting)
+        for op in plan_prefetch(self.cache, self.prefetcher, self.book, self.prefetch_inflight, reserved):
             self._write_back(op.writebacks)
             if op.nodes:
                 self.prefetch_inflight += 1
@@ -203,11 +205,12 @@ class SimReplica:
             _ready, loading, host = match.split_by_tier()
             private = len(req.tokens) - match.length + len(req.output_tokens)
             need = private + sum(len(n.key) for n in host)
+            self.cache.tree.lock(match.last)  # before evicting: never evict the prefix we matched
             ok, writebacks = self.cache.make_room(need)
             self._write_back(writebacks)
             if not ok:
+                self.cache.tree.unlock(match.last)
                 break  # keep arrival order: wait for memory rather than let later requests starve it
-            self.cache.tree.lock(match.last)
             req.locked = match.last
             if host:
                 self._load(host, self.cache.start_load(host), prefetch=False)

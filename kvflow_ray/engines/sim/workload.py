@@ -2,7 +2,7 @@
 
 - `single`: one workflow of N sequential agents run as a loop (agent N-1 hands back to agent 0), a
   warm-up pass then K measured passes; every call is fixed prompt + a fresh dynamic suffix.
-- `concurrent`: many independent workflow instances at once, each with its own agents' prompts.
+- `concurrent`: many independent `single` loops at once, each with its own agents' prompts.
 - `peer`: the PEER loop (Plan -> Execute -> Express -> Review -> Plan) with short prompts that share a
   common preamble, many clients of the same template.
 - `workflow`: any spec file; prompts come from the spec (byte-level tokens) or `fixed` fresh tokens.
@@ -28,11 +28,6 @@ def sequential_loop(name: str, agents: list[str]) -> WorkflowSpec:
     return WorkflowSpec(name=name, entry=agents[0], agents=specs)
 
 
-def sequential_chain(name: str, agents: list[str]) -> WorkflowSpec:
-    specs = {a: AgentSpec(a, None, (agents[i - 1],) if i else (), "all") for i, a in enumerate(agents)}
-    return WorkflowSpec(name=name, entry=agents[0], agents=specs)
-
-
 def single(agents: int = 10, fixed: int = 8192, dynamic: int = 32, output: int = 32, iterations: int = 10,
            warmup: int = 1) -> Scenario:
     _check_positive(agents=agents, fixed=fixed, iterations=iterations)
@@ -46,19 +41,18 @@ def single(agents: int = 10, fixed: int = 8192, dynamic: int = 32, output: int =
 
 
 def concurrent(tasks: int = 64, fixed: int = 1024, agents: int = 10, dynamic: int = 256, output: int = 256,
-               iterations: int = 1, stagger_s: float = 0.0) -> Scenario:
-    """Independent workflows: every task is its own sequential chain with its own prompts, all
-    submitted together, so the device tier holds only part of the live fixed prompts."""
+               iterations: int = 3, warmup: int = 1) -> Scenario:
+    """Independent ("non-interacting, non-sharing") workflows run at once: every task is the `single`
+    loop with its own agents' prompts, so together they overflow the device tier."""
     _check_positive(tasks=tasks, fixed=fixed, agents=agents, iterations=iterations)
     tokens = TokenSource(1)
-    plans = []
-    for t in range(tasks):
-        names = [f"agent{i}" for i in range(agents)]
-        spec = sequential_chain(f"task{t}", names)
-        plans.append(ClientPlan(key=f"task/{t}", spec=spec, prompts={a: tokens.fresh(fixed) for a in names},
-                                dynamic=dynamic, output=output, iterations=iterations, start_at=t * stagger_s))
+    names = [f"agent{i}" for i in range(agents)]
+    spec = sequential_loop("task", names)
+    plans = [ClientPlan(key=f"task/{t}", spec=spec, prompts={a: tokens.fresh(fixed) for a in names},
+                        dynamic=dynamic, output=output, iterations=warmup + iterations, warmup=warmup)
+             for t in range(tasks)]
     return Scenario("concurrent", plans, dict(tasks=tasks, fixed=fixed, agents=agents, dynamic=dynamic,
-                                               output=output, iterations=iterations))
+                                               output=output, iterations=iterations, warmup=warmup))
 
 
 PEER_AGENTS = ("planner", "executor", "expresser", "reviewer")
