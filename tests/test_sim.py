@@ -130,6 +130,10 @@ def test_cli_json_contract() -> None:
     (["--scenario", "single", "--profile", "tpu-v9"], "unknown profile 'tpu-v9'"),
     (["--scenario", "single", "--agents", "0"], "--agents must be at least 1"),
     (["--workflow", "does-not-exist.yaml"], "file"),
+    (["--scenario", "single", "--gpu-kv-tokens", "0"], "device KV capacity must be positive"),
+    (["--scenario", "single", "--replicas", "0"], "at least one replica"),
+    (["--scenario", "single", "--policies", "kvflow", "--max-inflight", "0"], "max_inflight >= 1"),
+    (["--scenario", "single", "--fixed", "60000"], "needs 60064 device KV tokens"),
 ])
 def test_cli_bad_input(args: list[str], message: str) -> None:
     proc = _cli(*args)

@@ -90,8 +90,13 @@ def run(args: argparse.Namespace) -> int:
             bar.update(1)
         bar.set_postfix_str(policy)
 
-    out = run_policies(scenario, profile, policies, replicas=args.replicas, horizon=args.horizon,
-                       max_inflight=args.max_inflight, gpu_capacity=args.gpu_kv_tokens, progress=progress)
+    try:
+        out = run_policies(scenario, profile, policies, replicas=args.replicas, horizon=args.horizon,
+                           max_inflight=args.max_inflight, gpu_capacity=args.gpu_kv_tokens, progress=progress)
+    except ValueError as exc:
+        bar.close()
+        print(f"kvflow-ray sim: error: {exc}", file=sys.stderr)
+        return 2
     bar.update(1)
     bar.close()
     if args.json:

@@ -96,7 +96,7 @@ class SimReplica:
         self.profile = profile
         self.policy = policy
         self.book = book
-        capacity = gpu_capacity or profile.gpu_kv_tokens
+        capacity = profile.gpu_kv_tokens if gpu_capacity is None else gpu_capacity
         if policy.infinite:
             capacity = 1 << 60
         self.cache = TieredCache(capacity, eviction, cpu_capacity=profile.host_kv_tokens,
@@ -117,6 +117,11 @@ class SimReplica:
 
     # ------------------------------------------------------------------ entry points
     def submit(self, req: SimRequest) -> None:
+        need = len(req.tokens) + len(req.output_tokens)
+        if need > self.cache.gpu_capacity:
+            raise ValueError(f"a call of agent {req.agent!r} needs {need} device KV tokens (prompt + output) "
+                             f"but the device pool holds {self.cache.gpu_capacity}: shorten the prompt "
+                             "or raise --gpu-kv-tokens")
         req.arrival = self.sim.now
         match = self.cache.tree.match_prefix(req.tokens, split=False)
         ready, loading, host = match.split_by_tier()

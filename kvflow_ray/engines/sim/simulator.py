@@ -94,11 +94,16 @@ class Simulation:
     def run(self, max_events: int = 50_000_000) -> None:
         for _ in range(max_events):
             if not self._events:
-                return
+                break
             time, _seq, fn = heapq.heappop(self._events)
             self.now = time
             fn()
-        raise RuntimeError(f"simulation did not finish within {max_events} events")
+        else:
+            raise RuntimeError(f"simulation did not finish within {max_events} events")
+        stuck = [r for rep in self.replicas for r in rep.waiting + rep.running]
+        if stuck:  # nothing left to happen, yet requests remain: a scheduling deadlock, never a result
+            raise RuntimeError(f"simulation stalled at t={self.now:.3f}s with {len(stuck)} unfinished requests "
+                               f"(first: agent {stuck[0].agent!r} of {stuck[0].workflow!r})")
 
     # ------------------------------------------------------------------ router role
     def replica_for(self, workflow: str) -> SimReplica:
