@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvflow_ray.core.policies import EvictionPolicy
-from kvflow_ray.core.radix import GpuState, Match, RadixNode, RadixTree
+from kvflow_ray.core.radix import GpuState, Match, RadixNode, RadixTree, Tag
 
 NodeFilter = Callable[[RadixNode], bool]
 
@@ -42,7 +42,13 @@ class TieredCache:
         self.eviction = eviction
         self.private_tokens = 0
         self.pending_free = 0  # device tokens freed once in-flight write-backs complete
+        # Fix: host space reserved by device -> host copies in flight (counted in `tree.cpu_tokens` only
+        # once they land); without it, several write-backs started together overfilled the host tier.
+        self.offloading_tokens = 0
         self.counters = EvictionCounters()
+        # last node of each agent's fixed prompt once fully cached: device residency is prefix-closed,
+        # so "this node is READY" answers "is the whole prompt on the device?" without a tree walk
+        self.prompt_tails: dict[Tag, RadixNode] = {}
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -77,6 +83,20 @@ class TieredCache:
         self.release(private_tokens)
         # keep used accounting: the tree now owns `new` tokens that were private
         return path
+
+    def prompt_on_device(self, tag: Tag) -> bool:
+        tail = self.prompt_tails.get(tag)
+        return tail is not None and tail.parent is not None and tail.gpu is GpuState.READY
+
+    def remember_prompt(self, tag: Tag, tokens: Sequence[int], match: Match) -> None:
+        if match.last is not None and match.length == len(tokens) - len(tokens) % self.tree.page_size:
+            self.prompt_tails[tag] = match.last
+
+    def retire_workflow(self, workflow: str) -> None:
+        """A finished workflow instance: its prompts lose their tags (they go before live ones)."""
+        self.tree.untag_workflow(workflow)
+        for tag in [t for t in self.prompt_tails if t[0] == workflow]:
+            del self.prompt_tails[tag]
 
     # ------------------------------------------------------------------ eviction
     def _evictable(self, node: RadixNode) -> bool:
@@ -120,6 +140,7 @@ class TieredCache:
             if self.host_tier and not node.cpu and self._make_host_room(len(node.key)):
                 node.offloading = True
                 node.evict_pending = True
+                self.offloading_tokens += len(node.key)
                 self.pending_free += len(node.key)
                 self.counters.written_back_tokens += len(node.key)
                 writebacks.append(node)
@@ -137,11 +158,28 @@ class TieredCache:
         self.counters.evicted_gpu_tokens += len(node.key)
         if not node.cpu:
             self.counters.dropped_tokens += len(node.key)
+            # Fix: host-only descendants (written back earlier) extend this node's KV. With no copy of
+            # the node left anywhere they can never be loaded again, and the node used to stay in the
+            # tree holding nothing (a later match handed it to start_load, which failed). Free them too.
+            self._drop_host_subtree(node)
         parent = node.parent
         self.tree.drop_gpu(node)
         # an ancestor waiting for this child to go is freed now (or kept, if a request locked it)
         if parent is not None and parent.evict_pending and not parent.offloading and parent.n_gpu_children == 0:
             self._settle_pending(parent)
+
+    def _drop_host_subtree(self, node: RadixNode) -> None:
+        """Free the host copies below `node`, a device leaf: all host-only, unlocked, none in flight."""
+        below: list[RadixNode] = []
+        stack = list(node.children.values())
+        while stack:
+            child = stack.pop()
+            below.append(child)
+            stack.extend(child.children.values())
+        for child in reversed(below):  # descendants before their ancestors
+            self.counters.evicted_cpu_tokens += len(child.key)
+            self.counters.dropped_tokens += len(child.key)
+            self.tree.drop_cpu(child)
 
     def _settle_pending(self, node: RadixNode) -> None:
         """Complete (or cancel) a deferred eviction whose blockers are gone."""
@@ -162,7 +200,7 @@ class TieredCache:
     def _make_host_room(self, n: int) -> bool:
         if n > self.cpu_capacity:
             return False
-        if self.cpu_capacity - self.tree.cpu_tokens >= n:
+        if self._host_free() >= n:
             return True
         # Host copies that can go: device-resident ones (the device copy stays) and host-only leaves.
         candidates = [node for node in self.tree.nodes()
@@ -171,14 +209,17 @@ class TieredCache:
         pri = self.eviction.priority
         candidates.sort(key=lambda node: (pri(node), node.id))
         for node in candidates:
-            if self.cpu_capacity - self.tree.cpu_tokens >= n:
+            if self._host_free() >= n:
                 break
             if node.cpu and node.lock_ref == 0 and (node.gpu is GpuState.READY or not node.children):
                 self.counters.evicted_cpu_tokens += len(node.key)
                 if node.gpu is GpuState.NONE:
                     self.counters.dropped_tokens += len(node.key)
                 self.tree.drop_cpu(node)
-        return self.cpu_capacity - self.tree.cpu_tokens >= n
+        return self._host_free() >= n
+
+    def _host_free(self) -> int:
+        return self.cpu_capacity - self.tree.cpu_tokens - self.offloading_tokens
 
     # ------------------------------------------------------------------ copies
     def start_load(self, nodes: Sequence[RadixNode]) -> int:
@@ -197,6 +238,7 @@ class TieredCache:
     def finish_offload(self, node: RadixNode, cpu_value: object = None) -> None:
         assert node.offloading, node
         node.offloading = False
+        self.offloading_tokens -= len(node.key)
         self.tree.set_cpu(node, True, cpu_value)
         # A request may have matched the node while its copy was in flight: then it stays. A node
         # whose device children are still being written back stays pending until they are freed.
@@ -210,4 +252,5 @@ class TieredCache:
         if not self._make_host_room(len(node.key)):
             return False
         node.offloading = True
+        self.offloading_tokens += len(node.key)
         return True

@@ -72,25 +72,35 @@ def plan_prefetch(cache: TieredCache, policy: PrefetchPolicy, book: StepBook, in
         if inflight + len(ops) >= getattr(policy, "max_inflight", 0):
             break
         tokens = book.prompt(tag)
-        if tokens is None:
+        if tokens is None or cache.prompt_on_device(tag):
             continue
         match = cache.tree.match_prefix(tokens)
+        cache.remember_prompt(tag, tokens, match)
         _ready, _loading, host = match.split_by_tier()
         if not host:
             continue
         need = sum(len(node.key) for node in host)
         if need + reserved_tokens > cache.gpu_capacity:
-            continue
-        if node_distance is not None:
-            def farther(node: RadixNode, steps: float = steps) -> bool:
-                return node_distance(node) > steps
-            ok, writebacks = cache.make_room(need + reserved_tokens, farther)
-        else:
-            ok, writebacks = cache.make_room(need + reserved_tokens)
-        if not ok:
-            if writebacks:  # room comes once these copies finish; the engine must still run them
-                ops.append(PrefetchOp(tag, steps, [], 0, writebacks))
-            continue
-        cache.tree.touch(match.path)
-        ops.append(PrefetchOp(tag, steps, host, cache.start_load(host), writebacks))
+            break
+        # Fix: lock the prompt's path while making room, so eviction never drops the device parent
+        # of the nodes about to load (begin_load then failed "load parents first") nor the host
+        # copies being loaded; the distance filter alone missed path nodes not (or farther) tagged.
+        cache.tree.lock(match.last)
+        try:
+            if node_distance is not None:
+                def farther(node: RadixNode, steps: float = steps) -> bool:
+                    return node_distance(node) > steps
+                ok, writebacks = cache.make_room(need + reserved_tokens, farther)
+            else:
+                ok, writebacks = cache.make_room(need + reserved_tokens)
+            if not ok:
+                if writebacks:  # room comes once these copies finish; the engine must still run them
+                    ops.append(PrefetchOp(tag, steps, [], 0, writebacks))
+                # Nearest first, strictly: a farther agent's budget is never larger (it may evict
+                # fewer nodes), so once the nearest missing prompt does not fit, stop planning.
+                break
+            cache.tree.touch(match.path)
+            ops.append(PrefetchOp(tag, steps, host, cache.start_load(host), writebacks))
+        finally:
+            cache.tree.unlock(match.last)
     return ops

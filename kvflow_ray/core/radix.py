@@ -141,6 +141,9 @@ class RadixTree:
         self.gpu_tokens = 0  # device tokens held by nodes (READY or LOADING)
         self.cpu_tokens = 0  # host tokens held by nodes
         self.clock = 0  # logical time for LRU
+        # bumped by every change of structure or tier state, so callers can reuse a look-up while
+        # nothing changed (a decode step, the most common event, changes nothing here)
+        self.version = 0
         self.gpu_leaves: set[RadixNode] = set()  # READY nodes without device children
         self._by_workflow: dict[str, set[RadixNode]] = {}
 
@@ -186,10 +189,14 @@ class RadixTree:
         assert not node.in_flight, "never split a node with a copy in flight"
         parent = node.parent
         assert parent is not None
+        self.version += 1
         upper = RadixNode(
             key=node.key[:at], parent=parent, gpu=node.gpu, cpu=node.cpu, lock_ref=node.lock_ref,
             last_access=node.last_access, tags=set(node.tags),
             gpu_value=_head(node.gpu_value, at), cpu_value=_head(node.cpu_value, at),
+            # Fix: a deferred eviction (TieredCache counted the whole node in `pending_free`) covers
+            # both halves; without this the upper half's tokens stayed in `pending_free` for good.
+            evict_pending=node.evict_pending,
         )
         parent.children[upper.key[:self.page_size]] = upper
         node.key = node.key[at:]
@@ -236,6 +243,7 @@ class RadixTree:
         """Drop a node that holds no KV anywhere (and has no children)."""
         assert node.gpu is GpuState.NONE and not node.cpu and not node.children, node
         assert node.parent is not None
+        self.version += 1
         del node.parent.children[node.key[:self.page_size]]
         for wf, _agent in node.tags:
             nodes = self._by_workflow.get(wf)
@@ -249,6 +257,7 @@ class RadixTree:
         old = node.gpu
         if old is state:
             return
+        self.version += 1
         parent = node.parent
         assert parent is not None
         if old is GpuState.NONE:
@@ -268,6 +277,7 @@ class RadixTree:
 
     def set_cpu(self, node: RadixNode, present: bool, value: object = None) -> None:
         if node.cpu != present:
+            self.version += 1
             self.cpu_tokens += len(node.key) if present else -len(node.key)
         node.cpu = present
         node.cpu_value = value if present else None
@@ -285,6 +295,9 @@ class RadixTree:
     def drop_gpu(self, node: RadixNode) -> None:
         """Free the device copy; the node leaves the tree when no host copy remains."""
         assert node.gpu is GpuState.READY and node.n_gpu_children == 0 and node.lock_ref == 0, node
+        # the last copy of a node must not go while host-only descendants build on it (they would hang
+        # off a node holding no KV): TieredCache frees them first
+        assert node.cpu or not node.children, f"drop the host-only descendants of {node} first"
         node.gpu_value = None
         self._set_gpu(node, GpuState.NONE)
         if not node.cpu:

@@ -58,6 +58,10 @@ class SimRequest:
     arrival: float = 0.0
     # cache state
     locked: RadixNode | None = None
+    reserved: int = 0  # private tokens promised to it while its queued load holds a lock
+    tail: RadixNode | None = None  # last node of the cached prefix at the latest look-up
+    seen_version: int = -1  # tree version of that look-up, and what it found
+    seen_state: tuple[bool, list[RadixNode]] = (True, [])
     pending_nodes: list[RadixNode] = field(default_factory=list)  # prefix nodes not on the device at arrival
     ready_at_arrival: int = 0
     waiting_on: list[RadixNode] = field(default_factory=list)  # LOADING nodes the prefill needs
@@ -113,6 +117,8 @@ class SimReplica:
         self.d2h_free_at = 0.0
         self.prefetch_inflight = 0
         self.load_done_at: dict[int, float] = {}
+        self._last_plan: tuple[int, int, int, int] | None = None
+        self.queued_reserved = 0  # see _start_queued_loads
         self.stats = ReplicaStats()
 
     # ------------------------------------------------------------------ entry points
@@ -127,6 +133,7 @@ class SimReplica:
         ready, loading, host = match.split_by_tier()
         req.ready_at_arrival = ready
         req.pending_nodes = loading + host
+        req.tail = match.last
         self.waiting.append(req)
         self.kick()
 
@@ -134,6 +141,11 @@ class SimReplica:
         """New steps-to-execution values: plan prefetches (a no-op for policies without prefetch)."""
         if not self.policy.prefetch:
             return
+        # nothing that planning reads has changed since the last plan: it would find nothing new
+        key = (self.cache.tree.version, self.book.version, self.prefetch_inflight, len(self.waiting))
+        if key == self._last_plan:
+            return
+        self._last_plan = key
         # what queued requests still need on the device (their uncached prompt part and output)
         reserved = sum(len(r.tokens) - r.ready_at_arrival + len(r.output_tokens) for r in self.waiting)
         for op in plan_prefetch(self.cache, self.prefetcher, self.book, self.prefetch_inflight, reserved):
@@ -182,22 +194,54 @@ class SimReplica:
             self.sim.at(self.d2h_free_at, done)
 
     # ------------------------------------------------------------------ scheduling
+    def _prefix_state(self, req: SimRequest) -> tuple[bool, list[RadixNode]]:
+        """(cached prefix usable now, its host-only nodes). The tail node remembered from the last
+        look-up answers most calls: device residency is prefix-closed, so a READY tail means the
+        whole cached prefix is on the device."""
+        tree = self.cache.tree
+        if req.seen_version == tree.version:
+            return req.seen_state
+        tail = req.tail
+        if tail is not None and tail.parent is not None and tail.gpu is GpuState.READY:
+            state: tuple[bool, list[RadixNode]] = (True, [])
+        else:
+            match = tree.match_prefix(req.tokens, split=False)
+            req.tail = match.last
+            _ready, loading, host = match.split_by_tier()
+            state = (not (loading or host), host)
+        req.seen_version, req.seen_state = tree.version, state
+        return state
+
     def _is_loading(self, req: SimRequest) -> bool:
-        _ready, loading, host = self.cache.tree.match_prefix(req.tokens, split=False).split_by_tier()
-        return bool(loading or host)
+        return not self._prefix_state(req)[0]
 
     def _start_queued_loads(self) -> None:
         """Status-aware engines start the host->device load of queued requests right away and run
-        ready work meanwhile (FCFS engines load only once a request reaches the batch)."""
+        ready work meanwhile (FCFS engines load only once a request reaches the batch).
+
+        A queued load locks its prefix until the request is admitted (otherwise loads for different
+        queued requests evict each other before use), and starts only while free memory still covers
+        the private needs of every request holding such a load, so they can all be admitted."""
         for req in self.waiting:
-            _ready, _loading, host = self.cache.tree.match_prefix(req.tokens, split=False).split_by_tier()
+            if req.locked is not None:
+                continue
+            _ready, host = self._prefix_state(req)
             if not host:
                 continue
-            need = sum(len(n.key) for n in host)
-            ok, writebacks = self.cache.make_room(need)
+            match = self.cache.match(req.tokens)
+            _ready_len, _loading, host = match.split_by_tier()
+            if not host:
+                continue
+            private = len(req.tokens) - match.length + len(req.output_tokens)
+            self.cache.tree.lock(match.last)
+            ok, writebacks = self.cache.make_room(sum(len(n.key) for n in host) + private + self.queued_reserved)
             self._write_back(writebacks)
             if not ok:
+                self.cache.tree.unlock(match.last)
                 break
+            req.locked = match.last
+            req.reserved = private
+            self.queued_reserved += private
             self._load(host, self.cache.start_load(host), prefetch=False)
 
     def _admit(self) -> None:
@@ -216,6 +260,10 @@ class SimReplica:
             if not ok:
                 self.cache.tree.unlock(match.last)
                 break  # keep arrival order: wait for memory rather than let later requests starve it
+            if req.locked is not None:  # the lock of its queued load passes to the admitted request
+                self.cache.tree.unlock(req.locked)
+                self.queued_reserved -= req.reserved
+                req.reserved = 0
             req.locked = match.last
             if host:
                 self._load(host, self.cache.start_load(host), prefetch=False)
@@ -254,6 +302,10 @@ class SimReplica:
                 decode.append(req)
         if blocked or (not prefill and not decode):
             return
+        if prefill:
+            # SGLang's default scheduler runs a ready prefill batch on its own and decodes in between
+            # (mixed chunks are off by default), so decodes wait for it.
+            decode = []
         for req, _n in prefill:
             if not req.started:
                 req.started = True

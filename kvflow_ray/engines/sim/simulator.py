@@ -124,7 +124,7 @@ class Simulation:
     def retire(self, workflow: str) -> None:
         self.book.retire(workflow)
         for replica in self.replicas:
-            replica.cache.tree.untag_workflow(workflow)
+            replica.cache.retire_workflow(workflow)
 
     def add_client(self, plan: ClientPlan) -> WorkflowClient:
         client = WorkflowClient(self, plan)
