@@ -49,6 +49,7 @@ class TieredCache:
         # last node of each agent's fixed prompt once fully cached: device residency is prefix-closed,
         # so "this node is READY" answers "is the whole prompt on the device?" without a tree walk
         self.prompt_tails: dict[Tag, RadixNode] = {}
+        self._host_heap: list[tuple[tuple[float, ...], int, RadixNode]] | None = None
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -128,6 +129,7 @@ class TieredCache:
         writebacks: list[RadixNode] = []
         if self.free_tokens >= n:
             return True, writebacks
+        self._host_heap = None  # host-eviction candidates, ranked at most once per call
         pri = self.eviction.priority
         heap = [(pri(node), node.id, node) for node in self.tree.gpu_leaves
                 if self._evictable(node) and (may_evict is None or may_evict(node))]
@@ -137,6 +139,13 @@ class TieredCache:
             if not self._evictable(node):
                 continue
             parent = node.parent
+            # Fix: dropping `node` can complete the deferred evictions of pending ancestors in a chain
+            # (`_settle_pending`), exposing a device leaf above them; it is offered below along with the
+            # parent. Before, make_room could give up with that leaf still evictable and nothing pending,
+            # so a caller waiting for memory waited for an event that never came.
+            above = parent
+            while above is not None and above.evict_pending and not above.offloading:
+                above = above.parent
             if self.host_tier and not node.cpu and self._make_host_room(len(node.key)):
                 node.offloading = True
                 node.evict_pending = True
@@ -149,9 +158,9 @@ class TieredCache:
                 self.pending_free += len(node.key)
             else:
                 self._drop_gpu(node)
-            if (parent is not None and self._evictable(parent)
-                    and (may_evict is None or may_evict(parent))):
-                heapq.heappush(heap, (pri(parent), parent.id, parent))
+            for up in (parent, above) if above is not parent else (parent,):
+                if up is not None and self._evictable(up) and (may_evict is None or may_evict(up)):
+                    heapq.heappush(heap, (pri(up), up.id, up))
         return self.free_tokens >= n, writebacks
 
     def _drop_gpu(self, node: RadixNode) -> None:
@@ -197,28 +206,39 @@ class TieredCache:
             self.pending_free -= len(node.key)
             node = node.parent
 
+    def _host_droppable(self, node: RadixNode) -> bool:
+        """A host copy that can go: of a device-resident node (the device copy stays), or of a
+        host-only leaf."""
+        return (node.cpu and not node.in_flight and node.lock_ref == 0 and not node.evict_pending
+                and (node.gpu is GpuState.READY or not node.children))
+
     def _make_host_room(self, n: int) -> bool:
         if n > self.cpu_capacity:
             return False
         if self._host_free() >= n:
             return True
-        # Host copies that can go: device-resident ones (the device copy stays) and host-only leaves.
-        candidates = [node for node in self.tree.nodes()
-                      if node.cpu and not node.in_flight and node.lock_ref == 0 and not node.evict_pending
-                      and (node.gpu is GpuState.READY or not node.children)]
-        pri = self.eviction.priority
-        candidates.sort(key=lambda node: (pri(node), node.id))
-        for node in candidates:
-            if self._host_free() >= n:
-                break
-            if node.cpu and node.lock_ref == 0 and (node.gpu is GpuState.READY or not node.children):
-                self.counters.evicted_cpu_tokens += len(node.key)
-                if node.gpu is GpuState.NONE:
-                    self.counters.dropped_tokens += len(node.key)
-                self.tree.drop_cpu(node)
+        if self._host_heap is None:
+            pri = self.eviction.priority
+            self._host_heap = [(pri(node), node.id, node) for node in self.tree.nodes() if self._host_droppable(node)]
+            heapq.heapify(self._host_heap)
+        heap = self._host_heap
+        while heap and self._host_free() < n:
+            _, _, node = heapq.heappop(heap)
+            if node.parent is None or not self._host_droppable(node):
+                continue  # changed since it was ranked
+            parent = node.parent
+            self.counters.evicted_cpu_tokens += len(node.key)
+            if node.gpu is GpuState.NONE:
+                self.counters.dropped_tokens += len(node.key)
+            self.tree.drop_cpu(node)
+            # a host-only parent left without children may go next, in policy order
+            if parent is not self.tree.root and parent.parent is not None and self._host_droppable(parent):
+                heapq.heappush(heap, (self.eviction.priority(parent), parent.id, parent))
         return self._host_free() >= n
 
     def _host_free(self) -> int:
+        # Fix: write-backs in flight hold their host space (`offloading_tokens`) until they land in
+        # `tree.cpu_tokens`; counting only landed copies let copies started together overfill the host.
         return self.cpu_capacity - self.tree.cpu_tokens - self.offloading_tokens
 
     # ------------------------------------------------------------------ copies
@@ -249,6 +269,7 @@ class TieredCache:
         """Start a device -> host copy of `node` without evicting it (write-through); False if no room."""
         if not self.host_tier or node.cpu or node.in_flight or node.gpu is not GpuState.READY:
             return False
+        self._host_heap = None
         if not self._make_host_room(len(node.key)):
             return False
         node.offloading = True

@@ -30,7 +30,7 @@ class StepBook:
     def __init__(self, near_horizon: int = 2) -> None:
         self.version = 0
         self._steps: dict[str, dict[str, float]] = {}
-        self._prompts: dict[Tag, tuple[int, ...]] = {}
+        self._prompts: dict[str, dict[str, tuple[int, ...]]] = {}  # workflow -> agent -> fixed prompt
         self.near_horizon = near_horizon
         # agents with E <= near_horizon, so prefetch planning never scans every live workflow
         self.near: dict[Tag, float] = {}
@@ -50,8 +50,7 @@ class StepBook:
         for agent, e in self._steps.pop(workflow, {}).items():
             if e <= self.near_horizon:
                 self.near.pop((workflow, agent), None)
-        for tag in [t for t in self._prompts if t[0] == workflow]:
-            del self._prompts[tag]
+        self._prompts.pop(workflow, None)
         self.version += 1
 
     def steps(self, tag: Tag) -> float:
@@ -64,10 +63,11 @@ class StepBook:
         return workflow in self._steps
 
     def register_prompt(self, tag: Tag, tokens: Sequence[int]) -> None:
-        self._prompts[tag] = tuple(tokens)
+        self._prompts.setdefault(tag[0], {})[tag[1]] = tuple(tokens)
 
     def prompt(self, tag: Tag) -> tuple[int, ...] | None:
-        return self._prompts.get(tag)
+        agents = self._prompts.get(tag[0])
+        return None if agents is None else agents.get(tag[1])
 
 
 class EvictionPolicy(Protocol):

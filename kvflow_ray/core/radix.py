@@ -146,6 +146,9 @@ class RadixTree:
         self.version = 0
         self.gpu_leaves: set[RadixNode] = set()  # READY nodes without device children
         self._by_workflow: dict[str, set[RadixNode]] = {}
+        # agents each workflow has tagged, so retiring it discards exactly its tags: a node shared by
+        # thousands of workflows is never rebuilt tag by tag
+        self._agents_by_workflow: dict[str, set[str]] = {}
 
     # ------------------------------------------------------------------ lookup
     def page_aligned(self, tokens: Sequence[int]) -> tuple[int, ...]:
@@ -337,6 +340,7 @@ class RadixTree:
         A node straddling the fixed-prompt boundary is split so the dynamic remainder stays untagged."""
         match = self.match_prefix(tokens, split=split)
         wf_nodes = self._by_workflow.setdefault(tag[0], set())
+        self._agents_by_workflow.setdefault(tag[0], set()).add(tag[1])
         for node in match.path:
             if tag not in node.tags:
                 node.tags.add(tag)
@@ -347,8 +351,10 @@ class RadixTree:
     def untag_workflow(self, workflow: str) -> int:
         """Drop every tag of a retired workflow instance; returns the number of nodes touched."""
         nodes = self._by_workflow.pop(workflow, set())
+        agents = self._agents_by_workflow.pop(workflow, set())
         for node in nodes:
-            node.tags = {t for t in node.tags if t[0] != workflow}
+            for agent in agents:
+                node.tags.discard((workflow, agent))
             node.prio_cache = (-1, 0.0)
         return len(nodes)
 
