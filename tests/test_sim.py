@@ -134,6 +134,8 @@ def test_cli_json_contract() -> None:
     (["--scenario", "single", "--replicas", "0"], "at least one replica"),
     (["--scenario", "single", "--policies", "kvflow", "--max-inflight", "0"], "max_inflight >= 1"),
     (["--scenario", "single", "--fixed", "60000"], "needs 60064 device KV tokens"),
+    (["--scenario", "single", "--set", "warp_speed=9"], "--set warp_speed: not a profile field"),
+    (["--scenario", "single", "--set", "peak_flops"], "expected FIELD=VALUE"),
 ])
 def test_cli_bad_input(args: list[str], message: str) -> None:
     proc = _cli(*args)
@@ -148,3 +150,10 @@ def test_cli_invalid_workflow_names_the_field(tmp_path: Path) -> None:
     proc = _cli("--workflow", str(spec))
     assert proc.returncode == 2
     assert "agents.a.after[0]" in proc.stderr and "ghost" in proc.stderr
+
+
+def test_profile_override_changes_cost_model() -> None:
+    base = load_profile("a10g-llama3.1-8b")
+    faster = load_profile("a10g-llama3.1-8b", {"peak_flops": "125e12"})
+    assert faster.peak_flops == 125e12
+    assert faster.step_time([(8192, 0)], []) < base.step_time([(8192, 0)], [])

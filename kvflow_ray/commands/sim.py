@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-inflight", type=int, default=4, help="concurrent prefetch loads per replica")
     parser.add_argument("--gpu-kv-tokens", type=int, default=None,
                         help="override the device KV pool size (default: derived from the profile)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",
+                        help="override a profile field, e.g. --set peak_flops=125e12 (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -75,7 +77,13 @@ def _scenario(args: argparse.Namespace) -> workload.Scenario:
 def run(args: argparse.Namespace) -> int:
     try:
         policies = parse_policies(args.policies)
-        profile = load_profile(args.profile)
+        overrides = {}
+        for item in args.overrides:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"--set {item}: expected FIELD=VALUE")
+            overrides[key.strip()] = value.strip()
+        profile = load_profile(args.profile, overrides)
         scenario = _scenario(args)
     except (ValueError, SpecError) as exc:
         print(f"kvflow-ray sim: error: {exc}", file=sys.stderr)

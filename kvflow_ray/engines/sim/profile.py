@@ -77,8 +77,9 @@ def available_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
 
 
-def load_profile(name_or_path: str) -> Profile:
-    """A profile by name (a file in `profiles/`) or by path to a YAML file."""
+def load_profile(name_or_path: str, overrides: dict[str, str] | None = None) -> Profile:
+    """A profile by name (a file in `profiles/`) or by path to a YAML file; `overrides` replace
+    fields (for sensitivity studies: `--set peak_flops=125e12`)."""
     path = PROFILE_DIR / f"{name_or_path}.yaml"
     if name_or_path not in available_profiles():
         path = Path(name_or_path)
@@ -88,6 +89,10 @@ def load_profile(name_or_path: str) -> Profile:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a profile is a mapping of fields")
     known = {f.name: f for f in fields(Profile)}
+    for key, value in (overrides or {}).items():
+        if key not in known:
+            raise ValueError(f"--set {key}: not a profile field (fields: {', '.join(known)})")
+        data[key] = value
     missing = sorted(set(known) - set(data))
     unknown = sorted(set(data) - set(known))
     if missing or unknown:
@@ -95,7 +100,10 @@ def load_profile(name_or_path: str) -> Profile:
     values = {}
     for name, f in known.items():
         raw = data[name]
-        values[name] = raw if f.type == "str" else (int(raw) if f.type == "int" else float(raw))
+        try:
+            values[name] = str(raw) if f.type == "str" else (int(float(raw)) if f.type == "int" else float(raw))
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: field {name} must be a number, got {raw!r}") from None
     profile = Profile(**values)
     if profile.gpu_kv_tokens <= 0:
         raise ValueError(f"{path}: weights leave no device memory for KV ({profile.gpu_kv_tokens} tokens)")
