@@ -117,7 +117,7 @@ class SimReplica:
         self.d2h_free_at = 0.0
         self.prefetch_inflight = 0
         self.load_done_at: dict[int, float] = {}
-        self._last_plan: tuple[int, int, int, int] | None = None
+        self._last_plan: tuple[int, ...] | None = None
         self.queued_reserved = 0  # see _start_queued_loads
         self.stats = ReplicaStats()
 
@@ -142,7 +142,8 @@ class SimReplica:
         if not self.policy.prefetch:
             return
         # nothing that planning reads has changed since the last plan: it would find nothing new
-        key = (self.cache.tree.version, self.book.version, self.prefetch_inflight, len(self.waiting))
+        key = (self.cache.tree.version, self.book.version, self.prefetch_inflight, len(self.waiting),
+               self.cache.used_tokens)
         if key == self._last_plan:
             return
         self._last_plan = key
