@@ -419,14 +419,8 @@ def priority_updates(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
         t_round = now_ns()
         for w in range(W):
             t0 = now_ns()
-            state = states[w]
-            cur = names[current[w]]
-            nxt = (current[w] + 1) % A
-            state.finish(cur)
-            state.start(names[nxt])
-            book.set_steps(keys[w], state.steps_to_execution())
+            advance(w)
             update.add(now_ns() - t0)
-            current[w] = nxt
         round_ms.append((now_ns() - t_round) / 1e6)
         bar.update(W)
 
