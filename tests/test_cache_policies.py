@@ -8,6 +8,7 @@ after every step; deterministic tests pin down each policy's eviction order.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 
@@ -59,7 +60,7 @@ def eviction_order(cache: TieredCache) -> list[tuple[int, ...]]:
     order = []
     while True:
         before = device_sequences(cache)
-        ok, writebacks = cache.make_room(cache.free_tokens + 1)
+        _ok, writebacks = cache.make_room(cache.free_tokens + 1)
         for node in writebacks:
             cache.finish_offload(node)
         gone = before - device_sequences(cache)
@@ -92,7 +93,9 @@ def to_host(cache: TieredCache, tokens: list[int]) -> None:
 
 
 # ---------------------------------------------------------------------- state machine
-SEQ = st.lists(st.integers(0, 1), min_size=1, max_size=12)  # two letters: prefixes collide a lot
+# a sequence as page symbols: page i holds `page_size` copies of symbol i, so prefixes collide as often
+# at every page size (two symbols); partial pages are exercised by `match_is_longest_prefix`
+SEQ = st.lists(st.integers(0, 1), min_size=1, max_size=6)
 WFS = ("w0", "w1")
 AGENTS = ("a", "b", "c")
 STEPS = st.sampled_from([0, 1, 2, 3, INF])
@@ -111,10 +114,11 @@ def _root_sequence(node: RadixNode) -> tuple[int, ...]:
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """Locked or in-flight nodes are never evicted; accounting never drifts; capacity never exceeded."""
+    """Locked or in-flight nodes are never evicted; accounting never drifts; capacity never exceeded;
+    matches are longest cached prefixes; every deferred eviction completes once the copies in flight land."""
 
     @initialize(page=st.sampled_from([1, 2, 4]), host=st.booleans(), policy=st.sampled_from(["lru", "kvflow"]),
-                gpu_pages=st.integers(3, 12), cpu_pages=st.integers(1, 12), seed=st.lists(SEQ, max_size=3))
+                gpu_pages=st.integers(3, 12), cpu_pages=st.integers(1, 8), seed=st.lists(SEQ, max_size=4))
     def setup(self, page: int, host: bool, policy: str, gpu_pages: int, cpu_pages: int,
               seed: list[list[int]]) -> None:
         self.page = page
@@ -139,6 +143,9 @@ class CacheMachine(RuleBasedStateMachine):
     def _offloading(self, n: RadixNode) -> bool:
         return n.offloading
 
+    def _ready(self, n: RadixNode) -> bool:
+        return n.gpu is GpuState.READY
+
     def _backup(self, n: RadixNode) -> bool:
         return n.gpu is GpuState.READY and not n.cpu and not n.offloading
 
@@ -160,7 +167,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert node.evict_pending <= pending  # a kept node may stop pending, never start
         for node, seq in locked_seqs:
             assert node.gpu is GpuState.READY and _root_sequence(node) == seq
-            assert all(n.gpu is GpuState.READY for n in _chain(node))
+            assert all(n.gpu is not GpuState.NONE for n in _chain(node))  # its prefix stays on the device
         for node in writebacks:
             assert node not in protected
             assert node.offloading and node.evict_pending and node.gpu is GpuState.READY and not node.cpu
@@ -174,11 +181,12 @@ class CacheMachine(RuleBasedStateMachine):
         return ok, writebacks
 
     # -------------------------------------------------------------- rules
+    def tokens(self, symbols: list[int]) -> tuple[int, ...]:
+        return tuple(s for s in symbols for _ in range(self.page))
+
     @rule(seq=SEQ)
     def insert(self, seq: list[int]) -> None:
-        key = self.tree.page_aligned(seq)
-        if not key:
-            return
+        key = self.tokens(seq)
         m = self.cache.match(key)
         self.tree.lock(m.last)
         need = len(key) - sum(len(n) for n in m.path if n.gpu is not GpuState.NONE)
@@ -192,7 +200,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(seq=SEQ)
     def match_and_lock(self, seq: list[int]) -> None:
-        m = self.cache.match(seq)
+        m = self.cache.match(self.tokens(seq))
         ready = []
         for node in m.path:
             if node.gpu is not GpuState.READY:
@@ -201,6 +209,14 @@ class CacheMachine(RuleBasedStateMachine):
         if ready:
             self.tree.lock(ready[-1])
             self.locks.append((ready[-1], _root_sequence(ready[-1])))
+
+    @precondition(lambda self: self.has(self._ready))
+    @rule(data=st.data())
+    def lock_node(self, data: st.DataObject) -> None:
+        """A request whose prompt ends exactly at some device node (often one being written back)."""
+        node = self.pick(data, self._ready)
+        self.tree.lock(node)
+        self.locks.append((node, _root_sequence(node)))
 
     @precondition(lambda self: self.locks)
     @rule(data=st.data())
@@ -241,16 +257,23 @@ class CacheMachine(RuleBasedStateMachine):
     def finish_offload(self, data: st.DataObject) -> None:
         node = self.pick(data, self._offloading)
         drop = node.evict_pending and node.lock_ref == 0 and node.n_gpu_children == 0
+        parent = node.parent
         self.cache.finish_offload(node, node.gpu_value)
-        assert node.cpu and not node.offloading and node.parent is not None
-        assert (node.gpu is GpuState.NONE) == drop
+        assert not node.offloading
+        if node.parent is None:
+            # dropped at once, and so was a pending parent with no host copy (its write-back found no
+            # room): then the new host copy extends nothing cached and is freed with it
+            assert drop and parent.parent is None
+        else:
+            assert node.cpu and (node.gpu is GpuState.NONE) == drop
 
     @precondition(lambda self: self.cache.host_tier and self.has(self._backup))
     @rule(data=st.data())
     def backup(self, data: st.DataObject) -> None:
         node = self.pick(data, self._backup)
+        pending = node.evict_pending  # (a node waiting for its children may get its host copy now)
         if self.cache.backup(node):
-            assert node.offloading and not node.evict_pending and node.gpu is GpuState.READY
+            assert node.offloading and node.evict_pending == pending and node.gpu is GpuState.READY
 
     @precondition(lambda self: self.inserted)
     @rule(data=st.data(), wf=st.sampled_from(WFS), agent=st.sampled_from(AGENTS))
@@ -284,8 +307,12 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.release(k)
         self.private -= k
 
-    @rule(q=SEQ, split=st.booleans())
-    def match_is_longest_prefix(self, q: list[int], split: bool) -> None:
+    @rule(seq=SEQ, split=st.booleans(), data=st.data())
+    def match_is_longest_prefix(self, seq: list[int], split: bool, data: st.DataObject) -> None:
+        q = list(self.tokens(seq))
+        if data.draw(st.booleans()):  # diverge (or end) inside a page
+            cut = data.draw(st.integers(0, len(q)))
+            q = q[:cut] + data.draw(st.lists(st.integers(0, 2), max_size=2))
         cached = self.tree.token_sequences()
         key = self.tree.page_aligned(q)
         expected = 0
@@ -318,8 +345,31 @@ class CacheMachine(RuleBasedStateMachine):
         offloading = sum(len(n) for n in nodes if n.offloading)
         assert cpu + offloading <= cache.cpu_capacity  # a write-back in flight holds its host space
         assert cache.pending_free == sum(len(n) for n in nodes if n.evict_pending)
+        for n in nodes:
+            if n.evict_pending:  # it leaves once its copy lands and its device children (all leaving) go
+                device_children = [c for c in n.children.values() if c.gpu is not GpuState.NONE]
+                assert all(c.evict_pending for c in device_children), n
+                assert n.offloading or device_children, n
         if not cache.host_tier:
             assert cpu == 0 and not any(n.in_flight for n in nodes)
+
+    @invariant()
+    def pending_evictions_complete(self) -> None:
+        """Liveness: once every copy in flight lands, every deferred eviction is settled. A node left
+        pending would keep `pending_free` counting memory that no event frees, and make_room would then
+        stop short while callers wait for that memory."""
+        cache = copy.deepcopy(self.cache)
+        while True:
+            busy = sorted((n for n in cache.tree.nodes() if n.in_flight), key=lambda n: n.id)
+            if not busy:
+                break
+            if busy[0].offloading:
+                cache.finish_offload(busy[0], busy[0].gpu_value)
+            else:
+                cache.finish_load(busy[0], busy[0].key)
+        assert cache.pending_free == 0, [n for n in cache.tree.nodes() if n.evict_pending]
+        assert cache.offloading_tokens == 0
+        cache.tree.check_invariants()
 
     @invariant()
     def locks_and_data(self) -> None:
@@ -423,12 +473,12 @@ def test_kvflow_dynamic_suffixes_go_first_in_lru_order() -> None:
     book.set_steps("w", {"a": 5, "b": 1})
     cache = TieredCache(100, KVFlowPolicy(book))
     pa, pb = (1, 1, 1), (2, 2, 2)
-    put(cache, pa + (7, 7))
-    put(cache, pb + (8, 8))
+    put(cache, (*pa, 7, 7))
+    put(cache, (*pb, 8, 8))
     cache.tree.tag_prefix(pa, ("w", "a"))
     cache.tree.tag_prefix(pb, ("w", "b"))
-    cache.match(pa + (7, 7))  # the a-suffix is now more recent than the b-suffix
-    assert eviction_order(cache) == [pb + (8, 8), pa + (7, 7), pa, pb]
+    cache.match((*pa, 7, 7))  # the a-suffix is now more recent than the b-suffix
+    assert eviction_order(cache) == [(*pb, 8, 8), (*pa, 7, 7), pa, pb]
 
 
 def test_kvflow_shared_preamble_takes_the_minimum() -> None:
@@ -437,7 +487,7 @@ def test_kvflow_shared_preamble_takes_the_minimum() -> None:
     book.set_steps("w", {"near": 1, "mid": 2, "far": 3})
     cache = TieredCache(100, KVFlowPolicy(book))
     pre = (9, 9, 9, 9)
-    near, far, mid = pre + (1, 1), pre + (3, 3), (2, 2, 2)
+    near, far, mid = (*pre, 1, 1), (*pre, 3, 3), (2, 2, 2)
     for seq, agent in ((near, "near"), (far, "far"), (mid, "mid")):
         put(cache, seq)
         cache.tree.tag_prefix(seq, ("w", agent))
@@ -563,7 +613,7 @@ def test_host_capacity_respected_by_concurrent_write_backs() -> None:
     cache = TieredCache(8, LRUPolicy(), cpu_capacity=4, host_tier=True)
     put(cache, (1, 2, 3, 4))
     put(cache, (5, 6, 7, 8))
-    ok, writebacks = cache.make_room(8)
+    _ok, writebacks = cache.make_room(8)
     assert len(writebacks) == 1  # only one copy fits; the other node is dropped (recompute later)
     assert cache.counters.dropped_tokens == 4
     for node in writebacks:
@@ -606,6 +656,65 @@ def test_write_back_of_a_parent_waits_for_its_children() -> None:
             cache.finish_offload(node, node.gpu_value)
     assert cache.free_tokens == 12 and cache.pending_free == 0 and cache.tree.gpu_tokens == 0
     assert cache.tree.cpu_tokens == 12
+    cache.tree.check_invariants()
+
+
+def test_dropping_a_node_without_host_copy_frees_its_host_only_descendants() -> None:
+    """Regression: with the host tier too small for a parent, the parent was dropped from the device
+    while its child's host copy stayed, hanging off a node that held no KV; a match then handed that
+    node to start_load, which failed."""
+    cache = TieredCache(8, LRUPolicy(), cpu_capacity=2, host_tier=True)
+    put(cache, (1, 2, 3, 4, 5, 6, 7, 8))
+    cache.match((1, 2, 3, 4, 5, 6))  # split: parent (6 tokens) and child (2 tokens)
+    _, (child,) = cache.make_room(1)  # the child is written back
+    cache.finish_offload(child, child.gpu_value)
+    assert child.tier is Tier.CPU
+    ok, writebacks = cache.make_room(6)  # the parent does not fit the host: dropped
+    assert ok and writebacks == []
+    assert cache.tree.match_prefix((1, 2, 3, 4, 5, 6, 7, 8)).length == 0  # all of it is gone
+    assert cache.tree.cpu_tokens == 0 and not cache.tree.root.children
+    assert cache.counters.dropped_tokens == 8 and cache.counters.evicted_cpu_tokens == 2
+    cache.tree.check_invariants()
+
+
+def test_a_kept_node_calls_off_pending_ancestors_still_copying() -> None:
+    """Regression: a request kept a node whose write-back landed while its parent's write-back was
+    still running; the parent stayed pending with a device child when its copy landed, nothing could
+    settle it, and make_room returned (False, []) with an evictable leaf on the device."""
+    cache = TieredCache(6, LRUPolicy(), cpu_capacity=100, host_tier=True)
+    put(cache, (1, 2, 3, 4, 5, 6))
+    cache.match((1, 2, 3))
+    _, (child, parent) = cache.make_room(6)  # both written back for eviction
+    m = cache.match((1, 2, 3, 4, 5, 6))
+    cache.tree.lock(m.last)  # a request uses the child while its copy runs
+    cache.finish_offload(child, child.gpu_value)  # kept: the parent cannot go either
+    assert not parent.evict_pending and parent.offloading
+    cache.tree.unlock(m.last)
+    cache.finish_offload(parent, parent.gpu_value)  # lands as a plain backup
+    assert parent.tier is child.tier is Tier.GPU and parent.cpu and child.cpu
+    assert cache.pending_free == 0
+    assert cache.make_room(3) == (True, [])  # the child is evicted now (it has a host copy)
+    assert child.tier is Tier.CPU
+    cache.tree.check_invariants()
+
+
+def test_new_kv_below_a_pending_node_calls_off_its_eviction() -> None:
+    """Regression: a request committed new KV below a node whose eviction was deferred; once the old
+    children's copies landed, nothing could ever settle the node, `pending_free` kept counting it, and
+    make_room returned (False, []) while an evictable leaf stayed on the device."""
+    cache = TieredCache(8, LRUPolicy(), cpu_capacity=2, host_tier=True)
+    put(cache, (1, 2, 3, 4, 5, 6))
+    cache.match((1, 2, 3, 4))
+    ok, writebacks = cache.make_room(8)  # the child is written back; the parent (4) finds no host room
+    parent = cache.tree.match_prefix((1, 2, 3, 4)).last
+    assert parent.evict_pending and cache.pending_free == 6
+    put(cache, (1, 2, 3, 4, 7, 7))  # a request reuses the parent and adds a continuation
+    assert not parent.evict_pending and cache.pending_free == 2
+    for node in writebacks:
+        cache.finish_offload(node, node.gpu_value)
+    assert cache.pending_free == 0
+    ok, writebacks = cache.make_room(4)
+    assert writebacks or ok  # the (7, 7) leaf is evicted (written back) instead of waiting forever
     cache.tree.check_invariants()
 
 

@@ -11,7 +11,7 @@ requests hold for KV not yet in the tree (their uncached prompt part and output)
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvflow_ray.core.policies import EvictionPolicy
@@ -82,6 +82,7 @@ class TieredCache:
         path, new = self.tree.insert(tokens, gpu_value)
         assert new <= private_tokens, (new, private_tokens)
         self.release(private_tokens)
+        self._keep_pending(path)
         # keep used accounting: the tree now owns `new` tokens that were private
         return path
 
@@ -201,7 +202,10 @@ class TieredCache:
 
     def _cancel_pending_ancestors(self, node: RadixNode | None) -> None:
         """A kept node blocks its pending ancestors for good: give their space back to the books."""
-        while node is not None and node.evict_pending and not node.offloading:
+        # Fix: ancestors whose own write-back is still in flight are called off too (their copy lands
+        # as a plain backup). Skipping them left them pending with a kept device child once the copy
+        # landed: no event could settle them, and `pending_free` counted them for good.
+        while node is not None and node.evict_pending:
             node.evict_pending = False
             self.pending_free -= len(node.key)
             node = node.parent
@@ -250,7 +254,18 @@ class TieredCache:
             raise MemoryError(f"load of {tokens} tokens with only {self.free_tokens} free")
         for node in nodes:
             self.tree.begin_load(node)
+        if nodes:
+            self._keep_pending(_ancestors(nodes[0]))
         return tokens
+
+    def _keep_pending(self, nodes: Iterable[RadixNode]) -> None:
+        """Fix: call off the deferred eviction of `nodes`, which now hold a new device descendant (a
+        commit or a load below them). They cannot leave before it, so no landing copy settles them, and
+        `pending_free` kept counting them for good: make_room then waited for memory that never came."""
+        for node in nodes:
+            if node.evict_pending:
+                node.evict_pending = False
+                self.pending_free -= len(node.key)
 
     def finish_load(self, node: RadixNode, gpu_value: object = None) -> None:
         self.tree.finish_load(node, gpu_value)
@@ -275,3 +290,12 @@ class TieredCache:
         node.offloading = True
         self.offloading_tokens += len(node.key)
         return True
+
+
+def _ancestors(node: RadixNode) -> list[RadixNode]:
+    out = []
+    parent = node.parent
+    while parent is not None and parent.parent is not None:  # up to, not including, the root
+        out.append(parent)
+        parent = parent.parent
+    return out
