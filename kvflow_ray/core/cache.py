@@ -111,15 +111,6 @@ class TieredCache:
         return node.n_gpu_children == 0 or all(
             c.evict_pending or c.gpu is GpuState.NONE for c in node.children.values())
 
-    def evictable_tokens(self, may_evict: NodeFilter | None = None) -> int:
-        """Device tokens that eviction could free, leaf by leaf (an upper bound used for budgets)."""
-        total = 0
-        for node in self.tree.nodes():
-            if (node.gpu is GpuState.READY and node.lock_ref == 0 and not node.in_flight
-                    and not node.evict_pending and (may_evict is None or may_evict(node))):
-                total += len(node.key)
-        return total
-
     def make_room(self, n: int, may_evict: NodeFilter | None = None) -> tuple[bool, list[RadixNode]]:
         """Evict until `n` device tokens are free. Returns (free now, write-backs started).
 

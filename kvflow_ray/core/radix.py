@@ -358,9 +358,6 @@ class RadixTree:
             node.prio_cache = (-1, 0.0)
         return len(nodes)
 
-    def workflow_nodes(self, workflow: str) -> set[RadixNode]:
-        return self._by_workflow.get(workflow, set())
-
     # ------------------------------------------------------------------ inspection
     def nodes(self) -> Iterator[RadixNode]:
         stack = list(self.root.children.values())
