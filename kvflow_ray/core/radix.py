@@ -359,6 +359,10 @@ class RadixTree:
         return len(nodes)
 
     # ------------------------------------------------------------------ inspection
+    def workflow_nodes(self, workflow: str) -> set[RadixNode]:
+        """Nodes that carry a tag of `workflow` (what retiring it will untag)."""
+        return self._by_workflow.get(workflow, set())
+
     def nodes(self) -> Iterator[RadixNode]:
         stack = list(self.root.children.values())
         while stack:
