@@ -160,6 +160,10 @@ class CacheMachine(RuleBasedStateMachine):
         protected = {node: (node.gpu, node.cpu, node.offloading, node.key, node.evict_pending)
                      for node in self.tree.nodes() if node.lock_ref or node.in_flight}
         locked_seqs = [(node, seq) for node, seq in self.locks]
+        # brute-force upper bound on what eviction could free: every unlocked device node
+        unlocked = sum(len(node) for node in self.tree.nodes() if node.gpu is not GpuState.NONE and not node.lock_ref)
+        hopeless = self.cache.free_tokens + self.cache.pending_free + unlocked < n
+        before = (self.tree.gpu_tokens, self.tree.cpu_tokens, self.cache.pending_free)
         ok, writebacks = self.cache.make_room(n)
         for node, (gpu, cpu, offloading, key, pending) in protected.items():
             assert node.parent is not None, f"protected node left the tree: {node}"
@@ -173,7 +177,11 @@ class CacheMachine(RuleBasedStateMachine):
             assert node.offloading and node.evict_pending and node.gpu is GpuState.READY and not node.cpu
         assert not writebacks or self.cache.host_tier
         assert ok == (self.cache.free_tokens >= n)
-        if not ok:
+        if hopeless:
+            # certain failure: nothing is evicted for a request that cannot fit anyway
+            assert not ok and not writebacks
+            assert (self.tree.gpu_tokens, self.tree.cpu_tokens, self.cache.pending_free) == before
+        elif not ok:
             # it stopped because enough is on its way, or because nothing evictable was left
             leftover = [node for node in self.tree.gpu_leaves
                         if not (node.lock_ref or node.offloading or node.evict_pending)]

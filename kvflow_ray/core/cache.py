@@ -121,6 +121,12 @@ class TieredCache:
         writebacks: list[RadixNode] = []
         if self.free_tokens >= n:
             return True, writebacks
+        # Certain failure: even evicting every unlocked device node would not free enough. Evict
+        # nothing then — emptying the cache for a request that cannot run yet only destroys prefixes
+        # that others (or this request, later) will need. (Pending frees are still on the device,
+        # so this bound over-counts them: it never refuses a feasible request.)
+        if self.free_tokens + self.pending_free + self.tree.gpu_tokens - self.tree.locked_gpu_tokens < n:
+            return False, writebacks
         self._host_heap = None  # host-eviction candidates, ranked at most once per call
         pri = self.eviction.priority
         heap = [(pri(node), node.id, node) for node in self.tree.gpu_leaves

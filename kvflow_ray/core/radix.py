@@ -140,6 +140,7 @@ class RadixTree:
         self.root = RadixNode(key=(), parent=None, gpu=GpuState.READY, lock_ref=1)
         self.gpu_tokens = 0  # device tokens held by nodes (READY or LOADING)
         self.cpu_tokens = 0  # host tokens held by nodes
+        self.locked_gpu_tokens = 0  # device tokens (READY or LOADING) in locked nodes: never evictable
         self.clock = 0  # logical time for LRU
         # bumped by every change of structure or tier state, so callers can reuse a look-up while
         # nothing changed (a decode step, the most common event, changes nothing here)
@@ -263,6 +264,8 @@ class RadixTree:
         self.version += 1
         parent = node.parent
         assert parent is not None
+        if node.lock_ref and (old is GpuState.NONE or state is GpuState.NONE):
+            self.locked_gpu_tokens += len(node.key) if old is GpuState.NONE else -len(node.key)
         if old is GpuState.NONE:
             self.gpu_tokens += len(node.key)
             parent.n_gpu_children += 1
@@ -324,6 +327,8 @@ class RadixTree:
     # ------------------------------------------------------------------ locks
     def lock(self, node: RadixNode | None) -> None:
         while node is not None and node is not self.root:
+            if node.lock_ref == 0 and node.gpu is not GpuState.NONE:
+                self.locked_gpu_tokens += len(node.key)
             node.lock_ref += 1
             node = node.parent
 
@@ -331,6 +336,8 @@ class RadixTree:
         while node is not None and node is not self.root:
             assert node.lock_ref > 0, node
             node.lock_ref -= 1
+            if node.lock_ref == 0 and node.gpu is not GpuState.NONE:
+                self.locked_gpu_tokens -= len(node.key)
             node = node.parent
 
     # ------------------------------------------------------------------ tags
@@ -402,6 +409,8 @@ class RadixTree:
             for wf, _agent in node.tags:
                 assert node in self._by_workflow.get(wf, ()), node
         assert gpu == self.gpu_tokens, (gpu, self.gpu_tokens)
+        locked = sum(len(n.key) for n in self.nodes() if n.lock_ref and n.gpu is not GpuState.NONE)
+        assert locked == self.locked_gpu_tokens, (locked, self.locked_gpu_tokens)
         assert cpu == self.cpu_tokens, (cpu, self.cpu_tokens)
         assert leaves == self.gpu_leaves, (leaves ^ self.gpu_leaves)
 
