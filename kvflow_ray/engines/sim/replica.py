@@ -74,7 +74,6 @@ class SimRequest:
     miss: int = 0
     stall: float = 0.0
     started: bool = False
-    finished_at: float = 0.0
 
 
 @dataclass
@@ -83,11 +82,8 @@ class ReplicaStats:
     cpu_tokens: int = 0
     miss_tokens: int = 0
     loaded_tokens: int = 0
-    offloaded_tokens: int = 0
     stall_s: float = 0.0
     prefetch_issued: int = 0
-    prefetch_tokens: int = 0
-    busy_s: float = 0.0
     requests: int = 0
 
 
@@ -154,7 +150,6 @@ class SimReplica:
             if op.nodes:
                 self.prefetch_inflight += 1
                 self.stats.prefetch_issued += 1
-                self.stats.prefetch_tokens += op.tokens
                 self._load(op.nodes, op.tokens, prefetch=True)
 
     def kick(self) -> None:
@@ -185,7 +180,6 @@ class SimReplica:
         for node in nodes:
             start = max(self.sim.now, self.d2h_free_at)
             self.d2h_free_at = start + self.profile.d2h_time(len(node.key))
-            self.stats.offloaded_tokens += len(node.key)
 
             def done(node: RadixNode = node) -> None:
                 self.cache.finish_offload(node)
@@ -316,7 +310,6 @@ class SimReplica:
         duration = self.profile.step_time([(n, r.prefill_pos) for r, n in prefill],
                                           [len(r.tokens) + r.decoded for r in decode])
         self.busy = True
-        self.stats.busy_s += duration
         self.sim.at(self.sim.now + duration, lambda: self._step_done(prefill, decode))
 
     def _step_done(self, prefill: list[tuple[SimRequest, int]], decode: list[SimRequest]) -> None:
@@ -348,7 +341,6 @@ class SimReplica:
         self.cache.tree.unlock(req.locked)
         req.locked = None
         self.running.remove(req)
-        req.finished_at = self.sim.now
         if req.measured:
             self.stats.requests += 1
             self.stats.gpu_tokens += req.gpu_hit
