@@ -190,8 +190,7 @@ class TieredCache:
 
     def _settle_pending(self, node: RadixNode) -> None:
         """Complete (or cancel) a deferred eviction whose blockers are gone."""
-        node.evict_pending = False
-        self.pending_free -= len(node.key)
+        self._unpend(node)
         if node.lock_ref == 0 and node.n_gpu_children == 0:
             self._drop_gpu(node)
         else:
@@ -203,9 +202,14 @@ class TieredCache:
         # as a plain backup). Skipping them left them pending with a kept device child once the copy
         # landed: no event could settle them, and `pending_free` counted them for good.
         while node is not None and node.evict_pending:
-            node.evict_pending = False
-            self.pending_free -= len(node.key)
+            self._unpend(node)
             node = node.parent
+
+    def _unpend(self, node: RadixNode) -> None:
+        """The node's deferred eviction is over (done or called off): its tokens no longer count as
+        on their way to free."""
+        node.evict_pending = False
+        self.pending_free -= len(node.key)
 
     def _host_droppable(self, node: RadixNode) -> bool:
         """A host copy that can go: of a device-resident node (the device copy stays), or of a
@@ -261,8 +265,7 @@ class TieredCache:
         `pending_free` kept counting them for good: make_room then waited for memory that never came."""
         for node in nodes:
             if node.evict_pending:
-                node.evict_pending = False
-                self.pending_free -= len(node.key)
+                self._unpend(node)
 
     def finish_load(self, node: RadixNode, gpu_value: object = None) -> None:
         self.tree.finish_load(node, gpu_value)
