@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvflow_ray.core.radix import Tag
+from kvflow_ray.core.scheduler import POLICIES
 from kvflow_ray.engines.sim.profile import Profile
-from kvflow_ray.engines.sim.replica import POLICIES
 from kvflow_ray.engines.sim.simulator import Simulation
 from kvflow_ray.engines.sim.workload import Scenario
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from kvflow_ray.core.graph import WorkflowSpec, WorkflowState
 from kvflow_ray.core.policies import FutureAccesses, StepBook, make_eviction_policy
 from kvflow_ray.core.radix import Tag
+from kvflow_ray.core.scheduler import PolicyConfig
 from kvflow_ray.engines.sim.profile import Profile
-from kvflow_ray.engines.sim.replica import PolicyConfig, SimReplica, SimRequest
+from kvflow_ray.engines.sim.replica import SimReplica, SimRequest
 
 
 @dataclass
@@ -135,11 +136,11 @@ class Simulation:
         self._rid += 1
         plan = client.plan
         prompt = plan.prompts[agent]
+        output = self.tokens.fresh(max(plan.output, 1))
         return SimRequest(
             rid=self._rid, workflow=plan.key, agent=agent,
-            tokens=prompt + self.tokens.fresh(plan.dynamic), fixed_len=len(prompt),
-            output_tokens=self.tokens.fresh(max(plan.output, 1)),
-            measured=client.iteration >= plan.warmup, on_done=client.on_done,
+            tokens=prompt + self.tokens.fresh(plan.dynamic), fixed_len=len(prompt), max_new=len(output),
+            output_tokens=output, measured=client.iteration >= plan.warmup, on_done=client.on_done,
         )
 
 

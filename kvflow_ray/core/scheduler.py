@@ -1,0 +1,382 @@
+"""The request lifecycle of one replica over a `TieredCache`: arrival, admission, loads, prefetch,
+prefill/decode batches, commit and release. Engine-agnostic and shared by every engine.
+
+An engine supplies two things: a `Copier` that moves bytes between tiers (a simulated stream, a CPU
+copy thread, SGLang's HiCache controller) and reports back through `load_done` / `offload_done`, and
+a compute loop that asks `next_batch` what to run and reports through `prefill_done` / `decoded`.
+Every cache decision (what to evict, what to load, which request runs) is made here or in the
+policies this calls, never in an engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvflow_ray.core.admission import AdmissionPolicy, FCFSAdmission, StatusAwareAdmission
+from kvflow_ray.core.cache import TieredCache
+from kvflow_ray.core.policies import StepBook
+from kvflow_ray.core.prefetch import NoPrefetch, PrefetchPolicy, StepsAheadPrefetch, plan_prefetch
+from kvflow_ray.core.radix import GpuState, RadixNode
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """A named combination of core policies, as compared in the benchmarks."""
+
+    name: str
+    eviction: str  # lru | kvflow | belady
+    host_tier: bool  # evicted KV is written back to a host tier and loaded on demand
+    prefetch: bool  # proactive host -> device loads for agents about to run
+    admission: str  # fcfs | status-aware
+    infinite: bool = False  # no device capacity limit (lower bound on latency)
+
+
+POLICIES: dict[str, PolicyConfig] = {
+    "lru": PolicyConfig("lru", "lru", host_tier=False, prefetch=False, admission="fcfs"),
+    "hicache": PolicyConfig("hicache", "lru", host_tier=True, prefetch=False, admission="fcfs"),
+    "kvflow": PolicyConfig("kvflow", "kvflow", host_tier=True, prefetch=True, admission="status-aware"),
+    "kvflow-noprefetch": PolicyConfig("kvflow-noprefetch", "kvflow", host_tier=True, prefetch=False,
+                                      admission="status-aware"),
+    "belady": PolicyConfig("belady", "belady", host_tier=True, prefetch=False, admission="fcfs"),
+    "infinite": PolicyConfig("infinite", "lru", host_tier=False, prefetch=False, admission="fcfs", infinite=True),
+}
+
+
+@dataclass(eq=False)
+class CacheRequest:
+    """What the scheduler tracks for one request. Engines subclass it with their own fields."""
+
+    workflow: str | None  # workflow instance key (None: a plain request, nothing tagged)
+    agent: str | None
+    tokens: tuple[int, ...]  # the prompt
+    fixed_len: int  # the agent's fixed prompt: tokens[:fixed_len] get the agent's tag
+    max_new: int  # output budget: device KV reserved for the answer
+    measured: bool = True  # counts in the replica's statistics (benchmarks leave warm-up out)
+    arrival: float = 0.0
+    # cache state
+    locked: RadixNode | None = None
+    reserved: int = 0  # private tokens promised to it while its queued load holds a lock
+    tail: RadixNode | None = None  # last node of the cached prefix at the latest look-up
+    seen_version: int = -1  # tree version of that look-up, and what it found
+    seen_state: tuple[bool, list[RadixNode]] = (True, [])
+    pending_nodes: list[RadixNode] = field(default_factory=list)  # prefix nodes not on the device at arrival
+    ready_at_arrival: int = 0
+    waiting_on: list[RadixNode] = field(default_factory=list)  # LOADING nodes the prefill needs
+    matched: int = 0  # prefix tokens served from the cache (either tier)
+    private: int = 0  # device tokens allocated to it outside the tree
+    prefill_pos: int = 0  # prompt tokens whose KV exists (cached or computed)
+    decoded: int = 0  # output tokens produced
+    # outcome
+    gpu_hit: int = 0
+    cpu_hit: int = 0
+    miss: int = 0
+    stall: float = 0.0  # time from arrival until the KV it had to load was on the device
+    started: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefill_pos < len(self.tokens)
+
+
+@dataclass
+class ReplicaStats:
+    gpu_tokens: int = 0
+    cpu_tokens: int = 0
+    miss_tokens: int = 0
+    loaded_tokens: int = 0
+    stall_s: float = 0.0
+    prefetch_issued: int = 0
+    prefetch_completed: int = 0
+    requests: int = 0
+
+
+class Copier(Protocol):
+    """Moves KV bytes for the scheduler. Each copy is reported back when it lands: `load_done` for
+    host -> device, `offload_done` for device -> host (on the scheduler's thread)."""
+
+    def load(self, nodes: list[RadixNode], tokens: int, prefetch: bool) -> None: ...
+
+    def write_back(self, nodes: list[RadixNode]) -> None: ...
+
+
+@dataclass
+class Batch:
+    """One forward step: prefill chunks (request, new tokens) or decodes, never both (SGLang's default
+    scheduler runs a ready prefill batch on its own and decodes in between)."""
+
+    prefill: list[tuple[CacheRequest, int]]
+    decode: list[CacheRequest]
+
+
+class ReplicaScheduler:
+    def __init__(self, cache: TieredCache, policy: PolicyConfig, book: StepBook, copier: Copier, *,
+                 clock: Callable[[], float], horizon: int = 1, max_inflight: int = 4,
+                 max_running: int = 1 << 30, measuring: Callable[[], bool] = lambda: True) -> None:
+        self.cache = cache
+        self.policy = policy
+        self.book = book
+        self.copier = copier
+        self.clock = clock
+        self.measuring = measuring
+        self.max_running = max_running
+        self.admission: AdmissionPolicy = (StatusAwareAdmission() if policy.admission == "status-aware"
+                                           else FCFSAdmission())
+        self.prefetcher: PrefetchPolicy = (StepsAheadPrefetch(horizon, max_inflight) if policy.prefetch
+                                           else NoPrefetch())
+        self.waiting: list[CacheRequest] = []
+        self.running: list[CacheRequest] = []
+        self.prefetch_inflight = 0
+        self.load_done_at: dict[int, float] = {}
+        self._last_plan: tuple[int, ...] | None = None
+        self.queued_reserved = 0  # see _start_queued_loads
+        self.stats = ReplicaStats()
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # ------------------------------------------------------------------ arrival
+    def check(self, req: CacheRequest) -> None:
+        """Reject a request that can never run here (raises ValueError; nothing changes)."""
+        need = len(req.tokens) + req.max_new
+        if need > self.cache.gpu_capacity:
+            raise ValueError(f"a call of agent {req.agent!r} needs {need} device KV tokens (prompt + output) "
+                             f"but the device pool holds {self.cache.gpu_capacity}: shorten the prompt, "
+                             "lower max_tokens or enlarge the device pool")
+
+    def submit(self, req: CacheRequest) -> None:
+        self.check(req)
+        req.arrival = self.clock()
+        match = self.cache.tree.match_prefix(req.tokens, split=False)
+        ready, loading, host = match.split_by_tier()
+        req.ready_at_arrival = ready
+        req.pending_nodes = loading + host
+        req.tail = match.last
+        self.waiting.append(req)
+
+    def cancel(self, req: CacheRequest) -> None:
+        """Drop a request (client gone, engine error): its locks and memory go back."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+            if req.locked is not None:
+                self.cache.tree.unlock(req.locked)
+                self.queued_reserved -= req.reserved
+                req.locked, req.reserved = None, 0
+        elif req in self.running:
+            self.running.remove(req)
+            self.cache.release(req.private)
+            req.private = 0
+            self.cache.tree.unlock(req.locked)
+            req.locked = None
+
+    # ------------------------------------------------------------------ prefetch
+    def plan_prefetch(self) -> None:
+        """New steps-to-execution values or freed memory: plan prefetches (no-op without prefetch)."""
+        if not self.policy.prefetch:
+            return
+        # nothing that planning reads has changed since the last plan: it would find nothing new
+        key = (self.cache.tree.version, self.book.version, self.prefetch_inflight, len(self.waiting),
+               self.cache.used_tokens)
+        if key == self._last_plan:
+            return
+        self._last_plan = key
+        # what queued requests still need on the device (their uncached prompt part and output)
+        reserved = sum(len(r.tokens) - r.ready_at_arrival + r.max_new for r in self.waiting)
+        for op in plan_prefetch(self.cache, self.prefetcher, self.book, self.prefetch_inflight, reserved):
+            self.copier.write_back(op.writebacks)
+            if op.nodes:
+                self.prefetch_inflight += 1
+                self.stats.prefetch_issued += 1
+                self._load(op.nodes, op.tokens, prefetch=True)
+
+    # ------------------------------------------------------------------ copies
+    def _load(self, nodes: list[RadixNode], tokens: int, prefetch: bool) -> None:
+        if self.measuring():
+            self.stats.loaded_tokens += tokens
+        self.copier.load(nodes, tokens, prefetch)
+
+    def load_done(self, nodes: list[RadixNode], prefetch: bool, values: list[object] | None = None) -> None:
+        now = self.clock()
+        for i, node in enumerate(nodes):
+            self.cache.finish_load(node, None if values is None else values[i])
+            self.load_done_at[node.id] = now
+        if prefetch:
+            self.prefetch_inflight -= 1
+            self.stats.prefetch_completed += 1
+            self.plan_prefetch()
+
+    def offload_done(self, node: RadixNode, value: object = None) -> None:
+        self.cache.finish_offload(node, value)
+        self.plan_prefetch()  # room that a prefetch was waiting for may be free now
+
+    # ------------------------------------------------------------------ admission
+    def _prefix_state(self, req: CacheRequest) -> tuple[bool, list[RadixNode]]:
+        """(cached prefix usable now, its host-only nodes). The tail node remembered from the last
+        look-up answers most calls: device residency is prefix-closed, so a READY tail means the
+        whole cached prefix is on the device."""
+        tree = self.cache.tree
+        if req.seen_version == tree.version:
+            return req.seen_state
+        tail = req.tail
+        if tail is not None and tail.parent is not None and tail.gpu is GpuState.READY:
+            state: tuple[bool, list[RadixNode]] = (True, [])
+        else:
+            match = tree.match_prefix(req.tokens, split=False)
+            req.tail = match.last
+            _ready, loading, host = match.split_by_tier()
+            state = (not (loading or host), host)
+        req.seen_version, req.seen_state = tree.version, state
+        return state
+
+    def _is_loading(self, req: CacheRequest) -> bool:
+        return not self._prefix_state(req)[0]
+
+    def _private_need(self, req: CacheRequest, matched: int) -> int:
+        # a fully cached prompt still recomputes its last token to get the next-token logits
+        return len(req.tokens) - min(matched, len(req.tokens) - 1) + req.max_new
+
+    def _start_queued_loads(self) -> None:
+        """Status-aware engines start the host->device load of queued requests right away and run
+        ready work meanwhile (FCFS engines load only once a request reaches the batch).
+
+        A queued load locks its prefix until the request is admitted (otherwise loads for different
+        queued requests evict each other before use), and starts only while free memory still covers
+        the private needs of every request holding such a load, so they can all be admitted."""
+        for req in self.waiting:
+            if req.locked is not None:
+                continue
+            _ready, host = self._prefix_state(req)
+            if not host:
+                continue
+            match = self.cache.match(req.tokens)
+            _ready_len, _loading, host = match.split_by_tier()
+            if not host:
+                continue
+            private = self._private_need(req, match.length)
+            self.cache.tree.lock(match.last)
+            ok, writebacks = self.cache.make_room(sum(len(n.key) for n in host) + private + self.queued_reserved)
+            self.copier.write_back(writebacks)
+            if not ok:
+                self.cache.tree.unlock(match.last)
+                break
+            req.locked = match.last
+            req.reserved = private
+            self.queued_reserved += private
+            self._load(host, self.cache.start_load(host), prefetch=False)
+
+    def admit(self) -> list[CacheRequest]:
+        """Move waiting requests into the running set while memory allows; returns the admitted."""
+        admitted: list[CacheRequest] = []
+        if self.policy.admission == "status-aware":
+            self._start_queued_loads()
+        for req in self.admission.order(self.waiting, self._is_loading):
+            if len(self.running) >= self.max_running:
+                break
+            match = self.cache.match(req.tokens)
+            _ready, loading, host = match.split_by_tier()
+            private = self._private_need(req, match.length)
+            need = private + sum(len(n.key) for n in host)
+            self.cache.tree.lock(match.last)  # before evicting: never evict the prefix we matched
+            ok, writebacks = self.cache.make_room(need)
+            self.copier.write_back(writebacks)
+            if not ok:
+                self.cache.tree.unlock(match.last)
+                break  # keep arrival order: wait for memory rather than let later requests starve it
+            if req.locked is not None:  # the lock of its queued load passes to the admitted request
+                self.cache.tree.unlock(req.locked)
+                self.queued_reserved -= req.reserved
+                req.reserved = 0
+            req.locked = match.last
+            if host:
+                self._load(host, self.cache.start_load(host), prefetch=False)
+            self.cache.alloc(private)
+            req.private = private
+            req.waiting_on = loading + host
+            req.matched = match.length
+            req.gpu_hit = min(req.ready_at_arrival, match.length)
+            req.cpu_hit = match.length - req.gpu_hit
+            req.miss = len(req.tokens) - match.length
+            req.prefill_pos = min(match.length, len(req.tokens) - 1)
+            self.waiting.remove(req)
+            self.running.append(req)
+            admitted.append(req)
+        return admitted
+
+    # ------------------------------------------------------------------ batches
+    def kv_ready(self, req: CacheRequest) -> bool:
+        return all(n.gpu is GpuState.READY for n in req.waiting_on)
+
+    def next_batch(self, prefill_budget: int) -> Batch | None:
+        """Admit what fits, then pick the next step: prefill chunks of requests whose KV is on the
+        device (up to `prefill_budget` tokens), else one decode step of every decoding request.
+
+        None: nothing can run now (idle, or an FCFS batch waits for a load)."""
+        self.admit()
+        budget = prefill_budget
+        prefill: list[tuple[CacheRequest, int]] = []
+        decode: list[CacheRequest] = []
+        blocked = False
+        for req in self.running:
+            if req.prefilling:
+                if not self.kv_ready(req):
+                    # FCFS: the batch containing this request waits for its load (the stall KVFlow's
+                    # status-aware admission avoids by admitting ready requests first).
+                    blocked = blocked or self.policy.admission == "fcfs"
+                    continue
+                if budget > 0:
+                    n = min(budget, len(req.tokens) - req.prefill_pos)
+                    prefill.append((req, n))
+                    budget -= n
+            else:
+                decode.append(req)
+        if blocked or (not prefill and not decode):
+            return None
+        if prefill:
+            decode = []
+        for req, _n in prefill:
+            if not req.started:
+                req.started = True
+                kv_ready = max((self.load_done_at.get(n.id, req.arrival) for n in req.pending_nodes),
+                               default=req.arrival)
+                req.stall = max(0.0, kv_ready - req.arrival)
+        return Batch(prefill, decode)
+
+    def prefill_done(self, req: CacheRequest, n: int, gpu_value: object = None) -> bool:
+        """`n` more prompt tokens have KV. At the end of the prompt the KV joins the tree (shareable
+        now; `gpu_value` is the engine's payload for the whole prompt) and the first output token
+        exists. Returns True when the request is finished."""
+        req.prefill_pos += n
+        if req.prefilling:
+            return False
+        computed = len(req.tokens) - min(req.matched, len(req.tokens) - 1)
+        path = self.cache.commit(req.tokens, computed, gpu_value)
+        req.private -= computed
+        if req.fixed_len and req.workflow is not None and req.agent is not None:
+            self.cache.tree.tag_prefix(req.tokens[:req.fixed_len], (req.workflow, req.agent))
+        self.cache.tree.lock(path[-1] if path else None)
+        self.cache.tree.unlock(req.locked)
+        req.locked = path[-1] if path else None
+        return self.decoded(req)
+
+    def decoded(self, req: CacheRequest, eos: bool = False) -> bool:
+        """One more output token; True when the request is finished (budget used up or `eos`)."""
+        req.decoded += 1
+        return eos or req.decoded >= req.max_new
+
+    def finish(self, req: CacheRequest, sequence: tuple[int, ...], gpu_value: object = None) -> None:
+        """The request is done: `sequence` (prompt + output whose KV exists) joins the tree, the rest
+        of its private memory is released."""
+        self.cache.commit(sequence, req.private, gpu_value)
+        req.private = 0
+        self.cache.tree.unlock(req.locked)
+        req.locked = None
+        self.running.remove(req)
+        if req.measured:
+            self.stats.requests += 1
+            self.stats.gpu_tokens += req.gpu_hit
+            self.stats.cpu_tokens += req.cpu_hit
+            self.stats.miss_tokens += req.miss
+            self.stats.stall_s += req.stall
+        self.plan_prefetch()  # memory freed: a prefetch that did not fit may fit now
