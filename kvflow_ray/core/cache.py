@@ -76,10 +76,12 @@ class TieredCache:
         self.tree.touch(m.path)
         return m
 
-    def commit(self, tokens: Sequence[int], private_tokens: int, gpu_value: object = None) -> list[RadixNode]:
+    def commit(self, tokens: Sequence[int], private_tokens: int, gpu_value: object = None,
+               adopted: list[tuple[int, int]] | None = None) -> list[RadixNode]:
         """Hand a request's freshly computed KV to the tree: `private_tokens` of its private
-        allocation covered `tokens` past what it matched; KV someone else inserted meanwhile is freed."""
-        path, new = self.tree.insert(tokens, gpu_value)
+        allocation covered `tokens` past what it matched; KV someone else inserted meanwhile is freed
+        (`adopted` receives the ranges of `tokens` the tree took, see `RadixTree.insert`)."""
+        path, new = self.tree.insert(tokens, gpu_value, adopted)
         assert new <= private_tokens, (new, private_tokens)
         self.release(private_tokens)
         self._keep_pending(path)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 Tag = tuple[str, str]
@@ -146,6 +146,9 @@ class RadixTree:
         # nothing changed (a decode step, the most common event, changes nothing here)
         self.version = 0
         self.gpu_leaves: set[RadixNode] = set()  # READY nodes without device children
+        # called as (node, "gpu" | "cpu", payload) when a tier's copy of a node is freed, so an engine
+        # can return its pages (TieredCache frees nodes deep inside eviction)
+        self.on_free: Callable[[RadixNode, str, object], None] | None = None
         self._by_workflow: dict[str, set[RadixNode]] = {}
         # agents each workflow has tagged, so retiring it discards exactly its tags: a node shared by
         # thousands of workflows is never rebuilt tag by tag
@@ -213,12 +216,15 @@ class RadixTree:
             self._by_workflow.setdefault(wf, set()).add(upper)
         return upper
 
-    def insert(self, tokens: Sequence[int], gpu_value: object = None) -> tuple[list[RadixNode], int]:
+    def insert(self, tokens: Sequence[int], gpu_value: object = None,
+               adopted: list[tuple[int, int]] | None = None) -> tuple[list[RadixNode], int]:
         """Insert freshly computed KV for `tokens` (whole pages) on the device.
 
         Returns (path, newly device-resident tokens). Nodes that existed host-only become device-resident
         again (the engine recomputed them), so the count covers both new nodes and revived ones;
-        `gpu_value` (if any) is the payload for the whole sequence and is sliced per node."""
+        `gpu_value` (if any) is the payload for the whole sequence and is sliced per node. The ranges of
+        `tokens` whose payload the tree took are appended to `adopted`: the engine frees the rest (KV
+        that was already cached when it was computed)."""
         key = self.page_aligned(tokens)
         match = self.match_prefix(key)
         new_tokens = 0
@@ -228,6 +234,8 @@ class RadixTree:
                 node.gpu_value = _slice(gpu_value, offset, offset + len(node.key))
                 self._set_gpu(node, GpuState.READY)
                 new_tokens += len(node.key)
+                if adopted is not None:
+                    adopted.append((offset, offset + len(node.key)))
             offset += len(node.key)
         path = match.path
         parent = path[-1] if path else self.root
@@ -239,6 +247,8 @@ class RadixTree:
             parent.children[child.key[:self.page_size]] = child
             self._set_gpu(child, GpuState.READY)
             new_tokens += len(child.key)
+            if adopted is not None:
+                adopted.append((match.length, len(key)))
             path = [*path, child]
         self.touch(path)
         return path, new_tokens
@@ -285,8 +295,10 @@ class RadixTree:
         if node.cpu != present:
             self.version += 1
             self.cpu_tokens += len(node.key) if present else -len(node.key)
-        node.cpu = present
+        old, node.cpu = node.cpu_value, present
         node.cpu_value = value if present else None
+        if not present and old is not None and self.on_free is not None:
+            self.on_free(node, "cpu", old)
 
     def begin_load(self, node: RadixNode) -> None:
         assert node.gpu is GpuState.NONE and node.cpu and not node.offloading, node
@@ -304,8 +316,10 @@ class RadixTree:
         # the last copy of a node must not go while host-only descendants build on it (they would hang
         # off a node holding no KV): TieredCache frees them first
         assert node.cpu or not node.children, f"drop the host-only descendants of {node} first"
-        node.gpu_value = None
+        value, node.gpu_value = node.gpu_value, None
         self._set_gpu(node, GpuState.NONE)
+        if self.on_free is not None:
+            self.on_free(node, "gpu", value)
         if not node.cpu:
             self._prune(node)
 

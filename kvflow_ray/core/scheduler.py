@@ -343,7 +343,8 @@ class ReplicaScheduler:
                 req.stall = max(0.0, kv_ready - req.arrival)
         return Batch(prefill, decode)
 
-    def prefill_done(self, req: CacheRequest, n: int, gpu_value: object = None) -> bool:
+    def prefill_done(self, req: CacheRequest, n: int, gpu_value: object = None,
+                     adopted: list[tuple[int, int]] | None = None) -> bool:
         """`n` more prompt tokens have KV. At the end of the prompt the KV joins the tree (shareable
         now; `gpu_value` is the engine's payload for the whole prompt) and the first output token
         exists. Returns True when the request is finished."""
@@ -351,7 +352,7 @@ class ReplicaScheduler:
         if req.prefilling:
             return False
         computed = len(req.tokens) - min(req.matched, len(req.tokens) - 1)
-        path = self.cache.commit(req.tokens, computed, gpu_value)
+        path = self.cache.commit(req.tokens, computed, gpu_value, adopted)
         req.private -= computed
         if req.fixed_len and req.workflow is not None and req.agent is not None:
             self.cache.tree.tag_prefix(req.tokens[:req.fixed_len], (req.workflow, req.agent))
@@ -365,10 +366,11 @@ class ReplicaScheduler:
         req.decoded += 1
         return eos or req.decoded >= req.max_new
 
-    def finish(self, req: CacheRequest, sequence: tuple[int, ...], gpu_value: object = None) -> None:
+    def finish(self, req: CacheRequest, sequence: tuple[int, ...], gpu_value: object = None,
+               adopted: list[tuple[int, int]] | None = None) -> None:
         """The request is done: `sequence` (prompt + output whose KV exists) joins the tree, the rest
         of its private memory is released."""
-        self.cache.commit(sequence, req.private, gpu_value)
+        self.cache.commit(sequence, req.private, gpu_value, adopted)
         req.private = 0
         self.cache.tree.unlock(req.locked)
         req.locked = None

@@ -7,9 +7,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvflow_ray.core.radix import Tag
-from kvflow_ray.core.scheduler import POLICIES
+from kvflow_ray.core.scheduler import POLICIES, ReplicaStats
 from kvflow_ray.engines.sim.profile import Profile
-from kvflow_ray.engines.sim.simulator import Simulation
+from kvflow_ray.engines.sim.simulator import IterationRecord, Simulation
 from kvflow_ray.engines.sim.workload import Scenario
 
 
@@ -43,8 +43,14 @@ def simulate(scenario: Scenario, profile: Profile, policy: str, *, replicas: int
 
 
 def summarise(sim: Simulation) -> dict[str, Any]:
-    measured = [it.latency for it in sim.iterations if it.measured]
-    stats = [r.stats for r in sim.replicas]
+    return summarise_run(sim.iterations, [r.stats for r in sim.replicas], sim.now,
+                         None if sim.policy.infinite else sim.replicas[0].cache.gpu_capacity)
+
+
+def summarise_run(iterations: Sequence[IterationRecord], stats: Sequence[ReplicaStats], makespan: float,
+                  device_kv_tokens: int | None) -> dict[str, Any]:
+    """The DESIGN.md §8 result of one policy's run, from any engine."""
+    measured = [it.latency for it in iterations if it.measured]
     gpu = sum(s.gpu_tokens for s in stats)
     cpu = sum(s.cpu_tokens for s in stats)
     miss = sum(s.miss_tokens for s in stats)
@@ -58,10 +64,10 @@ def summarise(sim: Simulation) -> dict[str, Any]:
         "loaded_tokens": sum(s.loaded_tokens for s in stats),
         # mean per measured workflow pass of the time its requests waited on KV loading
         "prefetch_stall_s": sum(s.stall_s for s in stats) / len(measured) if measured else 0.0,
-        "makespan_s": sim.now,
+        "makespan_s": makespan,
         "workflows_measured": len(measured),
         "prefetch_issued": sum(s.prefetch_issued for s in stats),
-        "device_kv_tokens": sim.replicas[0].cache.gpu_capacity if not sim.policy.infinite else None,
+        "device_kv_tokens": device_kv_tokens,
     }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvflow_ray.core.graph import WorkflowSpec, WorkflowState
 from kvflow_ray.core.policies import FutureAccesses, StepBook, make_eviction_policy
@@ -127,6 +128,13 @@ class Simulation:
         for replica in self.replicas:
             replica.cache.retire_workflow(workflow)
 
+    def register_prompts(self, workflow: str, prompts: dict[str, tuple[int, ...]]) -> None:
+        for agent, tokens in prompts.items():
+            self.book.register_prompt((workflow, agent), tokens)
+
+    def call(self, client: WorkflowClient, agent: str) -> None:
+        self.submit(self.new_request(client, agent))
+
     def add_client(self, plan: ClientPlan) -> WorkflowClient:
         client = WorkflowClient(self, plan)
         self.at(plan.start_at, client.begin)
@@ -140,8 +148,30 @@ class Simulation:
         return SimRequest(
             rid=self._rid, workflow=plan.key, agent=agent,
             tokens=prompt + self.tokens.fresh(plan.dynamic), fixed_len=len(prompt), max_new=len(output),
-            output_tokens=output, measured=client.iteration >= plan.warmup, on_done=client.on_done,
+            output_tokens=output, measured=client.iteration >= plan.warmup,
+            on_done=lambda req: client.on_done(agent),
         )
+
+
+class ClientHost(Protocol):
+    """What a `WorkflowClient` drives: the simulator, or a real engine's benchmark driver. It plays
+    the router's part (publishes steps-to-execution and prompts) and owns the clock."""
+
+    measuring: bool
+    iterations: list[IterationRecord]
+
+    @property
+    def now(self) -> float: ...
+
+    def register_prompts(self, workflow: str, prompts: dict[str, tuple[int, ...]]) -> None: ...
+
+    def publish(self, workflow: str, state: WorkflowState) -> None: ...
+
+    def call(self, client: WorkflowClient, agent: str) -> None:
+        """Send one request for `agent`; its completion calls `client.on_done(agent)`."""
+        ...
+
+    def retire(self, workflow: str) -> None: ...
 
 
 @dataclass
@@ -149,7 +179,7 @@ class WorkflowClient:
     """Runs one workflow instance: starts agents as the step graph allows, one request per agent
     call, and counts an iteration each time the workflow returns to its entry (loops) or drains (DAGs)."""
 
-    sim: Simulation
+    sim: ClientHost
     plan: ClientPlan
     state: WorkflowState = field(init=False)
     iteration: int = 0
@@ -160,8 +190,7 @@ class WorkflowClient:
         self._entry = set(self.plan.spec.start_agents())
 
     def begin(self) -> None:
-        for agent, tokens in self.plan.prompts.items():
-            self.sim.book.register_prompt((self.plan.key, agent), tokens)
+        self.sim.register_prompts(self.plan.key, self.plan.prompts)
         self._start_iteration()
 
     def _start_iteration(self) -> None:
@@ -176,7 +205,7 @@ class WorkflowClient:
             self.state.start(agent)
         self.sim.publish(self.plan.key, self.state)
         for agent in agents:
-            self.sim.submit(self.sim.new_request(self, agent))
+            self.sim.call(self, agent)
 
     def _end_iteration(self) -> bool:
         """Record the iteration; True if another one follows."""
@@ -186,10 +215,10 @@ class WorkflowClient:
         self.iteration_start = self.sim.now
         return self.iteration < self.plan.iterations
 
-    def on_done(self, req: SimRequest) -> None:
+    def on_done(self, agent: str) -> None:
         state = self.state
-        state.finish(req.agent)
-        ready = [v for v in self.plan.spec.successors(req.agent) if v not in state.running and state.ready(v)]
+        state.finish(agent)
+        ready = [v for v in self.plan.spec.successors(agent) if v not in state.running and state.ready(v)]
         loop_back = [v for v in ready if v in self._entry]
         if loop_back:  # back at the entry: one pass of the loop is done
             if self._end_iteration():

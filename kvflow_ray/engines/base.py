@@ -1,0 +1,90 @@
+"""The protocol every engine implements (DESIGN.md §4), and the plain data it exchanges.
+
+An engine owns compute and data movement only; every cache decision is made by `kvflow_ray.core`
+(through `core.scheduler.ReplicaScheduler`). The serving layer talks to any engine through this
+protocol: `generate` / `stream` for requests, `apply_hints` for what the workflow router knows
+(steps-to-execution, agents' fixed prompts, retired workflows), `stats` and `cache_events` for
+metrics and routing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class GenerateRequest:
+    """One completion. Give `prompt` (text, tokenized by the engine) or `tokens` (ids)."""
+
+    prompt: str | None = None
+    tokens: Sequence[int] | None = None
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    seed: int | None = None  # sampling seed (temperature > 0)
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)
+    # workflow metadata (DESIGN.md §7); without it the request is served as a plain request
+    workflow: str | None = None  # the workflow instance (client id, tenant-scoped by the caller)
+    agent: str | None = None
+    fixed_prefix_tokens: int | None = None  # explicit fixed-prompt boundary
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[int]  # output token ids
+    text: str
+    prompt_tokens: int
+    gpu_hit_tokens: int  # prompt tokens served from the device tier
+    cpu_hit_tokens: int  # prompt tokens loaded from the host tier
+    miss_tokens: int  # prompt tokens computed
+    stall_s: float  # time the request waited for its KV to reach the device
+    ttft_s: float
+    latency_s: float
+    finish_reason: str  # "length" | "stop"
+
+
+@dataclass
+class Hints:
+    """What the workflow layer tells an engine. `steps`: steps-to-execution per agent of each
+    workflow instance (replacing what was known of that instance); `prompts`: each agent's fixed
+    prompt (token ids), which prefetch loads; `retire`: finished workflow instances."""
+
+    steps: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    prompts: Mapping[tuple[str, str], Sequence[int]] = field(default_factory=dict)
+    retire: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """A cached prefix changed tier. `prefix_hash` identifies the whole token sequence from the root
+    to the end of the node (`prefix_hash(tokens)`), so a router can look up an agent's fixed prompt."""
+
+    kind: str  # "stored" | "removed"
+    tier: str  # "gpu" | "cpu"
+    prefix_hash: str
+    tokens: int
+
+
+def prefix_hash(tokens: Sequence[int]) -> str:
+    import hashlib
+
+    return hashlib.blake2b(",".join(map(str, tokens)).encode(), digest_size=12).hexdigest()
+
+
+class Engine(Protocol):
+    def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Run one request to completion (raises ValueError for a request that can never run)."""
+        ...
+
+    def stream(self, request: GenerateRequest) -> Iterator[int | GenerateResult]:
+        """Yield output token ids as they are produced, then the `GenerateResult`."""
+        ...
+
+    def apply_hints(self, hints: Hints) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def cache_events(self) -> list[CacheEvent]:
+        """Events since the last call (drained)."""
+        ...
