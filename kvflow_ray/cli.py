@@ -12,6 +12,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("kvflow_ray.commands.validate", "check a workflow spec and print steps-to-execution"),
     "sim": ("kvflow_ray.commands.sim", "run a scenario on the discrete-event simulator, policies side by side"),
+    "bench": ("kvflow_ray.commands.bench", "benchmarks on a real engine (cpu), calibration and simulator fidelity"),
 }
 
 

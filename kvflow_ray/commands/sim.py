@@ -26,13 +26,11 @@ from kvflow_ray.engines.sim.runner import parse_policies, run_policies
 DEFAULT_POLICIES = "lru,hicache,kvflow,belady,infinite"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_scenario_arguments(parser: argparse.ArgumentParser, single_iterations: int = 10) -> None:
+    """The scenario flags, shared by `sim` and `bench cpu` (DESIGN.md §8)."""
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--scenario", choices=["single", "concurrent", "peer"], help="a built-in scenario")
     which.add_argument("--workflow", metavar="FILE", help="run any workflow spec (YAML/JSON)")
-    parser.add_argument("--profile", default="a10g-llama3.1-8b",
-                        help=f"GPU cost profile name or YAML path (built in: {', '.join(available_profiles())})")
-    parser.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
     parser.add_argument("--agents", type=int, default=10, help="agents per workflow (single, concurrent)")
     parser.add_argument("--fixed", type=int, default=None,
                         help="fixed prompt tokens per agent (default: 8192 single, 1024 concurrent/workflow)")
@@ -41,9 +39,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=int, default=None,
                         help="output tokens per call (default: 32 single, 256 concurrent, 64 peer)")
     parser.add_argument("--iterations", type=int, default=None,
-                        help="measured passes per workflow after one warm-up pass (default 10 single, 3 otherwise)")
+                        help=f"measured passes per workflow after one warm-up pass (default {single_iterations} "
+                             "single, 3 otherwise)")
     parser.add_argument("--tasks", type=int, default=64, help="concurrent workflow instances (concurrent)")
     parser.add_argument("--clients", type=int, default=None, help="concurrent clients (peer: 64, workflow: 1)")
+    parser.set_defaults(_single_iterations=single_iterations)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_scenario_arguments(parser)
+    parser.add_argument("--profile", default="a10g-llama3.1-8b",
+                        help=f"GPU cost profile name or YAML path (built in: {', '.join(available_profiles())}; "
+                             "cpu-reference after `kvflow-ray bench calibrate`)")
+    parser.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
     parser.add_argument("--replicas", type=int, default=1, help="simulated GPU replicas")
     parser.add_argument("--horizon", type=int, default=1, help="prefetch agents at most this many steps ahead")
     parser.add_argument("--max-inflight", type=int, default=4, help="concurrent prefetch loads per replica")
@@ -54,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
-def _scenario(args: argparse.Namespace) -> workload.Scenario:
+def build_scenario(args: argparse.Namespace) -> workload.Scenario:
     def pick(value: int | None, default: int) -> int:
         return default if value is None else value
 
@@ -65,7 +73,8 @@ def _scenario(args: argparse.Namespace) -> workload.Scenario:
                                   iterations=pick(args.iterations, 3))
     if args.scenario == "single":
         return workload.single(agents=args.agents, fixed=pick(args.fixed, 8192), dynamic=pick(args.dynamic, 32),
-                               output=pick(args.output, 32), iterations=pick(args.iterations, 10))
+                               output=pick(args.output, 32),
+                               iterations=pick(args.iterations, args._single_iterations))
     if args.scenario == "concurrent":
         return workload.concurrent(tasks=args.tasks, fixed=pick(args.fixed, 1024), agents=args.agents,
                                    dynamic=pick(args.dynamic, 256), output=pick(args.output, 256),
@@ -84,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--set {item}: expected FIELD=VALUE")
             overrides[key.strip()] = value.strip()
         profile = load_profile(args.profile, overrides)
-        scenario = _scenario(args)
+        scenario = build_scenario(args)
     except (ValueError, SpecError) as exc:
         print(f"kvflow-ray sim: error: {exc}", file=sys.stderr)
         return 2

@@ -58,6 +58,7 @@ class RadixNode:
     # children whose gpu state is not NONE; a READY node with none of them is a device leaf
     n_gpu_children: int = 0
     id: int = field(default_factory=lambda: next(_ids))
+    loaded_at: float = 0.0  # engine clock when its latest host -> device load landed (stall accounting)
     # cached min-distance for the eviction policy: (policy version, value)
     prio_cache: tuple[int, float] = (-1, 0.0)
 

@@ -128,7 +128,6 @@ class ReplicaScheduler:
         self.waiting: list[CacheRequest] = []
         self.running: list[CacheRequest] = []
         self.prefetch_inflight = 0
-        self.load_done_at: dict[int, float] = {}
         self._last_plan: tuple[int, ...] | None = None
         self.queued_reserved = 0  # see _start_queued_loads
         self.stats = ReplicaStats()
@@ -149,7 +148,8 @@ class ReplicaScheduler:
     def submit(self, req: CacheRequest) -> None:
         self.check(req)
         req.arrival = self.clock()
-        match = self.cache.tree.match_prefix(req.tokens, split=False)
+        # split: a prefix that ends inside a node (a preamble shared by other agents) counts too
+        match = self.cache.tree.match_prefix(req.tokens)
         ready, loading, host = match.split_by_tier()
         req.ready_at_arrival = ready
         req.pending_nodes = loading + host
@@ -201,7 +201,7 @@ class ReplicaScheduler:
         now = self.clock()
         for i, node in enumerate(nodes):
             self.cache.finish_load(node, None if values is None else values[i])
-            self.load_done_at[node.id] = now
+            node.loaded_at = now
         if prefetch:
             self.prefetch_inflight -= 1
             self.stats.prefetch_completed += 1
@@ -338,8 +338,7 @@ class ReplicaScheduler:
         for req, _n in prefill:
             if not req.started:
                 req.started = True
-                kv_ready = max((self.load_done_at.get(n.id, req.arrival) for n in req.pending_nodes),
-                               default=req.arrival)
+                kv_ready = max((n.loaded_at for n in req.pending_nodes), default=req.arrival)
                 req.stall = max(0.0, kv_ready - req.arrival)
         return Batch(prefill, decode)
 

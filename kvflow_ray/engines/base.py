@@ -20,6 +20,7 @@ class GenerateRequest:
 
     prompt: str | None = None
     tokens: Sequence[int] | None = None
+    model: str | None = None  # must name the engine's model when given (OpenAI `model`)
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
     seed: int | None = None  # sampling seed (temperature > 0)

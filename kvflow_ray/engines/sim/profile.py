@@ -7,6 +7,7 @@ HBM bandwidth), plus a fixed per-step overhead. Copies between tiers take bytes 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -73,16 +74,31 @@ class Profile:
         return tokens * self.kv_bytes_per_token / self.d2h_bytes_per_s
 
 
+def user_profile_dir() -> Path:
+    """Where measured profiles go (`cpu-reference`, written by `kvflow-ray bench calibrate`): they
+    describe one machine, so they live with the user, not in the package."""
+    env = os.environ.get("KVFLOW_RAY_PROFILES")
+    return Path(env) if env else Path.home() / ".cache" / "kvflow-ray" / "profiles"
+
+
+def _profile_files() -> dict[str, Path]:
+    files = {p.stem: p for p in sorted(user_profile_dir().glob("*.yaml"))}
+    files.update({p.stem: p for p in sorted(PROFILE_DIR.glob("*.yaml"))})  # built-ins win
+    return files
+
+
 def available_profiles() -> list[str]:
-    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+    return sorted(_profile_files())
 
 
 def load_profile(name_or_path: str, overrides: dict[str, str] | None = None) -> Profile:
-    """A profile by name (a file in `profiles/`) or by path to a YAML file; `overrides` replace
-    fields (for sensitivity studies: `--set peak_flops=125e12`)."""
-    path = PROFILE_DIR / f"{name_or_path}.yaml"
-    if name_or_path not in available_profiles():
-        path = Path(name_or_path)
+    """A profile by name (built in, or measured into the user profile directory) or by path to a
+    YAML file; `overrides` replace fields (for sensitivity studies: `--set peak_flops=125e12`)."""
+    files = _profile_files()
+    path = files.get(name_or_path, Path(name_or_path))
+    if name_or_path == "cpu-reference" and not path.exists():
+        raise ValueError(f"profile 'cpu-reference' is measured on each machine: run `kvflow-ray bench calibrate` "
+                         f"first (it writes {user_profile_dir() / 'cpu-reference.yaml'})")
     if not path.exists():
         raise ValueError(f"unknown profile {name_or_path!r} (available: {', '.join(available_profiles())})")
     data = yaml.safe_load(path.read_text())

@@ -1,0 +1,193 @@
+"""Benchmarks on a real engine.
+
+  bench cpu        run a scenario on the CPU engine (real transformer compute, real KV tensors),
+                   policies side by side, same JSON as `kvflow-ray sim`
+  bench calibrate  measure the CPU engine on this machine and write the `cpu-reference` simulator
+                   profile (used by `kvflow-ray sim --profile cpu-reference`)
+  bench fidelity   run one scenario on the CPU engine and on the simulator with `cpu-reference`, and
+                   print simulated / measured latency per policy
+
+The default CPU engine is a Llama-style model (4 layers, hidden 512, 8 heads, 2 KV heads) with seeded
+random weights: the compute and the KV are real, the text is meaningless. Its device KV pool (12,288
+tokens) is smaller than the fixed prompts of the default 10-agent workflow, so policies matter.
+
+Examples:
+  kvflow-ray bench cpu --scenario single --agents 10 --fixed 2048 --dynamic 32 --output 8 \\
+      --policies lru,hicache,kvflow --json
+  kvflow-ray bench calibrate
+  kvflow-ray bench fidelity --scenario single --agents 10 --fixed 2048 --dynamic 32 --output 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvflow_ray.commands.sim import add_scenario_arguments, build_scenario, format_table
+from kvflow_ray.core.graph import SpecError
+
+DEFAULT_POLICIES = "lru,hicache,kvflow"
+CPU_ITERATIONS = 3  # measured passes of `single` by default: each pass is real compute
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH")
+    sub.required = True
+    cpu = sub.add_parser("cpu", help="a scenario on the CPU engine, policies side by side",
+                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_scenario_arguments(cpu, single_iterations=CPU_ITERATIONS)
+    cpu.add_argument("--policies", default=DEFAULT_POLICIES,
+                     help=f"comma-separated, of lru,hicache,kvflow,kvflow-noprefetch (default {DEFAULT_POLICIES})")
+    _engine_arguments(cpu)
+    cpu.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    cpu.set_defaults(_bench=_run_cpu)
+
+    cal = sub.add_parser("calibrate", help="measure the CPU engine and write the cpu-reference profile")
+    _engine_arguments(cal)
+    cal.add_argument("--out", default=None, help="profile path (default: the user profile directory, "
+                                                 "~/.cache/kvflow-ray/profiles or $KVFLOW_RAY_PROFILES)")
+    cal.set_defaults(_bench=_run_calibrate)
+
+    fid = sub.add_parser("fidelity", help="simulated / measured latency per policy on one scenario")
+    add_scenario_arguments(fid, single_iterations=CPU_ITERATIONS)
+    fid.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
+    _engine_arguments(fid)
+    fid.add_argument("--recalibrate", action="store_true", help="calibrate first even if a profile exists")
+    fid.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    fid.set_defaults(_bench=_run_fidelity)
+
+
+def _engine_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig
+
+    e, m = CpuEngineConfig(), ModelConfig()
+    g = parser.add_argument_group("CPU engine")
+    g.add_argument("--device-kv-tokens", type=int, default=e.device_kv_tokens,
+                   help=f"device KV pool capacity in tokens (default {e.device_kv_tokens})")
+    g.add_argument("--host-kv-tokens", type=int, default=e.host_kv_tokens,
+                   help=f"host KV pool capacity in tokens (default {e.host_kv_tokens})")
+    g.add_argument("--link-gbps", type=float, default=e.link_gbps,
+                   help=f"pace device<->host copies to this many GB/s; 0 = unpaced (default {e.link_gbps})")
+    g.add_argument("--chunk-tokens", type=int, default=e.chunk_tokens, help="chunked prefill size")
+    g.add_argument("--max-running", type=int, default=e.max_running, help="requests in the running batch")
+    g.add_argument("--horizon", type=int, default=e.horizon, help="prefetch agents at most this many steps ahead")
+    g.add_argument("--max-inflight", type=int, default=e.max_inflight, help="concurrent prefetch loads")
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    g.add_argument("--model", default=None, metavar="DIR",
+                   help="a local Hugging Face model directory (default: a seeded random Llama-style model)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default=m.dtype, help="model and KV dtype")
+    g.add_argument("--seed", type=int, default=m.seed, help="seed of the random model weights")
+
+
+def _engine_config(args: argparse.Namespace) -> Any:
+    from dataclasses import replace
+
+    from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig
+
+    model = replace(ModelConfig(), dtype=args.dtype, seed=args.seed, path=args.model)
+    return CpuEngineConfig(model=model, device_kv_tokens=args.device_kv_tokens, host_kv_tokens=args.host_kv_tokens,
+                           link_gbps=args.link_gbps or None, chunk_tokens=args.chunk_tokens,
+                           max_running=args.max_running, horizon=args.horizon, max_inflight=args.max_inflight,
+                           threads=args.threads)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return int(args._bench(args))
+    except (ValueError, SpecError) as exc:
+        print(f"kvflow-ray bench {args.bench}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _progress_bar(label: str) -> tuple[Any, Any]:
+    from tqdm import tqdm
+
+    bars: list[Any] = []
+
+    def start(policy: str, total: int) -> Any:
+        if bars:
+            bars[-1].close()
+        bar = tqdm(total=total, desc=f"{label} {policy}", unit="req", file=sys.stderr, disable=None)
+        bars.append(bar)
+        return lambda: bar.update(1)
+
+    def close() -> None:
+        if bars:
+            bars[-1].close()
+
+    return start, close
+
+
+def _policies(text: str) -> list[str]:
+    from kvflow_ray.engines.sim.runner import parse_policies
+
+    return parse_policies(text)
+
+
+def _run_cpu(args: argparse.Namespace) -> int:
+    from kvflow_ray.engines.cpu.bench import run_cpu_policies
+
+    policies = _policies(args.policies)
+    scenario = build_scenario(args)
+    config = _engine_config(args)
+    start, close = _progress_bar(f"cpu {scenario.name}")
+    try:
+        out = run_cpu_policies(scenario, config, policies, progress=start)
+    finally:
+        close()
+    print(json.dumps(out) if args.json else format_table(out))
+    return 0
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from kvflow_ray.engines.cpu.calibrate import calibrate, write_profile
+
+    config = _engine_config(args)
+    profile = calibrate(config, log=lambda msg: print(msg, file=sys.stderr))
+    path = write_profile(profile, args.out)
+    print(f"wrote {path}", file=sys.stderr)
+    print(json.dumps(profile["values"]))
+    return 0
+
+
+def _run_fidelity(args: argparse.Namespace) -> int:
+    from kvflow_ray.engines.cpu.bench import run_cpu_policies
+    from kvflow_ray.engines.cpu.calibrate import calibrate, profile_path, write_profile
+    from kvflow_ray.engines.sim.profile import load_profile
+    from kvflow_ray.engines.sim.runner import run_policies
+
+    policies = _policies(args.policies)
+    scenario = build_scenario(args)
+    config = _engine_config(args)
+    if args.recalibrate or not profile_path().exists():
+        write_profile(calibrate(config, log=lambda msg: print(msg, file=sys.stderr)))
+    profile = load_profile("cpu-reference")
+    start, close = _progress_bar(f"cpu {scenario.name}")
+    try:
+        measured = run_cpu_policies(scenario, config, policies, progress=start)
+    finally:
+        close()
+    simulated = run_policies(build_scenario(args), profile, policies, horizon=config.horizon,
+                             max_inflight=config.max_inflight, gpu_capacity=config.device_kv_tokens)
+    out = fidelity_report(measured, simulated)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"scenario {out['scenario']} {out['params']}: simulated (cpu-reference) vs measured (CPU engine)")
+        print(f"{'policy':<18}{'measured s':>12}{'simulated s':>13}{'sim/measured':>14}")
+        for name, r in out["results"].items():
+            print(f"{name:<18}{r['measured_latency_s']:>12.3f}{r['simulated_latency_s']:>13.3f}{r['ratio']:>14.3f}")
+    return 0
+
+
+def fidelity_report(measured: dict[str, Any], simulated: dict[str, Any]) -> dict[str, Any]:
+    results = {}
+    for name, m in measured["results"].items():
+        s = simulated["results"][name]
+        results[name] = {"measured_latency_s": m["latency_s"], "simulated_latency_s": s["latency_s"],
+                         "ratio": s["latency_s"] / m["latency_s"] if m["latency_s"] else float("nan"),
+                         "measured_gpu_hit_ratio": m["gpu_hit_ratio"], "simulated_gpu_hit_ratio": s["gpu_hit_ratio"]}
+    return {"scenario": measured["scenario"], "params": measured["params"], "config": measured["config"],
+            "results": results}

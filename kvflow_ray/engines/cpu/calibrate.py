@@ -1,0 +1,180 @@
+"""Measure the CPU engine on this machine and write the `cpu-reference` simulator profile.
+
+The simulator's cost model is a roofline per forward step (engines/sim/profile.py):
+    step = max(FLOPs / (peak_flops * prefill_mfu), bytes / (hbm_bytes_per_s * decode_mbu)) + overhead
+Calibration times the engine's own step path (gather the past KV from the device pool, run the
+model, scatter the new KV) and fits, with both efficiencies fixed at 1:
+- decode steps at several context lengths: time = a + b * context. The slope is KV bytes per token /
+  bandwidth, so hbm_bytes_per_s = kv_bytes_per_token / b; the intercept is weights / bandwidth + overhead;
+- prefill chunks of several sizes and contexts: time - overhead = FLOPs / peak_flops (least squares);
+- the host <-> device copy rate is timed on the engine's copy stream (the `link_gbps` pacing included).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvflow_ray.engines.cpu.config import CpuEngineConfig
+from kvflow_ray.engines.cpu.kv_pool import KVPool
+from kvflow_ray.engines.cpu.model import CpuModel
+from kvflow_ray.engines.sim.profile import Profile, user_profile_dir
+
+PREFILL_GRID = ((1024, 0), (1024, 1024), (256, 2048), (32, 2048), (32, 0))  # (new tokens, context)
+DECODE_CONTEXTS = (64, 1024, 2048, 3072)
+
+
+def profile_path(out: str | None = None) -> Path:
+    return Path(out) if out else user_profile_dir() / "cpu-reference.yaml"
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: first calls pay for allocation and kernel selection
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate(config: CpuEngineConfig, *, repeats: int = 3, log: Callable[[str], None] = lambda _m: None,
+              model: CpuModel | None = None) -> dict[str, Any]:
+    """Measure and fit; returns {"values": profile fields, "measurements": raw timings}."""
+    model = model if model is not None else CpuModel(config.model, threads=config.threads)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    need = max(n + ctx for n, ctx in PREFILL_GRID) + max(DECODE_CONTEXTS) + 8
+    pool = KVPool("calibration", need, model.n_layers, model.n_kv_heads, model.head_dim, model.torch_dtype)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, min(model.vocab_size, 256), (need,), generator=gen).tolist()
+    slots = pool.alloc(need)
+    # fill the pool with the real KV of a long sequence (chunked, as the engine computes it)
+    filled = 0
+    longest = max(max(ctx + n for n, ctx in PREFILL_GRID), max(DECODE_CONTEXTS))
+    while filled < longest:
+        n = min(1024, longest - filled)
+        k, v = pool.gather(slots[:filled])
+        _logits, nk, nv = model.prefill(tokens[filled:filled + n], k, v)
+        pool.scatter(slots[filled:filled + n], nk, nv)
+        filled += n
+
+    def prefill_step(n: int, ctx: int) -> None:
+        k, v = pool.gather(slots[:ctx])
+        _logits, nk, nv = model.prefill(tokens[ctx:ctx + n], k, v)
+        pool.scatter(slots[ctx:ctx + n], nk, nv)
+
+    def decode_step(ctx: int) -> None:
+        k, v = pool.gather(slots[:ctx])
+        _logits, nk, nv = model.decode([tokens[ctx]], [k], [v])
+        pool.scatter(slots[ctx:ctx + 1], nk, nv)
+
+    decode = [(ctx, _median_time(lambda c=ctx: decode_step(c), repeats * 5)) for ctx in DECODE_CONTEXTS]
+    log("decode step: " + ", ".join(f"ctx {c}: {t * 1e3:.1f} ms" for c, t in decode))
+    prefill = [(n, ctx, _median_time(lambda n=n, c=ctx: prefill_step(n, c), repeats)) for n, ctx in PREFILL_GRID]
+    log("prefill chunk: " + ", ".join(f"{n}@{c}: {t * 1e3:.0f} ms" for n, c, t in prefill))
+
+    # decode: least-squares line through (context, time)
+    xs, ys = [c for c, _ in decode], [t for _, t in decode]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    slope = max(slope, 1e-12)
+    intercept = my - slope * mx
+    kv_bytes = model.kv_bytes_per_token
+    hbm = kv_bytes / slope
+    overhead = max(intercept - model.weight_bytes / hbm, 0.0)
+
+    probe = _profile_values(config, model, peak_flops=1.0, hbm=hbm, overhead=overhead, h2d=1.0, d2h=1.0)
+    prof = Profile(**probe)
+    flops = [prof.step_time([(n, ctx)], []) - overhead for n, ctx, _t in prefill]  # = FLOPs at peak 1 FLOP/s
+    work = [max(t - overhead, 1e-6) for _n, _c, t in prefill]
+    peak = sum(f * f for f in flops) / sum(f * w for f, w in zip(flops, work, strict=True))
+
+    # the copy stream, paced as the engine paces it
+    from queue import Queue
+
+    from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream
+
+    host = KVPool("calibration-host", 2048, model.n_layers, model.n_kv_heads, model.head_dim, model.torch_dtype)
+    done: Queue[CopyJob] = Queue()
+    stream = CopyStream("calibration", config.link_gbps, done)
+    rates = []
+    for _ in range(3):
+        stream.submit(CopyJob(pool, slots[:2048], host, host.alloc(2048), lambda: None))
+        job = done.get()
+        host.free(job.dst_slots)
+        rates.append(2048 * kv_bytes / (job.finished - job.started))
+    stream.close()
+    link = statistics.median(rates)
+    log(f"copy: {link / 1e9:.3f} GB/s (link_gbps={config.link_gbps})")
+
+    values = _profile_values(config, model, peak_flops=peak, hbm=hbm, overhead=overhead, h2d=link, d2h=link)
+    fitted = Profile(**values)
+    errors = [fitted.step_time([(n, ctx)], []) / t - 1 for n, ctx, t in prefill]
+    errors += [fitted.step_time([], [ctx]) / t - 1 for ctx, t in decode]
+    log(f"fit: peak {peak / 1e9:.1f} GFLOP/s, bandwidth {hbm / 1e9:.1f} GB/s, overhead {overhead * 1e3:.2f} ms; "
+        f"worst step error {max(abs(e) for e in errors):.1%}")
+    return {"values": values, "measurements": {"decode": decode, "prefill": prefill, "copy_bytes_per_s": rates,
+                                               "fit_errors": errors}}
+
+
+def _profile_values(config: CpuEngineConfig, model: CpuModel, *, peak_flops: float, hbm: float, overhead: float,
+                    h2d: float, d2h: float) -> dict[str, Any]:
+    kv = model.kv_bytes_per_token
+    return {
+        "name": "cpu-reference",
+        "description": f"kvflow-ray CPU engine on {platform.processor() or platform.machine()}, "
+                       f"{torch.get_num_threads()} threads, calibrated {dt.date.today().isoformat()}",
+        # the device pool is exactly the engine's: memory = weights + pool, all of it static
+        "gpu_memory_bytes": float(model.weight_bytes + config.device_kv_tokens * kv),
+        "mem_fraction_static": 1.0,
+        "weight_bytes": float(model.weight_bytes),
+        "peak_flops": peak_flops,
+        "hbm_bytes_per_s": hbm,
+        "h2d_bytes_per_s": h2d,
+        "d2h_bytes_per_s": d2h,
+        "params": float(model.n_params),
+        "n_layers": model.n_layers,
+        "hidden_size": model.hidden_size,
+        "n_kv_heads": model.n_kv_heads,
+        "head_dim": model.head_dim,
+        "kv_bytes_per_token": float(kv),
+        "prefill_mfu": 1.0,
+        "decode_mbu": 1.0,
+        "iteration_overhead_s": overhead,
+        "chunked_prefill_tokens": config.chunk_tokens,
+        "max_running_requests": config.max_running,
+        "host_kv_tokens": config.host_kv_tokens,
+    }
+
+
+def write_profile(profile: dict[str, Any], out: str | None = None) -> Path:
+    import yaml
+
+    path = profile_path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    m = profile["measurements"]
+    lines = [
+        "# Cost profile measured by `kvflow-ray bench calibrate` (kvflow_ray/engines/cpu/calibrate.py) on",
+        f"# {platform.node()} ({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs),"
+        f" torch {torch.__version__}, {dt.datetime.now().isoformat(timespec='seconds')}.",
+        "# peak_flops, hbm_bytes_per_s and iteration_overhead_s are fitted to these engine steps (median times):",
+        *(f"#   decode at context {c}: {t * 1e3:.2f} ms" for c, t in m["decode"]),
+        *(f"#   prefill of {n} tokens after {c}: {t * 1e3:.1f} ms" for n, c, t in m["prefill"]),
+        "#   copy of 2048 tokens between pools: "
+        + ", ".join(f"{r / 1e9:.3f} GB/s" for r in m["copy_bytes_per_s"]),
+        "# relative error of the fitted roofline on each measured step: "
+        + ", ".join(f"{e:+.1%}" for e in m["fit_errors"]),
+        "",
+        yaml.safe_dump(profile["values"], sort_keys=False),
+    ]
+    path.write_text("\n".join(lines))
+    return path

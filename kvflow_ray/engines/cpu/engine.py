@@ -1,0 +1,493 @@
+"""The CPU engine: real transformer compute over a two-tier KV cache whose every decision comes from
+`kvflow_ray.core` (`ReplicaScheduler` over a `TieredCache`).
+
+This file owns what an engine owns and nothing more: running the model on the batches the scheduler
+picks, placing KV in pool slots, and copying slots between the device and host pools. A request's
+forward pass starts from the stored KV of its cached prefix (gathered from the device pool) and only
+computes the rest.
+
+Threading: everything below runs on one engine thread (the caller's, via `step()`, or a background
+loop via `start()`), except the copy threads, whose completions come back through a queue. Other
+threads talk to the engine only through `submit` / `apply_hints` (an inbox queue).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvflow_ray.core.cache import TieredCache
+from kvflow_ray.core.policies import StepBook, make_eviction_policy
+from kvflow_ray.core.radix import RadixNode
+from kvflow_ray.core.scheduler import POLICIES, CacheRequest, ReplicaScheduler
+from kvflow_ray.engines.base import CacheEvent, GenerateRequest, GenerateResult, Hints, prefix_hash
+from kvflow_ray.engines.cpu.config import CpuEngineConfig
+from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream, KVPool
+from kvflow_ray.engines.cpu.model import CpuModel, sample
+from kvflow_ray.engines.cpu.tokenizer import load_tokenizer
+
+# Policies a real engine can run: `infinite` has no finite pool and `belady` needs the future.
+ENGINE_POLICIES = ("lru", "hicache", "kvflow", "kvflow-noprefetch")
+
+
+@dataclass(eq=False)
+class CpuRequest(CacheRequest):
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    generator: torch.Generator | None = None
+    on_token: Callable[[int], None] | None = None
+    on_done: Callable[[CpuRequest], None] | None = None
+    out: list[int] = field(default_factory=list)
+    ctx: torch.Tensor | None = None  # device slot of the KV at each position (prompt, then output)
+    own: torch.Tensor | None = None  # its private slots (uncached prompt part + output budget)
+    base: int = 0  # first position computed by this request (own[i] holds position base + i)
+    submitted_at: float = 0.0
+    first_token_at: float = 0.0
+    result: GenerateResult | None = None
+    error: BaseException | None = None
+    finish_reason: str = "length"
+
+
+class CpuEngine:
+    def __init__(self, config: CpuEngineConfig | None = None, *, model: CpuModel | None = None,
+                 book: StepBook | None = None) -> None:
+        self.config = config = config or CpuEngineConfig()
+        if config.policy not in ENGINE_POLICIES:
+            raise ValueError(f"policy {config.policy!r} cannot run on the CPU engine "
+                             f"(choose one of {', '.join(ENGINE_POLICIES)})")
+        for name in ("device_kv_tokens", "host_kv_tokens", "chunk_tokens", "max_running"):
+            if getattr(config, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(config, name)}")
+        policy = POLICIES[config.policy]
+        self.model = model if model is not None else CpuModel(config.model, threads=config.threads)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        self.tokenizer = load_tokenizer(config.model.path)
+        m = self.model
+        self.device = KVPool("device", config.device_kv_tokens, m.n_layers, m.n_kv_heads, m.head_dim, m.torch_dtype)
+        self.host = (KVPool("host", config.host_kv_tokens, m.n_layers, m.n_kv_heads, m.head_dim, m.torch_dtype)
+                     if policy.host_tier else None)
+        self.book = book if book is not None else StepBook(near_horizon=max(config.horizon, 2))
+        self.cache = TieredCache(config.device_kv_tokens, make_eviction_policy(policy.eviction, self.book),
+                                 cpu_capacity=config.host_kv_tokens, host_tier=policy.host_tier)
+        self.cache.tree.on_free = self._on_free
+        self.scheduler = ReplicaScheduler(self.cache, policy, self.book, self, clock=time.perf_counter,
+                                          horizon=config.horizon, max_inflight=config.max_inflight,
+                                          max_running=config.max_running)
+        self._copies: queue.Queue[CopyJob] = queue.Queue()
+        self._copies_inflight = 0
+        self.h2d = CopyStream("h2d", config.link_gbps, self._copies)
+        self.d2h = CopyStream("d2h", config.link_gbps, self._copies)
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._events: deque[CacheEvent] = deque(maxlen=10_000)  # bounded: a consumer that never drains loses the oldest
+        self._loop: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.compute_s = 0.0
+        self.forward_steps = 0
+        self.requests_done = 0
+        self.requests_failed = 0
+        self._callbacks: deque[CpuRequest] = deque()
+
+    @property
+    def model_name(self) -> str:
+        """The `model` requests name: the model directory, or the built-in random model."""
+        return self.config.model.path or "kvflow-cpu-random"
+
+    @property
+    def policy(self) -> str:
+        return self.config.policy
+
+    # ------------------------------------------------------------------ the Engine protocol
+    def submit(self, request: GenerateRequest, on_token: Callable[[int], None] | None = None,
+               on_done: Callable[[CpuRequest], None] | None = None) -> CpuRequest:
+        """Queue a request (any thread). Raises ValueError, changing nothing, for a request that can
+        never run: empty, too long for the model's context or the device pool, bad parameters."""
+        req = self._make_request(request)
+        req.on_token, req.on_done = on_token, on_done
+        self._inbox.put(("request", req))
+        self._wake.set()
+        return req
+
+    def generate(self, request: GenerateRequest) -> GenerateResult:
+        done = threading.Event()
+        req = self.submit(request, on_done=lambda _r: done.set())
+        self._wait(done)
+        if req.error is not None:
+            raise req.error
+        assert req.result is not None
+        return req.result
+
+    def stream(self, request: GenerateRequest) -> Iterator[int | GenerateResult]:
+        tokens: queue.Queue[int | None] = queue.Queue()
+        req = self.submit(request, on_token=tokens.put, on_done=lambda _r: tokens.put(None))
+        while True:
+            if self._loop is None:  # no background loop: drive the engine from here
+                while tokens.empty():
+                    self.step(timeout=0.01)
+            item = tokens.get()
+            if item is None:
+                break
+            yield item
+        if req.error is not None:
+            raise req.error
+        assert req.result is not None
+        yield req.result
+
+    def apply_hints(self, hints: Hints) -> None:
+        self._inbox.put(("hints", hints))
+        self._wake.set()
+
+    def cache_events(self) -> list[CacheEvent]:
+        out = []
+        while self._events:
+            out.append(self._events.popleft())
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats
+        c = self.cache.counters
+        return {
+            "policy": self.config.policy,
+            "requests_done": self.requests_done,
+            "requests_failed": self.requests_failed,
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "prompt_tokens": {"gpu": s.gpu_tokens, "cpu": s.cpu_tokens, "miss": s.miss_tokens},
+            "loaded_tokens": s.loaded_tokens,
+            "prefetch": {"issued": s.prefetch_issued, "completed": s.prefetch_completed},
+            "prefetch_stall_s": s.stall_s,
+            "evicted_tokens": {"gpu": c.evicted_gpu_tokens, "cpu": c.evicted_cpu_tokens,
+                               "written_back": c.written_back_tokens, "dropped": c.dropped_tokens},
+            "cache_tokens": {"gpu": self.cache.tree.gpu_tokens, "cpu": self.cache.tree.cpu_tokens,
+                             "private": self.cache.private_tokens},
+            "capacity_tokens": {"gpu": self.cache.gpu_capacity, "cpu": self.cache.cpu_capacity},
+            "pool_bytes": self.device.nbytes + (self.host.nbytes if self.host else 0),
+            "compute_s": self.compute_s,
+            "forward_steps": self.forward_steps,
+            "copy_busy_s": {"h2d": self.h2d.busy_s, "d2h": self.d2h.busy_s},
+        }
+
+    # ------------------------------------------------------------------ running
+    def start(self) -> CpuEngine:
+        """Serve from a background thread (generate/stream from any thread then)."""
+        if self._loop is None:
+            self._stop.clear()
+            self._loop = threading.Thread(target=self._run_loop, name="kvflow-cpu-engine", daemon=True)
+            self._loop.start()
+        return self
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._stop.set()
+            self._wake.set()
+            self._loop.join(timeout=30)
+            self._loop = None
+        self.h2d.close()
+        self.d2h.close()
+
+    def __enter__(self) -> CpuEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run_loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.step(timeout=0.01):
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def _wait(self, done: threading.Event) -> None:
+        if self._loop is not None:
+            done.wait()
+            return
+        while not done.is_set():
+            self.step(timeout=0.01)
+
+    @property
+    def busy(self) -> bool:
+        return not (self.scheduler.idle and self._copies_inflight == 0 and self._inbox.empty())
+
+    def step(self, timeout: float = 0.0) -> bool:
+        """One scheduling iteration: take new requests and hints, land finished copies, run one forward
+        step. Returns False when there is nothing at all to do. When work exists but none can run (it
+        waits for copies), blocks up to `timeout` for a copy to land."""
+        try:
+            return self._step(timeout)
+        finally:
+            self._run_callbacks()
+
+    def _step(self, timeout: float) -> bool:
+        self._drain_inbox()
+        self._land_copies()
+        batch = self.scheduler.next_batch(self.config.chunk_tokens)
+        if batch is None:
+            if not self.busy:
+                return False
+            if self._copies_inflight and timeout > 0:
+                self._land_copies(timeout)
+            return True
+        started = time.perf_counter()
+        if batch.prefill:
+            for req, n in batch.prefill:
+                self._guard(req, lambda req=req, n=n: self._prefill(req, n))
+        else:
+            reqs = batch.decode
+            self._guard_all(reqs, lambda: self._decode(reqs))
+        self.compute_s += time.perf_counter() - started
+        self.forward_steps += 1
+        return True
+
+    # ------------------------------------------------------------------ inbox
+    def _make_request(self, request: GenerateRequest) -> CpuRequest:
+        if request.model is not None and request.model != self.model_name:
+            raise ValueError(f"unknown model {request.model!r}: this engine serves {self.model_name!r}")
+        if (request.prompt is None) == (request.tokens is None):
+            raise ValueError("give exactly one of prompt (text) or tokens (ids)")
+        tokens = (tuple(self.tokenizer.encode(request.prompt)) if request.prompt is not None
+                  else tuple(int(t) for t in request.tokens or ()))
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        if request.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {request.temperature}")
+        bad = next((t for t in tokens if not 0 <= t < self.model.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{self.model.vocab_size - 1})")
+        need = len(tokens) + request.max_tokens
+        if need > self.model.max_context:
+            raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) = {need} exceeds "
+                             f"the model's context of {self.model.max_context} tokens")
+        if need > self.cache.gpu_capacity:
+            raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) = {need} exceeds "
+                             f"the device KV pool of {self.cache.gpu_capacity} tokens")
+        fixed = request.fixed_prefix_tokens
+        if fixed is not None and not 0 <= fixed <= len(tokens):
+            raise ValueError(f"fixed_prefix_tokens={fixed} is outside the prompt (0..{len(tokens)})")
+        if (request.workflow is None) != (request.agent is None):
+            raise ValueError("workflow metadata needs both a workflow (client id) and an agent")
+        generator = None
+        if request.temperature > 0:
+            generator = torch.Generator().manual_seed(request.seed if request.seed is not None else 0)
+        return CpuRequest(workflow=request.workflow, agent=request.agent, tokens=tokens,
+                          fixed_len=fixed if fixed is not None else -1, max_new=request.max_tokens,
+                          temperature=request.temperature, ignore_eos=request.ignore_eos, generator=generator,
+                          submitted_at=time.perf_counter())
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "request":
+                self._admit_request(item)
+            else:
+                self._apply(item)
+
+    def _admit_request(self, req: CpuRequest) -> None:
+        if req.fixed_len < 0:  # boundary from the agent's registered prompt, when the request starts with it
+            prompt = self.book.prompt((req.workflow, req.agent)) if req.workflow is not None else None
+            req.fixed_len = len(prompt) if prompt is not None and req.tokens[:len(prompt)] == prompt else 0
+        try:
+            self.scheduler.submit(req)
+        except ValueError as exc:
+            self._fail(req, exc)
+
+    def _apply(self, hints: Hints) -> None:
+        for tag, tokens in hints.prompts.items():
+            self.book.register_prompt(tag, tokens)
+        for workflow, steps in hints.steps.items():
+            self.book.set_steps(workflow, steps)
+        for workflow in hints.retire:
+            self.book.retire(workflow)
+            self.cache.retire_workflow(workflow)
+        self.scheduler.plan_prefetch()
+
+    # ------------------------------------------------------------------ copies (the Copier protocol)
+    def load(self, nodes: list[RadixNode], tokens: int, prefetch: bool) -> None:
+        assert self.host is not None
+        dst = [self.device.alloc(len(node.key)) for node in nodes]
+        src = torch.cat([node.cpu_value for node in nodes])  # type: ignore[misc]
+
+        def done() -> None:
+            self.scheduler.load_done(nodes, prefetch, list(dst))
+            for node in nodes:
+                self._event("stored", "gpu", node)
+
+        self._copy(self.h2d, CopyJob(self.host, src, self.device, torch.cat(dst), done))
+
+    def write_back(self, nodes: list[RadixNode]) -> None:
+        if not nodes:
+            return
+        assert self.host is not None
+        for node in nodes:
+            dst = self.host.alloc(len(node.key))
+
+            def done(node: RadixNode = node, dst: torch.Tensor = dst) -> None:
+                self.scheduler.offload_done(node, dst)
+                self._event("stored", "cpu", node)
+
+            self._copy(self.d2h, CopyJob(self.device, node.gpu_value, self.host, dst, done))  # type: ignore[arg-type]
+
+    def _copy(self, stream: CopyStream, job: CopyJob) -> None:
+        self._copies_inflight += 1
+        stream.submit(job)
+
+    def _land_copies(self, timeout: float = 0.0) -> None:
+        try:
+            job = self._copies.get(timeout=timeout) if timeout > 0 else self._copies.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._copies_inflight -= 1
+            job.on_done()
+            try:
+                job = self._copies.get_nowait()
+            except queue.Empty:
+                return
+
+    def _on_free(self, node: RadixNode, tier: str, value: object) -> None:
+        pool = self.device if tier == "gpu" else self.host
+        if value is not None and pool is not None:
+            pool.free(value)  # type: ignore[arg-type]
+        self._event("removed", tier, node)
+
+    def _event(self, kind: str, tier: str, node: RadixNode) -> None:
+        keys = []
+        n = node
+        while n.parent is not None:
+            keys.append(n.key)
+            n = n.parent
+        tokens = tuple(t for key in reversed(keys) for t in key)
+        if tokens:
+            self._events.append(CacheEvent(kind, tier, prefix_hash(tokens), len(node.key)))
+
+    # ------------------------------------------------------------------ compute
+    def _path_slots(self, node: RadixNode | None) -> torch.Tensor:
+        """Device slots of the cached prefix ending at `node` (all READY: the request holds a lock)."""
+        parts = []
+        while node is not None and node.parent is not None:
+            parts.append(node.gpu_value)
+            node = node.parent
+        return torch.cat(parts[::-1]) if parts else torch.empty(0, dtype=torch.int64)  # type: ignore[arg-type]
+
+    def _prefill(self, req: CpuRequest, n: int) -> None:
+        if req.ctx is None:  # first chunk: the cached prefix's slots, then its own for the rest
+            req.base = req.prefill_pos
+            req.own = self.device.alloc(req.private)
+            req.ctx = torch.cat([self._path_slots(req.locked)[:req.base], req.own])
+        start = req.prefill_pos
+        past_k, past_v = self.device.gather(req.ctx[:start])
+        logits, k, v = self.model.prefill(req.tokens[start:start + n], past_k, past_v)
+        self.device.scatter(req.ctx[start:start + n], k, v)
+        if start + n < len(req.tokens):
+            self.scheduler.prefill_done(req, n)
+            return
+        # the prompt's KV joins the tree; keep the slots it took, free the rest (already cached)
+        prompt_len = len(req.tokens)
+        adopted: list[tuple[int, int]] = []
+        token = self._sample(req, logits)
+        req.first_token_at = time.perf_counter()
+        finished = self.scheduler.prefill_done(req, n, req.ctx[:prompt_len], adopted)
+        assert req.own is not None
+        self._free_unadopted(req.own[:prompt_len - req.base], req.base, adopted)
+        req.ctx = torch.cat([self._path_slots(req.locked), req.own[prompt_len - req.base:]])
+        assert len(req.ctx) == prompt_len + req.max_new, (len(req.ctx), prompt_len, req.max_new)
+        if self._emit(req, token) or finished:
+            self._finish(req)
+
+    def _decode(self, reqs: list[CpuRequest]) -> None:
+        positions = [len(r.tokens) + len(r.out) - 1 for r in reqs]  # of the token fed now
+        pasts = [self.device.gather(r.ctx[:pos]) for r, pos in zip(reqs, positions, strict=True)]  # type: ignore[index]
+        logits, k, v = self.model.decode([r.out[-1] for r in reqs], [p[0] for p in pasts], [p[1] for p in pasts])
+        slots = torch.stack([r.ctx[pos] for r, pos in zip(reqs, positions, strict=True)])  # type: ignore[index]
+        self.device.scatter(slots, k, v)
+        for i, req in enumerate(reqs):
+            token = self._sample(req, logits[i])
+            eos = self._emit(req, token)
+            if self.scheduler.decoded(req, eos):
+                self._finish(req)
+
+    def _sample(self, req: CpuRequest, logits: torch.Tensor) -> int:
+        return sample(logits, req.temperature, req.generator)
+
+    def _emit(self, req: CpuRequest, token: int) -> bool:
+        """Record an output token; True if it ends the request (end of sequence)."""
+        req.out.append(token)
+        if req.on_token is not None:
+            req.on_token(token)
+        if not req.ignore_eos and token == self.tokenizer.eos_id:
+            req.finish_reason = "stop"
+            return True
+        return False
+
+    def _finish(self, req: CpuRequest) -> None:
+        assert req.ctx is not None and req.own is not None
+        prompt_len = len(req.tokens)
+        sequence = req.tokens + tuple(req.out[:-1])  # the last token was sampled, never fed: no KV
+        adopted: list[tuple[int, int]] = []
+        self.scheduler.finish(req, sequence, req.ctx[:len(sequence)], adopted)
+        self._free_unadopted(req.own[prompt_len - req.base:], prompt_len, adopted)
+        req.ctx = req.own = None
+        now = time.perf_counter()
+        req.result = GenerateResult(
+            tokens=list(req.out), text=self.tokenizer.decode(req.out), prompt_tokens=prompt_len,
+            gpu_hit_tokens=req.gpu_hit, cpu_hit_tokens=req.cpu_hit, miss_tokens=req.miss, stall_s=req.stall,
+            ttft_s=req.first_token_at - req.submitted_at, latency_s=now - req.submitted_at,
+            finish_reason=req.finish_reason)
+        self.requests_done += 1
+        self._callbacks.append(req)
+
+    def _free_unadopted(self, slots: torch.Tensor, offset: int, adopted: list[tuple[int, int]]) -> None:
+        """`slots` hold positions offset.. of a committed sequence; the tree took `adopted` ranges."""
+        keep = torch.zeros(len(slots), dtype=torch.bool)
+        for lo, hi in adopted:
+            lo, hi = max(lo - offset, 0), min(hi - offset, len(slots))
+            if lo < hi:
+                keep[lo:hi] = True
+        if not bool(keep.all()):
+            self.device.free(slots[~keep])
+
+    # ------------------------------------------------------------------ failures
+    def _guard(self, req: CpuRequest, fn: Callable[[], None]) -> None:
+        self._guard_all([req], fn)
+
+    def _guard_all(self, reqs: list[CpuRequest], fn: Callable[[], None]) -> None:
+        """A request whose step fails is dropped with its error; the engine keeps serving the rest."""
+        try:
+            fn()
+        except Exception as exc:
+            for req in reqs:
+                if req.result is None and req.error is None:
+                    self._release(req)
+                    self._fail(req, exc)
+
+    def _release(self, req: CpuRequest) -> None:
+        if req.own is not None and req in self.scheduler.running:
+            # before its prompt was committed every own slot is private; after, only the output's
+            self.device.free(req.own if req.prefilling else req.own[len(req.tokens) - req.base:])
+        self.scheduler.cancel(req)
+        req.ctx = req.own = None
+
+    def _fail(self, req: CpuRequest, exc: BaseException) -> None:
+        req.error = exc
+        self.requests_failed += 1
+        self._callbacks.append(req)
+
+    def _run_callbacks(self) -> None:
+        """Completion callbacks run after the step, outside its error handling: a failing callback
+        is the caller's bug and must surface, not be taken for a failed request."""
+        while self._callbacks:
+            req = self._callbacks.popleft()
+            if req.on_done is not None:
+                req.on_done(req)

@@ -1,0 +1,117 @@
+"""KV storage: token-slot pools (real tensors) and the threads that copy between them.
+
+A pool is one K and one V tensor of shape [layers, slots, kv_heads, head_dim]; a token's KV lives in
+one slot, and a radix node's payload is the int64 tensor of its slots (the tree slices it on splits).
+The device pool is what the model reads; the host pool is the second tier. Copies between them run
+on one thread per direction, as a GPU has one copy engine each way, optionally paced to `link_gbps`
+to emulate a PCIe link.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+class KVPool:
+    def __init__(self, name: str, slots: int, n_layers: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype) -> None:
+        if slots <= 0:
+            raise ValueError(f"the {name} KV pool needs a positive capacity, got {slots} tokens")
+        self.name = name
+        self.capacity = slots
+        shape = (n_layers, slots, n_kv_heads, head_dim)
+        # zeros, not empty: the pages are touched now, so RSS shows the pool from the start
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self._free = list(range(slots - 1, -1, -1))  # a stack: recently freed slots are reused first
+        self._lock = threading.Lock()  # copy threads allocate too
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def alloc(self, n: int) -> torch.Tensor:
+        with self._lock:
+            if n > len(self._free):
+                raise MemoryError(f"{self.name} KV pool: {n} slots wanted, {len(self._free)} free "
+                                  "(the cache's accounting and the pool disagree)")
+            taken = self._free[len(self._free) - n:]
+            del self._free[len(self._free) - n:]
+        return torch.tensor(taken, dtype=torch.int64)
+
+    def free(self, slots: torch.Tensor) -> None:
+        with self._lock:
+            self._free.extend(slots.tolist())
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV of `slots`, each [layers, len(slots), kv_heads, head_dim]."""
+        return self.k.index_select(1, slots), self.v.index_select(1, slots)
+
+    def scatter(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k.index_copy_(1, slots, k.to(self.k.dtype))
+        self.v.index_copy_(1, slots, v.to(self.v.dtype))
+
+
+@dataclass
+class CopyJob:
+    src: KVPool
+    src_slots: torch.Tensor
+    dst: KVPool
+    dst_slots: torch.Tensor
+    on_done: Callable[[], None]  # run on the engine's thread (see CopyStream.completed)
+    started: float = 0.0
+    finished: float = 0.0
+
+
+class CopyStream:
+    """A background thread that copies slots between pools in submission order. With `link_gbps`,
+    each copy takes at least bytes / bandwidth (the thread sleeps out the rest), like a DMA engine
+    on a link of that speed. Completions are handed back through `completed()`, so the cache's
+    bookkeeping stays on the engine's thread."""
+
+    def __init__(self, name: str, link_gbps: float | None, done: queue.Queue[CopyJob]) -> None:
+        if link_gbps is not None and link_gbps <= 0:
+            raise ValueError(f"link_gbps must be positive (or unset for an unpaced copy), got {link_gbps}")
+        self.name = name
+        self.bytes_per_s = None if link_gbps is None else link_gbps * 1e9
+        self._jobs: queue.Queue[CopyJob | None] = queue.Queue()
+        self._done = done
+        self.busy_s = 0.0
+        self.bytes_copied = 0
+        self._thread = threading.Thread(target=self._run, name=f"kvflow-copy-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: CopyJob) -> None:
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job.started = time.perf_counter()
+            k, v = job.src.gather(job.src_slots)
+            job.dst.scatter(job.dst_slots, k, v)
+            nbytes = k.nbytes + v.nbytes
+            if self.bytes_per_s is not None:
+                remaining = job.started + nbytes / self.bytes_per_s - time.perf_counter()
+                if remaining > 0:
+                    time.sleep(remaining)
+            job.finished = time.perf_counter()
+            self.busy_s += job.finished - job.started
+            self.bytes_copied += nbytes
+            self._done.put(job)

@@ -1,0 +1,96 @@
+"""Tokenizers for the CPU engine: a byte-level one for random-weight models, and a wrapper around a local HF one.
+
+Both share one small interface (`Tokenizer`): `encode` never adds special tokens by itself, since the chat template
+already spells out whatever a model expects at the start; `decode` drops specials.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+ROLE_TAGS = ("system", "user", "assistant")
+
+
+def format_chat(messages: list[dict[str, Any]]) -> str:
+    """The role-tag chat format, used by ByteTokenizer and by HF tokenizers that ship no chat template.
+
+    Each message becomes "<|role|>\\n{content}\\n"; the prompt ends with "<|assistant|>\\n" so the model continues as
+    the assistant. Example: [system "Be brief.", user "Hi"] ->
+    "<|system|>\\nBe brief.\\n<|user|>\\nHi\\n<|assistant|>\\n".
+    The tags are plain text (bytes for ByteTokenizer), not special ids, so they survive encode/decode unchanged.
+    """
+    parts = []
+    for message in messages:
+        role, content = message["role"], message["content"]
+        if role not in ROLE_TAGS:
+            raise ValueError(f"unknown chat role {role!r}; expected one of {ROLE_TAGS}")
+        parts.append(f"<|{role}|>\n{content}\n")
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
+
+
+class ByteTokenizer:
+    """ids 0..255 are the UTF-8 bytes of the text; 256.. are specials. No training, no files, any text round-trips."""
+
+    BOS, EOS, PAD, RESERVED = 256, 257, 258, 259  # RESERVED keeps the vocab at 260 for a future special
+    vocab_size: int = 260
+    bos_id: int | None = BOS
+    eos_id: int | None = EOS
+    pad_id: int | None = PAD
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        # A generated stream may stop mid-character, so broken UTF-8 becomes U+FFFD instead of raising.
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        return format_chat(messages)
+
+
+class HFTokenizer:
+    """A local HF tokenizer (`AutoTokenizer`, no network) behind the same interface."""
+
+    def __init__(self, path: str) -> None:
+        if not Path(path).is_dir():
+            raise ValueError(f"tokenizer path {path!r} is not a local directory")
+        from transformers import AutoTokenizer  # lazy: ByteTokenizer users need no transformers import
+
+        try:
+            self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+        self.vocab_size: int = len(self.tok)  # includes added tokens, unlike tok.vocab_size
+        self.bos_id: int | None = self.tok.bos_token_id
+        self.eos_id: int | None = self.tok.eos_token_id
+        self.pad_id: int | None = self.tok.pad_token_id
+
+    def encode(self, text: str) -> list[int]:
+        # Specials written out in the text (e.g. a template's "<|begin_of_text|>") still map to their ids.
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        if self.tok.chat_template is None:
+            return format_chat(messages)
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def load_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
+    """ByteTokenizer for random-weight models (path None), else the tokenizer stored with the model at `path`."""
+    return ByteTokenizer() if path is None else HFTokenizer(path)

@@ -1,0 +1,183 @@
+"""The CPU engine's compute half: past KV in, new KV out, and the result equals a model that saw everything at once."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvflow_ray.engines.cpu.model import CpuModel, ModelConfig, sample  # noqa: E402
+from kvflow_ray.engines.cpu.tokenizer import ByteTokenizer, HFTokenizer, format_chat, load_tokenizer  # noqa: E402
+
+# float32 differences between mathematically equal computations (different matmul shapes, cat orders) are ~1e-6.
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+@pytest.fixture(scope="module")
+def model() -> CpuModel:
+    return CpuModel(ModelConfig())
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def _empty(m: CpuModel) -> torch.Tensor:
+    return torch.empty(m.n_layers, 0, m.n_kv_heads, m.head_dim, dtype=m.torch_dtype)
+
+
+def test_interface(model: CpuModel) -> None:
+    assert (model.n_layers, model.n_kv_heads, model.head_dim) == (4, 2, 64)
+    assert (model.vocab_size, model.max_context, model.torch_dtype) == (260, 4096, torch.float32)
+    assert model.kv_bytes_per_token == 4 * 2 * 64 * 2 * 4
+    logits, k, v = model.prefill(_tokens(7, 0), _empty(model), _empty(model))
+    assert logits.shape == (260,) and logits.dtype == torch.float32
+    assert k.shape == v.shape == (4, 7, 2, 64) and k.is_contiguous()
+
+
+@pytest.mark.parametrize("split", [1, 17, 39])
+def test_prefix_reuse_is_exact(model: CpuModel, split: int) -> None:
+    tokens = _tokens(40, 1)
+    full_logits, full_k, full_v = model.prefill(tokens, _empty(model), _empty(model))
+    _, prefix_k, prefix_v = model.prefill(tokens[:split], _empty(model), _empty(model))
+    logits, k, v = model.prefill(tokens[split:], prefix_k, prefix_v)
+
+    torch.testing.assert_close(logits, full_logits, **TOL)
+    assert sample(logits, 0.0, None) == sample(full_logits, 0.0, None)
+    # The suffix's KV is the KV the full pass computed for those positions (RoPE offsets included).
+    torch.testing.assert_close(k, full_k[:, split:], **TOL)
+    torch.testing.assert_close(v, full_v[:, split:], **TOL)
+    torch.testing.assert_close(prefix_k, full_k[:, :split], **TOL)
+
+
+def test_batched_decode_equals_separate_calls(model: CpuModel) -> None:
+    seqs = [_tokens(n, 10 + n) for n in (5, 23, 11)]
+    pasts = [model.prefill(s[:-1], _empty(model), _empty(model))[1:] for s in seqs]
+    last = [s[-1] for s in seqs]
+
+    logits, new_k, new_v = model.decode(last, [p[0] for p in pasts], [p[1] for p in pasts])
+    assert logits.shape == (3, 260) and new_k.shape == new_v.shape == (4, 3, 2, 64)
+    for i, (s, (pk, pv)) in enumerate(zip(seqs, pasts, strict=True)):
+        one_logits, one_k, one_v = model.decode([s[-1]], [pk], [pv])
+        torch.testing.assert_close(logits[i], one_logits[0], **TOL)
+        torch.testing.assert_close(new_k[:, i], one_k[:, 0], **TOL)
+        torch.testing.assert_close(new_v[:, i], one_v[:, 0], **TOL)
+        assert int(logits[i].argmax()) == int(one_logits[0].argmax())
+        # ... and both equal the last position of a prefill of the whole sequence.
+        full_logits, full_k, _ = model.prefill(s, _empty(model), _empty(model))
+        torch.testing.assert_close(logits[i], full_logits, **TOL)
+        torch.testing.assert_close(new_k[:, i], full_k[:, -1], **TOL)
+
+
+def test_greedy_generation_matches_hf_generate(model: CpuModel) -> None:
+    prompt = ByteTokenizer().encode("Hello, KV world")
+    n_new = 16
+    expected = model.hf.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False)[0, len(prompt) :]
+
+    logits, k, v = model.prefill(prompt, _empty(model), _empty(model))
+    generated = []
+    while True:
+        token = sample(logits, 0.0, None)
+        generated.append(token)
+        if len(generated) == n_new or token == ByteTokenizer.EOS:  # generate stops at eos too
+            break
+        step_logits, step_k, step_v = model.decode([token], [k], [v])
+        logits, k, v = step_logits[0], torch.cat([k, step_k], dim=1), torch.cat([v, step_v], dim=1)
+    assert generated == expected.tolist()
+
+
+def test_bfloat16_builds_and_runs(model: CpuModel) -> None:
+    bf16 = CpuModel(ModelConfig(dtype="bfloat16"))
+    assert bf16.torch_dtype == torch.bfloat16 and bf16.kv_bytes_per_token == model.kv_bytes_per_token // 2
+    tokens = _tokens(12, 3)
+    logits, k, v = bf16.prefill(tokens[:-1], _empty(bf16), _empty(bf16))
+    assert logits.dtype == torch.float32 and k.dtype == v.dtype == torch.bfloat16 and k.shape == (4, 11, 2, 64)
+    step_logits, step_k, _ = bf16.decode([tokens[-1], tokens[0]], [k, k[:, :4]], [v, v[:, :4]])
+    assert step_logits.shape == (2, 260) and step_k.dtype == torch.bfloat16
+    assert torch.isfinite(step_logits).all()
+    # Same seed, weights rounded from the float32 draw: close to the float32 model, not a different network.
+    ref = model.prefill(tokens, _empty(model), _empty(model))[0]
+    assert torch.allclose(step_logits[0], ref, atol=0.1)
+
+
+def test_unknown_model_path_is_a_value_error(tmp_path) -> None:
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match="no-such-model"):
+        CpuModel(ModelConfig(path=missing))
+    with pytest.raises(ValueError, match="no-such-model"):
+        load_tokenizer(missing)
+
+
+def test_over_long_sequence_is_a_value_error(model: CpuModel) -> None:
+    with pytest.raises(ValueError, match="max_context"):
+        model.prefill([1] * 4097, _empty(model), _empty(model))
+    full = torch.zeros(model.n_layers, 4090, model.n_kv_heads, model.head_dim)
+    with pytest.raises(ValueError, match="max_context"):
+        model.prefill([1] * 7, full, full)
+    full = torch.zeros(model.n_layers, 4096, model.n_kv_heads, model.head_dim)
+    with pytest.raises(ValueError, match="max_context"):
+        model.decode([1, 2], [full[:, :3], full], [full[:, :3], full])
+
+
+def test_bad_inputs_are_value_errors(model: CpuModel) -> None:
+    with pytest.raises(ValueError, match="token ids"):
+        model.prefill([260], _empty(model), _empty(model))
+    with pytest.raises(ValueError, match="past_k"):
+        model.prefill([1], torch.zeros(4, 3, 8, 64), torch.zeros(4, 3, 8, 64))
+    with pytest.raises(ValueError, match="dtype"):
+        ModelConfig(dtype="float16")
+
+
+def test_sample() -> None:
+    logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
+    assert sample(logits, 0.0, None) == 1
+    draws = [sample(logits, 1.0, torch.Generator().manual_seed(s)) for s in range(50)]
+    assert set(draws) <= {0, 1, 2, 3} and len(set(draws)) > 1
+    assert draws == [sample(logits, 1.0, torch.Generator().manual_seed(s)) for s in range(50)]
+
+
+def test_byte_tokenizer_round_trip() -> None:
+    tok = load_tokenizer(None)
+    assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 260
+    text = "héllo wörld — 你好, κόσμε 🙂\n"
+    ids = tok.encode(text)
+    assert all(0 <= i < 256 for i in ids) and len(ids) == len(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+    assert tok.decode([tok.BOS, *ids, tok.EOS, tok.PAD]) == text  # specials are skipped
+    assert tok.decode(tok.encode("你")[:2]) == "\ufffd"  # a cut-off character does not raise
+
+
+def test_chat_template() -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    prompt = ByteTokenizer().apply_chat_template(messages)
+    assert prompt == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+    with pytest.raises(ValueError, match="role"):
+        format_chat([{"role": "robot", "content": "beep"}])
+
+
+def test_local_hf_directory_loads_model_and_tokenizer(model: CpuModel, tmp_path) -> None:
+    """A saved checkpoint + a byte-level BPE tokenizer (built offline) load through `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    bpe = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path)
+    model.hf.save_pretrained(tmp_path)
+
+    loaded = CpuModel(ModelConfig(path=str(tmp_path)))
+    assert (loaded.n_layers, loaded.n_kv_heads, loaded.head_dim, loaded.vocab_size) == (4, 2, 64, 260)
+    tokens = _tokens(9, 4)
+    expected = model.prefill(tokens, _empty(model), _empty(model))[0]
+    torch.testing.assert_close(loaded.prefill(tokens, _empty(loaded), _empty(loaded))[0], expected)
+
+    tok = load_tokenizer(str(tmp_path))
+    assert isinstance(tok, HFTokenizer) and tok.eos_id == 257
+    text = "héllo 你好 🙂"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode([tok.bos_id, *tok.encode("ok"), tok.eos_id]) == "ok"
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]) == "<|user|>\nHi\n<|assistant|>\n"
