@@ -271,7 +271,12 @@ class ReplicaScheduler:
         admitted: list[CacheRequest] = []
         if self.policy.admission == "status-aware":
             self._start_queued_loads()
-        for req in self.admission.order(self.waiting, self._is_loading):
+        # Requests holding a queued load go first: their memory is already reserved, so admitting them
+        # takes nothing from anyone. Otherwise a request ahead of them that does not fit (because
+        # their locked prefixes cannot be evicted) waits for memory that only they would free.
+        holding = [r for r in self.waiting if r.locked is not None]
+        rest = [r for r in self.admission.order(self.waiting, self._is_loading) if r.locked is None]
+        for req in holding + rest:
             if len(self.running) >= self.max_running:
                 break
             match = self.cache.match(req.tokens)

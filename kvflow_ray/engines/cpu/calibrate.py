@@ -82,21 +82,7 @@ def calibrate(config: CpuEngineConfig, *, repeats: int = 3, log: Callable[[str],
     prefill = [(n, ctx, _median_time(lambda n=n, c=ctx: prefill_step(n, c), repeats)) for n, ctx in PREFILL_GRID]
     log("prefill chunk: " + ", ".join(f"{n}@{c}: {t * 1e3:.0f} ms" for n, c, t in prefill))
 
-    # decode: least-squares line through (context, time)
-    xs, ys = [c for c, _ in decode], [t for _, t in decode]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-    slope = max(slope, 1e-12)
-    intercept = my - slope * mx
-    kv_bytes = model.kv_bytes_per_token
-    hbm = kv_bytes / slope
-    overhead = max(intercept - model.weight_bytes / hbm, 0.0)
-
-    probe = _profile_values(config, model, peak_flops=1.0, hbm=hbm, overhead=overhead, h2d=1.0, d2h=1.0)
-    prof = Profile(**probe)
-    flops = [prof.step_time([(n, ctx)], []) - overhead for n, ctx, _t in prefill]  # = FLOPs at peak 1 FLOP/s
-    work = [max(t - overhead, 1e-6) for _n, _c, t in prefill]
-    peak = sum(f * f for f in flops) / sum(f * w for f, w in zip(flops, work, strict=True))
+    peak, hbm, overhead, streamed = _fit(config, model, decode, prefill)
 
     # the copy stream, paced as the engine paces it
     from queue import Queue
@@ -111,12 +97,13 @@ def calibrate(config: CpuEngineConfig, *, repeats: int = 3, log: Callable[[str],
         stream.submit(CopyJob(pool, slots[:2048], host, host.alloc(2048), lambda: None))
         job = done.get()
         host.free(job.dst_slots)
-        rates.append(2048 * kv_bytes / (job.finished - job.started))
+        rates.append(2048 * model.kv_bytes_per_token / (job.finished - job.started))
     stream.close()
     link = statistics.median(rates)
     log(f"copy: {link / 1e9:.3f} GB/s (link_gbps={config.link_gbps})")
 
-    values = _profile_values(config, model, peak_flops=peak, hbm=hbm, overhead=overhead, h2d=link, d2h=link)
+    values = _profile_values(config, model, peak_flops=peak, hbm=hbm, overhead=overhead, h2d=link, d2h=link,
+                             streamed=streamed)
     fitted = Profile(**values)
     errors = [fitted.step_time([(n, ctx)], []) / t - 1 for n, ctx, t in prefill]
     errors += [fitted.step_time([], [ctx]) / t - 1 for ctx, t in decode]
@@ -126,17 +113,56 @@ def calibrate(config: CpuEngineConfig, *, repeats: int = 3, log: Callable[[str],
                                                "fit_errors": errors}}
 
 
+def _fit(config: CpuEngineConfig, model: CpuModel, decode: list[tuple[int, float]],
+         prefill: list[tuple[int, int, float]]) -> tuple[float, float, float, float]:
+    """(peak_flops, bytes/s, per-step overhead, bytes streamed per step) minimising the squared relative
+    error of the roofline over every measured step.
+
+    Decode times are a line in the context length: its slope is KV bytes per token / bandwidth. The
+    intercept splits into a fixed overhead and bytes streamed per step (on a CPU mostly interpreter
+    and dispatch cost, not weights: 45 MB of float32 weights stay largely in cache). Each split is
+    tried; the peak FLOP/s then follows from the prefill chunks by least squares."""
+    xs, ys = [c for c, _ in decode], [t for _, t in decode]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    hbm = model.kv_bytes_per_token / max(slope, 1e-12)
+    intercept = max(my - slope * mx, 0.0)
+    unit = Profile(**_profile_values(config, model, peak_flops=1.0, hbm=hbm, overhead=0.0, h2d=1.0, d2h=1.0,
+                                     streamed=0.0))
+    flops = [unit.step_time([(n, ctx)], []) for n, ctx, _t in prefill]  # seconds at 1 FLOP/s = FLOPs
+    best: tuple[float, tuple[float, float, float, float]] | None = None
+    for i in range(101):
+        overhead = intercept * i / 100
+        streamed = (intercept - overhead) * hbm
+        # relative least squares of t - overhead = flops / peak, for x = 1 / peak
+        num = sum(f * (t - overhead) / (t * t) for f, (_n, _c, t) in zip(flops, prefill, strict=True))
+        den = sum(f * f / (t * t) for f, (_n, _c, t) in zip(flops, prefill, strict=True))
+        if num <= 0:
+            continue
+        peak = den / num
+        prof = Profile(**_profile_values(config, model, peak_flops=peak, hbm=hbm, overhead=overhead, h2d=1.0,
+                                         d2h=1.0, streamed=streamed))
+        err = sum((prof.step_time([(n, c)], []) / t - 1) ** 2 for n, c, t in prefill)
+        err += sum((prof.step_time([], [c]) / t - 1) ** 2 for c, t in decode)
+        if best is None or err < best[0]:
+            best = (err, (peak, hbm, overhead, streamed))
+    assert best is not None, "calibration measured no usable prefill step"
+    return best[1]
+
+
 def _profile_values(config: CpuEngineConfig, model: CpuModel, *, peak_flops: float, hbm: float, overhead: float,
-                    h2d: float, d2h: float) -> dict[str, Any]:
+                    h2d: float, d2h: float, streamed: float) -> dict[str, Any]:
     kv = model.kv_bytes_per_token
     return {
         "name": "cpu-reference",
         "description": f"kvflow-ray CPU engine on {platform.processor() or platform.machine()}, "
                        f"{torch.get_num_threads()} threads, calibrated {dt.date.today().isoformat()}",
         # the device pool is exactly the engine's: memory = weights + pool, all of it static
-        "gpu_memory_bytes": float(model.weight_bytes + config.device_kv_tokens * kv),
+        # `weight_bytes` is the fitted bytes streamed per step; memory = that + the pool, all static,
+        # so the simulated device pool is exactly the engine's
+        "gpu_memory_bytes": float(streamed + config.device_kv_tokens * kv),
         "mem_fraction_static": 1.0,
-        "weight_bytes": float(model.weight_bytes),
+        "weight_bytes": float(streamed),
         "peak_flops": peak_flops,
         "hbm_bytes_per_s": hbm,
         "h2d_bytes_per_s": h2d,

@@ -62,10 +62,11 @@ class CpuEngine:
         if config.policy not in ENGINE_POLICIES:
             raise ValueError(f"policy {config.policy!r} cannot run on the CPU engine "
                              f"(choose one of {', '.join(ENGINE_POLICIES)})")
-        for name in ("device_kv_tokens", "host_kv_tokens", "chunk_tokens", "max_running"):
+        policy = POLICIES[config.policy]
+        sizes = ("device_kv_tokens", "chunk_tokens", "max_running") + (("host_kv_tokens",) if policy.host_tier else ())
+        for name in sizes:
             if getattr(config, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(config, name)}")
-        policy = POLICIES[config.policy]
         self.model = model if model is not None else CpuModel(config.model, threads=config.threads)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
@@ -94,6 +95,7 @@ class CpuEngine:
         self.forward_steps = 0
         self.requests_done = 0
         self.requests_failed = 0
+        self.requests_rejected = 0  # refused by `submit` (bad input): never queued
         self._callbacks: deque[CpuRequest] = deque()
 
     @property
@@ -110,7 +112,11 @@ class CpuEngine:
                on_done: Callable[[CpuRequest], None] | None = None) -> CpuRequest:
         """Queue a request (any thread). Raises ValueError, changing nothing, for a request that can
         never run: empty, too long for the model's context or the device pool, bad parameters."""
-        req = self._make_request(request)
+        try:
+            req = self._make_request(request)
+        except ValueError:
+            self.requests_rejected += 1
+            raise
         req.on_token, req.on_done = on_token, on_done
         self._inbox.put(("request", req))
         self._wake.set()
@@ -158,6 +164,7 @@ class CpuEngine:
             "policy": self.config.policy,
             "requests_done": self.requests_done,
             "requests_failed": self.requests_failed,
+            "requests_rejected": self.requests_rejected,
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
             "prompt_tokens": {"gpu": s.gpu_tokens, "cpu": s.cpu_tokens, "miss": s.miss_tokens},
@@ -334,8 +341,8 @@ class CpuEngine:
             dst = self.host.alloc(len(node.key))
 
             def done(node: RadixNode = node, dst: torch.Tensor = dst) -> None:
+                self._event("stored", "cpu", node)  # before offload_done, which may free the device copy
                 self.scheduler.offload_done(node, dst)
-                self._event("stored", "cpu", node)
 
             self._copy(self.d2h, CopyJob(self.device, node.gpu_value, self.host, dst, done))  # type: ignore[arg-type]
 
@@ -361,6 +368,16 @@ class CpuEngine:
         if value is not None and pool is not None:
             pool.free(value)  # type: ignore[arg-type]
         self._event("removed", tier, node)
+
+    def _stored_events(self, last: RadixNode | None, end: int, adopted: list[tuple[int, int]]) -> None:
+        """A committed prompt (path ending at `last`, `end` tokens): report the nodes whose KV this
+        request computed, so a router learns what the replica now holds."""
+        node = last
+        while adopted and node is not None and node.parent is not None:
+            start = end - len(node.key)
+            if any(lo <= start and end <= hi for lo, hi in adopted):
+                self._event("stored", "gpu", node)
+            end, node = start, node.parent
 
     def _event(self, kind: str, tier: str, node: RadixNode) -> None:
         keys = []
@@ -401,6 +418,7 @@ class CpuEngine:
         finished = self.scheduler.prefill_done(req, n, req.ctx[:prompt_len], adopted)
         assert req.own is not None
         self._free_unadopted(req.own[:prompt_len - req.base], req.base, adopted)
+        self._stored_events(req.locked, prompt_len, adopted)
         req.ctx = torch.cat([self._path_slots(req.locked), req.own[prompt_len - req.base:]])
         assert len(req.ctx) == prompt_len + req.max_new, (len(req.ctx), prompt_len, req.max_new)
         if self._emit(req, token) or finished:

@@ -1,0 +1,561 @@
+"""The CPU engine end to end: every cache path (device hit, host load, prefetch, recompute, chunked prefill, batched
+decode) yields the tokens of a model that saw the whole prompt at once; bad input is rejected without harming the
+engine; pools and the cache's books agree after heavy eviction; hints, cache events, the bench driver and the CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvflow_ray.core.radix import GpuState, RadixNode  # noqa: E402
+from kvflow_ray.engines.base import GenerateRequest, GenerateResult, Hints, prefix_hash  # noqa: E402
+from kvflow_ray.engines.cpu.bench import run_cpu_policies  # noqa: E402
+from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig  # noqa: E402
+from kvflow_ray.engines.cpu.engine import CpuEngine  # noqa: E402
+from kvflow_ray.engines.cpu.model import CpuModel, sample  # noqa: E402
+from kvflow_ray.engines.cpu.tokenizer import ByteTokenizer  # noqa: E402
+from kvflow_ray.engines.sim import workload  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# KV of equal computations done in different pieces (cached prefix + suffix, padded batches) differs by ~1e-6.
+KV_TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+Reference = Callable[[Sequence[int], int], list[int]]
+
+
+@pytest.fixture(scope="module")
+def model() -> CpuModel:
+    return CpuModel(ModelConfig())
+
+
+def _greedy(model: CpuModel, tokens: Sequence[int], n: int, temperature: float = 0.0,
+            seed: int | None = None) -> list[int]:
+    """No cache at all: prefill the whole prompt, then decode one token at a time over the concatenated KV."""
+    empty = torch.empty(model.n_layers, 0, model.n_kv_heads, model.head_dim, dtype=model.torch_dtype)
+    generator = torch.Generator().manual_seed(seed or 0) if temperature > 0 else None
+    logits, k, v = model.prefill(list(tokens), empty, empty)
+    out: list[int] = []
+    while True:
+        out.append(sample(logits, temperature, generator))
+        if len(out) == n:
+            return out
+        step_logits, step_k, step_v = model.decode([out[-1]], [k], [v])
+        logits, k, v = step_logits[0], torch.cat([k, step_k], dim=1), torch.cat([v, step_v], dim=1)
+
+
+@pytest.fixture(scope="module")
+def reference(model: CpuModel) -> Reference:
+    """Greedy tokens of the no-cache run (`ignore_eos` semantics: exactly n tokens), memoised for the module."""
+    memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def ref(tokens: Sequence[int], n: int) -> list[int]:
+        key = (tuple(tokens), n)
+        if key not in memo:
+            memo[key] = _greedy(model, tokens, n)
+        return memo[key]
+
+    return ref
+
+
+def _tokens(n: int, seed: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, 256, (n,), generator=g).tolist())
+
+
+def _config(policy: str, device: int, host: int = 8_000, **kw: Any) -> CpuEngineConfig:
+    return CpuEngineConfig(policy=policy, device_kv_tokens=device, host_kv_tokens=host, link_gbps=None, **kw)
+
+
+def _state(engine: CpuEngine) -> str:
+    s, c = engine.scheduler, engine.cache
+    return (f"{len(s.waiting)} waiting, {len(s.running)} running, {engine._copies_inflight} copies in flight, "
+            f"free {c.free_tokens}, locked {c.tree.locked_gpu_tokens}, private {c.private_tokens}, "
+            f"queued_reserved {s.queued_reserved}")
+
+
+def _drain(engine: CpuEngine, max_steps: int = 20_000) -> None:
+    """Drive the engine (no background loop) until idle. A stuck engine returns from `step` at once, so the step
+    bound ends a deadlock quickly instead of hanging the suite."""
+    for _ in range(max_steps):
+        if not engine.busy:
+            return
+        engine.step(timeout=0.01)
+    raise AssertionError(f"the engine never became idle: {_state(engine)}")
+
+
+# ---------------------------------------------------------------------------------------------------- the workflow
+# Four agents with fixed prompts (two share an 80-token preamble), 760 distinct fixed tokens in all: more than the
+# 600-token device pool, so every policy evicts; the host pool holds everything.
+PREAMBLE = _tokens(80, 100)
+FIXED = {"a0": PREAMBLE + _tokens(140, 1), "a1": PREAMBLE + _tokens(180, 2), "a2": _tokens(200, 3),
+         "a3": _tokens(160, 4)}
+AGENTS = tuple(FIXED)
+ROUNDS = 3
+CALLS = [(agent, FIXED[agent] + _tokens(10, 1000 + 10 * r + i))
+         for r in range(ROUNDS) for i, agent in enumerate(AGENTS)]
+MAX_TOKENS = 6
+DEVICE_TOKENS = 600
+
+
+def _request(agent: str, tokens: Sequence[int], workflow: str = "wf") -> GenerateRequest:
+    return GenerateRequest(tokens=tokens, max_tokens=MAX_TOKENS, ignore_eos=True, workflow=workflow, agent=agent,
+                           fixed_prefix_tokens=len(FIXED[agent]))
+
+
+def _steps(agent: str) -> dict[str, float]:
+    """Steps-to-execution in the cyclic order while `agent` runs."""
+    k = AGENTS.index(agent)
+    return {b: float((j - k) % len(AGENTS)) for j, b in enumerate(AGENTS)}
+
+
+def _run_workflow(engine: CpuEngine) -> list[GenerateResult]:
+    engine.apply_hints(Hints(prompts={("wf", a): FIXED[a] for a in AGENTS}))
+    results = []
+    for agent, tokens in CALLS:
+        engine.apply_hints(Hints(steps={"wf": _steps(agent)}))
+        results.append(engine.generate(_request(agent, tokens)))
+    return results
+
+
+def test_reference_outputs_are_not_degenerate(reference: Reference) -> None:
+    """Identity below means something only if different prompts give different answers."""
+    outputs = {tuple(reference(tokens, MAX_TOKENS)) for _agent, tokens in CALLS}
+    assert len(outputs) > len(CALLS) // 2
+
+
+@pytest.mark.parametrize("policy", ["lru", "hicache", "kvflow", "kvflow-noprefetch"])
+def test_greedy_outputs_equal_the_no_cache_run(model: CpuModel, reference: Reference, policy: str) -> None:
+    with CpuEngine(_config(policy, DEVICE_TOKENS), model=model) as engine:
+        results = _run_workflow(engine)
+        stats = engine.stats()
+
+    for (agent, tokens), result in zip(CALLS, results, strict=True):
+        assert result.tokens == reference(tokens, MAX_TOKENS), (policy, agent)
+        assert result.prompt_tokens == len(tokens)
+        assert result.gpu_hit_tokens + result.cpu_hit_tokens + result.miss_tokens == len(tokens)
+        assert result.finish_reason == "length"
+
+    # the run went through the paths the identity is meant to cover
+    hits = stats["prompt_tokens"]
+    assert hits == {"gpu": sum(r.gpu_hit_tokens for r in results), "cpu": sum(r.cpu_hit_tokens for r in results),
+                    "miss": sum(r.miss_tokens for r in results)}
+    assert stats["requests_done"] == len(CALLS) and stats["requests_failed"] == 0
+    assert stats["evicted_tokens"]["gpu"] > 0
+    assert results[1].gpu_hit_tokens >= len(PREAMBLE)  # a1 reuses the preamble a0 computed (a split node)
+    later = list(zip(CALLS, results, strict=True))[len(AGENTS):]
+    if policy == "lru":
+        assert hits["gpu"] > 0 and hits["miss"] > 0 and hits["cpu"] == 0
+        assert stats["evicted_tokens"]["dropped"] > 0 and stats["loaded_tokens"] == 0
+        # evicted prompts are recomputed: later rounds miss much of their fixed prompt again
+        assert any(r.miss_tokens > len(FIXED[a]) // 2 for (a, _t), r in later)
+    else:
+        assert stats["evicted_tokens"]["written_back"] > 0 and stats["loaded_tokens"] > 0
+        # with a host tier nothing fixed is ever recomputed after the first round
+        assert all(r.gpu_hit_tokens + r.cpu_hit_tokens >= len(FIXED[a]) for (a, _t), r in later)
+        if policy == "kvflow":
+            assert stats["prefetch"]["completed"] > 0  # loads ahead of the calls (their hits count as device hits)
+        else:
+            assert hits["cpu"] > 0  # loads on demand
+
+
+@pytest.mark.parametrize(("policy", "chunk"), [("hicache", 64), ("kvflow", 37)])
+def test_chunked_prefill_gives_the_same_tokens(model: CpuModel, reference: Reference, policy: str,
+                                               chunk: int) -> None:
+    with CpuEngine(_config(policy, DEVICE_TOKENS, chunk_tokens=chunk), model=model) as engine:
+        results = _run_workflow(engine)
+        steps = engine.stats()["forward_steps"]
+    for (_agent, tokens), result in zip(CALLS, results, strict=True):
+        assert result.tokens == reference(tokens, MAX_TOKENS)
+    # the first call alone (230 uncached tokens) needs several prefill chunks
+    assert steps > len(CALLS) * MAX_TOKENS
+
+
+@pytest.mark.parametrize("policy", ["lru", "hicache"])
+def test_concurrent_calls_batch_and_give_the_same_tokens(model: CpuModel, reference: Reference,
+                                                         policy: str) -> None:
+    """Each round's calls are submitted together: prefills share a step and decodes run batched (padded)."""
+    with CpuEngine(_config(policy, DEVICE_TOKENS + 400), model=model) as engine:
+        reqs = []
+        for r in range(ROUNDS):
+            wave = CALLS[r * len(AGENTS):(r + 1) * len(AGENTS)]
+            reqs += [engine.submit(_request(agent, tokens)) for agent, tokens in wave]
+            _drain(engine)
+        steps = engine.stats()["forward_steps"]
+    for (_agent, tokens), req in zip(CALLS, reqs, strict=True):
+        assert req.error is None and req.result is not None
+        assert req.result.tokens == reference(tokens, MAX_TOKENS)
+    assert steps < len(CALLS) * MAX_TOKENS  # fewer steps than one request at a time: batching happened
+
+
+def test_sampling_is_seeded(model: CpuModel) -> None:
+    prompt = _tokens(30, 7)
+    req = GenerateRequest(tokens=prompt, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    with CpuEngine(_config("kvflow", 400), model=model) as engine:
+        first = engine.generate(req).tokens
+        again = engine.generate(req).tokens  # now from the cache: same draws
+        other = engine.generate(GenerateRequest(tokens=prompt, max_tokens=8, temperature=1.0, seed=6,
+                                                ignore_eos=True)).tokens
+    assert first == again == _greedy(model, prompt, 8, temperature=1.0, seed=5)
+    assert other != first
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+@pytest.fixture(scope="module")
+def served(model: CpuModel):
+    """An engine serving from its background loop; tests call it from their own thread."""
+    engine = CpuEngine(_config("kvflow", 300, host=1_000), model=model).start()
+    yield engine
+    engine.close()
+
+
+VALID = GenerateRequest(tokens=_tokens(40, 8), max_tokens=4, ignore_eos=True)
+
+BAD_REQUESTS = {
+    "longer than the pool": (GenerateRequest(tokens=_tokens(295, 9), max_tokens=10), "device KV pool of 300"),
+    "unknown model": (GenerateRequest(tokens=[1, 2], model="some/other"), "unknown model 'some/other'"),
+    "empty tokens": (GenerateRequest(tokens=[]), "empty"),
+    "empty text": (GenerateRequest(prompt=""), "empty"),
+    "no prompt": (GenerateRequest(), "exactly one of prompt"),
+    "prompt and tokens": (GenerateRequest(prompt="hi", tokens=[1, 2]), "exactly one of prompt"),
+    "max_tokens 0": (GenerateRequest(tokens=[1, 2], max_tokens=0), "max_tokens"),
+    "token over vocab": (GenerateRequest(tokens=[1, 260]), "260 is outside the model's vocabulary"),
+    "negative token": (GenerateRequest(tokens=[-1, 2]), "-1 is outside the model's vocabulary"),
+    "negative temperature": (GenerateRequest(tokens=[1, 2], temperature=-0.5), "temperature"),
+    "workflow without agent": (GenerateRequest(tokens=[1, 2], workflow="wf"), "agent"),
+    "agent without workflow": (GenerateRequest(tokens=[1, 2], agent="a0"), "workflow"),
+    "fixed prefix past the prompt": (GenerateRequest(tokens=[1, 2], fixed_prefix_tokens=3), "fixed_prefix_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_is_a_value_error_and_the_engine_keeps_serving(served: CpuEngine, reference: Reference,
+                                                                   case: str) -> None:
+    request, message = BAD_REQUESTS[case]
+    done = served.stats()["requests_done"]
+    with pytest.raises(ValueError, match=message):
+        served.generate(request)
+    with pytest.raises(ValueError, match=message):
+        list(served.stream(request))
+    rejected = served.stats()["requests_rejected"]
+    assert served.generate(VALID).tokens == reference(VALID.tokens, VALID.max_tokens)
+    stats = served.stats()
+    assert stats["requests_done"] == done + 1 and stats["requests_failed"] == 0  # rejected before queueing
+    assert rejected >= 2 and stats["requests_rejected"] == rejected
+    assert stats["cache_tokens"]["private"] == 0
+
+
+def test_the_engine_names_its_model(served: CpuEngine, reference: Reference) -> None:
+    assert served.model_name == "kvflow-cpu-random"
+    request = GenerateRequest(tokens=VALID.tokens, max_tokens=4, ignore_eos=True, model=served.model_name)
+    assert served.generate(request).tokens == reference(VALID.tokens, 4)
+
+
+def test_request_longer_than_the_model_context(model: CpuModel) -> None:
+    small = CpuModel(ModelConfig(max_context=256))  # same seed and shapes: the same weights
+    with CpuEngine(_config("hicache", 1_000), model=small).start() as engine:
+        assert engine.model.max_context == 256
+        with pytest.raises(ValueError, match="context of 256"):
+            engine.generate(GenerateRequest(tokens=_tokens(250, 10), max_tokens=7))
+        with pytest.raises(ValueError, match="context of 256"):
+            engine.generate(GenerateRequest(tokens=_tokens(257, 10), max_tokens=1))
+        ok = engine.generate(GenerateRequest(tokens=_tokens(250, 10), max_tokens=6, ignore_eos=True))
+    assert ok.tokens == _greedy(model, _tokens(250, 10), 6)
+
+
+def test_missing_model_path_is_a_value_error(tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ValueError, match="no-such-model"):
+        CpuModel(ModelConfig(path=missing))
+    with pytest.raises(ValueError, match="no-such-model"):
+        CpuEngine(CpuEngineConfig(model=ModelConfig(path=missing)))
+
+
+@pytest.mark.parametrize("field", ["device_kv_tokens", "host_kv_tokens", "chunk_tokens", "max_running"])
+def test_non_positive_sizes_are_rejected(model: CpuModel, field: str) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be positive"):
+        CpuEngine(CpuEngineConfig(**{field: 0}), model=model)
+
+
+def test_lru_needs_no_host_pool(model: CpuModel) -> None:
+    with CpuEngine(CpuEngineConfig(policy="lru", device_kv_tokens=300, host_kv_tokens=0), model=model) as engine:
+        assert engine.host is None
+        assert len(engine.generate(GenerateRequest(tokens=_tokens(20, 3), max_tokens=2)).tokens) == 2
+
+
+def test_zero_link_bandwidth_is_rejected(model: CpuModel) -> None:
+    with pytest.raises(ValueError, match="link_gbps"):
+        CpuEngine(CpuEngineConfig(device_kv_tokens=100, host_kv_tokens=100, link_gbps=0.0), model=model)
+
+
+@pytest.mark.parametrize("policy", ["belady", "infinite", "nope"])
+def test_policies_the_engine_cannot_run(model: CpuModel, policy: str) -> None:
+    with pytest.raises(ValueError, match=f"policy '{policy}' cannot run on the CPU engine"):
+        CpuEngine(CpuEngineConfig(policy=policy), model=model)
+
+
+# ---------------------------------------------------------------------------------------------------- streaming
+def _check_stream(items: list[Any], expected: list[int], prompt_tokens: int) -> None:
+    *tokens, result = items
+    assert all(isinstance(t, int) for t in tokens)
+    assert isinstance(result, GenerateResult)
+    assert tokens == result.tokens == expected
+    assert result.text == ByteTokenizer().decode(expected)
+    assert result.prompt_tokens == prompt_tokens
+
+
+def test_stream_without_a_background_loop(model: CpuModel, reference: Reference) -> None:
+    with CpuEngine(_config("hicache", 400), model=model) as engine:
+        _check_stream(list(engine.stream(VALID)), reference(VALID.tokens, 4), 40)
+        assert not engine.busy
+
+
+def test_stream_from_the_background_loop(served: CpuEngine, reference: Reference) -> None:
+    prompt = "Hello, KV world"
+    ids = ByteTokenizer().encode(prompt)
+    items = list(served.stream(GenerateRequest(prompt=prompt, max_tokens=5, ignore_eos=True)))
+    _check_stream(items, reference(ids, 5), len(ids))
+
+
+# ---------------------------------------------------------------------------------------------------- accounting
+def _stress_workload() -> tuple[dict[str, dict[str, tuple[int, ...]]], list[tuple[str | None, str | None,
+                                                                                   tuple[int, ...], int]]]:
+    """Three workflows x three agents (a shared 40-token preamble, 60-140 agent tokens) and some plain
+    requests: ~1,000 distinct fixed tokens plus dynamic parts, against a 760-token device pool and a 1,000-token
+    host pool, so both tiers evict."""
+    rng = random.Random(0)
+    preamble = _tokens(40, 200)
+    prompts = {f"w{w}": {f"a{a}": preamble + _tokens(rng.randint(60, 140), 300 + 10 * w + a) for a in range(3)}
+               for w in range(3)}
+    calls: list[tuple[str | None, str | None, tuple[int, ...], int]] = []
+    for i in range(60):
+        if i % 7 == 3:
+            calls.append((None, None, _tokens(rng.randint(20, 120), 500 + i), rng.randint(1, 5)))
+        else:
+            w, a = f"w{rng.randrange(3)}", f"a{rng.randrange(3)}"
+            calls.append((w, a, prompts[w][a] + _tokens(rng.randint(1, 30), 500 + i), rng.randint(1, 5)))
+    return prompts, calls
+
+
+def _check_pool_contents(engine: CpuEngine, model: CpuModel) -> None:
+    """Every cached node's KV, in whichever pools hold it, is the KV of its token sequence."""
+    assert engine.host is not None
+    device_slots: list[int] = []
+    host_slots: list[int] = []
+    leaves = [n for n in engine.cache.tree.nodes() if not n.children]
+    for leaf in leaves:
+        path: list[RadixNode] = []
+        node: RadixNode | None = leaf
+        while node is not None and node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        sequence = [t for n in path for t in n.key]
+        empty = torch.empty(model.n_layers, 0, model.n_kv_heads, model.head_dim)
+        _, k, v = model.prefill(sequence, empty, empty)
+        start = 0
+        for n in path:
+            end = start + len(n.key)
+            copies = []
+            if n.gpu is GpuState.READY:
+                copies.append(engine.device.gather(n.gpu_value))  # type: ignore[arg-type]
+            if n.cpu:
+                copies.append(engine.host.gather(n.cpu_value))  # type: ignore[arg-type]
+            assert copies, n
+            for got_k, got_v in copies:
+                torch.testing.assert_close(got_k, k[:, start:end], **KV_TOL)
+                torch.testing.assert_close(got_v, v[:, start:end], **KV_TOL)
+            start = end
+    for n in engine.cache.tree.nodes():
+        if n.gpu is GpuState.READY:
+            device_slots += n.gpu_value.tolist()  # type: ignore[attr-defined]
+        if n.cpu:
+            host_slots += n.cpu_value.tolist()  # type: ignore[attr-defined]
+    # no slot is owned twice, and owned + free slots make up each pool
+    assert len(set(device_slots)) == len(device_slots) == engine.cache.tree.gpu_tokens
+    assert len(set(host_slots)) == len(host_slots) == engine.cache.tree.cpu_tokens
+    assert len(device_slots) + engine.device.free_slots == engine.device.capacity
+    assert len(host_slots) + engine.host.free_slots == engine.host.capacity
+
+
+@pytest.mark.parametrize("policy", ["hicache", "kvflow"])
+def test_memory_accounting_is_exact_after_many_requests(model: CpuModel, reference: Reference,
+                                                        policy: str) -> None:
+    prompts, calls = _stress_workload()
+    rng = random.Random(1)
+    # Waves of four, drained in between: 760 >= 3 queued prompts (<= 180 tokens each) + the largest call, so the
+    # admission deadlock of test_queued_load_does_not_block_admission cannot occur here.
+    with CpuEngine(_config(policy, 760, host=1_000, chunk_tokens=64), model=model) as engine:
+        engine.apply_hints(Hints(prompts={(w, a): p for w, agents in prompts.items() for a, p in agents.items()}))
+        reqs = []
+        for i in range(0, len(calls), 4):
+            engine.apply_hints(Hints(steps={w: {a: float(rng.randint(0, 3)) for a in prompts[w]} for w in prompts}))
+            for w, a, tokens, n in calls[i:i + 4]:
+                reqs.append(engine.submit(GenerateRequest(tokens=tokens, max_tokens=n, ignore_eos=True,
+                                                          workflow=w, agent=a)))
+            _drain(engine)
+
+        stats = engine.stats()
+        cache, tree = engine.cache, engine.cache.tree
+        assert stats["requests_done"] == len(calls) and stats["requests_failed"] == 0
+        assert stats["waiting"] == stats["running"] == 0
+        assert engine.device.free_slots == cache.free_tokens
+        assert engine.host is not None and engine.host.free_slots == cache.cpu_capacity - tree.cpu_tokens
+        assert cache.private_tokens == 0 and cache.pending_free == 0 and cache.offloading_tokens == 0
+        assert tree.locked_gpu_tokens == 0 and engine.scheduler.queued_reserved == 0
+        assert engine.scheduler.prefetch_inflight == 0
+        assert all(n.gpu is not GpuState.LOADING and not n.offloading for n in tree.nodes())
+        tree.check_invariants()
+        _check_pool_contents(engine, model)
+        # the pools really were under pressure on both tiers
+        evicted = stats["evicted_tokens"]
+        assert evicted["gpu"] > 0 and evicted["written_back"] > 0 and evicted["cpu"] > 0
+        assert stats["prompt_tokens"]["cpu"] > 0 or stats["prefetch"]["completed"] > 0
+        if policy == "kvflow":
+            assert stats["prefetch"]["issued"] > 0
+
+    for req, (_w, _a, tokens, n) in zip(reqs, calls, strict=True):
+        assert req.error is None and req.result is not None
+        assert req.result.tokens == reference(tokens, n)
+
+
+@pytest.mark.parametrize("policy", ["kvflow", "kvflow-noprefetch"])
+def test_queued_load_does_not_block_admission(model: CpuModel, policy: str) -> None:
+    """A (ready, needs 210 of 300 tokens) arrives with B (its 100-token fixed prompt on the host). B's queued load
+    locks those 100 tokens; A, first in the status-aware order, then never fits, and B waits behind A."""
+    fixed = _tokens(100, 20)
+    with CpuEngine(_config(policy, 300, host=2_000), model=model) as engine:
+        engine.generate(GenerateRequest(tokens=fixed + _tokens(5, 21), max_tokens=2, ignore_eos=True,
+                                        workflow="wf", agent="b", fixed_prefix_tokens=100))
+        engine.generate(GenerateRequest(tokens=_tokens(250, 22), max_tokens=5, ignore_eos=True))  # B -> host
+        a = engine.submit(GenerateRequest(tokens=_tokens(200, 23), max_tokens=10, ignore_eos=True))
+        b = engine.submit(GenerateRequest(tokens=fixed + _tokens(5, 24), max_tokens=2, ignore_eos=True,
+                                          workflow="wf", agent="b", fixed_prefix_tokens=100))
+        _drain(engine)
+        assert a.result is not None and b.result is not None
+
+
+# ---------------------------------------------------------------------------------------------------- hints, events
+def test_retiring_a_workflow_removes_its_tags(model: CpuModel) -> None:
+    with CpuEngine(_config("kvflow", 1_000), model=model) as engine:
+        engine.apply_hints(Hints(steps={"wf": {"a0": 0.0, "a2": 1.0}, "wf2": {"a0": 0.0}},
+                                 prompts={("wf", "a0"): FIXED["a0"], ("wf", "a2"): FIXED["a2"],
+                                          ("wf2", "a0"): FIXED["a0"]}))
+        for workflow, agent in (("wf", "a0"), ("wf", "a2"), ("wf2", "a0")):
+            engine.generate(_request(agent, FIXED[agent] + _tokens(5, 30), workflow=workflow))
+        tree = engine.cache.tree
+        assert tree.workflow_nodes("wf") and tree.workflow_nodes("wf2")
+        assert engine.book.live("wf")
+
+        engine.apply_hints(Hints(retire=["wf"]))
+        engine.step()
+        assert tree.workflow_nodes("wf") == set()
+        assert not any(tag[0] == "wf" for node in tree.nodes() for tag in node.tags)
+        assert not engine.book.live("wf") and engine.book.prompt(("wf", "a0")) is None
+        assert all(tag[0] != "wf" for tag in engine.cache.prompt_tails)
+        # the other workflow keeps its tags (on the very nodes it shares with the retired one)
+        assert {("wf2", "a0")} <= set().union(*(n.tags for n in tree.workflow_nodes("wf2")))
+        tree.check_invariants()
+        # retiring untags, it does not drop: the prompt is still served from the device
+        result = engine.generate(GenerateRequest(tokens=FIXED["a2"] + _tokens(3, 31), max_tokens=1))
+        assert result.gpu_hit_tokens >= len(FIXED["a2"])
+
+
+def test_cache_events_report_tier_changes_and_drain(model: CpuModel) -> None:
+    fixed = _tokens(100, 40)
+    # 300 device tokens; the host takes exactly what the first three calls write back (360), no more
+    with CpuEngine(_config("hicache", 300, host=360), model=model) as engine:
+        engine.generate(GenerateRequest(tokens=fixed + _tokens(5, 41), max_tokens=2, ignore_eos=True,
+                                        workflow="wf", agent="a", fixed_prefix_tokens=100))
+        engine.generate(GenerateRequest(tokens=_tokens(250, 42), max_tokens=5, ignore_eos=True))  # evicts the prompt
+        first = engine.cache_events()
+        engine.generate(GenerateRequest(tokens=fixed + _tokens(5, 43), max_tokens=2, ignore_eos=True,
+                                        workflow="wf", agent="a", fixed_prefix_tokens=100))  # loads it back
+        engine.generate(GenerateRequest(tokens=_tokens(280, 44), max_tokens=5, ignore_eos=True))  # host fills up
+        second = engine.cache_events()
+        assert engine.cache_events() == []  # drained
+        stats = engine.stats()
+
+    events = first + second
+    assert {e.kind for e in events} == {"stored", "removed"}
+    assert {e.tier for e in events} == {"gpu", "cpu"}
+    assert all(e.tokens > 0 and len(e.prefix_hash) == 24 for e in events)
+    key = prefix_hash(fixed)
+    # the fixed prompt (its own node: the tag splits it from the dynamic part) was written back, then left the device
+    assert ("stored", "gpu", key, 100) in {(e.kind, e.tier, e.prefix_hash, e.tokens) for e in first}  # computed
+    assert ("stored", "cpu", key, 100) in {(e.kind, e.tier, e.prefix_hash, e.tokens) for e in first}
+    assert ("removed", "gpu", key, 100) in {(e.kind, e.tier, e.prefix_hash, e.tokens) for e in first}
+    assert ("stored", "gpu", key, 100) in {(e.kind, e.tier, e.prefix_hash, e.tokens) for e in second}
+    assert any(e.kind == "removed" and e.tier == "cpu" for e in second)
+    # events add up to the counters
+    assert sum(e.tokens for e in events if e.kind == "stored" and e.tier == "cpu") == \
+        stats["evicted_tokens"]["written_back"]
+    assert sum(e.tokens for e in events if e.kind == "removed" and e.tier == "gpu") == stats["evicted_tokens"]["gpu"]
+    assert sum(e.tokens for e in events if e.kind == "removed" and e.tier == "cpu") == stats["evicted_tokens"]["cpu"]
+
+
+# ---------------------------------------------------------------------------------------------------- bench and CLI
+RESULT_KEYS = {"latency_s", "p99_latency_s", "gpu_hit_ratio", "cpu_hit_ratio", "recomputed_tokens", "loaded_tokens",
+               "prefetch_stall_s"}
+
+
+def test_bench_driver_runs_a_tiny_scenario(model: CpuModel) -> None:
+    scenario = workload.single(agents=4, fixed=200, dynamic=8, output=3, iterations=1)
+    config = CpuEngineConfig(device_kv_tokens=500, host_kv_tokens=4000, link_gbps=None)
+    out = run_cpu_policies(scenario, config, ["lru", "hicache", "kvflow"], model=model)
+
+    assert out["scenario"] == "single" and out["engine"] == "cpu"
+    assert out["config"]["device_kv_tokens"] == 500 and "policy" not in out["config"]
+    assert set(out["results"]) == {"lru", "hicache", "kvflow"}
+    for name, result in out["results"].items():
+        assert set(result) >= RESULT_KEYS, name
+        assert result["workflows_measured"] == 1
+        assert result["latency_s"] > 0 and result["p99_latency_s"] >= result["latency_s"]
+        assert 0 <= result["gpu_hit_ratio"] + result["cpu_hit_ratio"] <= 1
+    lru, hicache, kvflow = (out["results"][p] for p in ("lru", "hicache", "kvflow"))
+    assert lru["recomputed_tokens"] > kvflow["recomputed_tokens"]
+    assert lru["recomputed_tokens"] > hicache["recomputed_tokens"]
+    assert kvflow["gpu_hit_ratio"] + kvflow["cpu_hit_ratio"] > 0 and kvflow["loaded_tokens"] > 0
+    assert lru["loaded_tokens"] == 0 and lru["cpu_hit_ratio"] == 0
+    with pytest.raises(ValueError, match="belady cannot run on the CPU engine"):
+        run_cpu_policies(scenario, config, ["lru", "belady"], model=model)
+
+
+def test_cli_bench_cpu() -> None:
+    """Three CLI runs at once (most of each is importing torch)."""
+    tiny = ["--scenario", "single", "--agents", "3", "--fixed", "100", "--dynamic", "4", "--output", "2",
+            "--iterations", "1"]
+    runs = {
+        "ok": [*tiny, "--device-kv-tokens", "250", "--policies", "lru,kvflow", "--json"],
+        "belady": [*tiny, "--device-kv-tokens", "250", "--policies", "belady"],
+        "no pool": [*tiny, "--device-kv-tokens", "0"],
+    }
+    procs = {name: subprocess.Popen([sys.executable, "-m", "kvflow_ray.cli", "bench", "cpu", *args], cwd=REPO,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, args in runs.items()}
+    out = {name: (*p.communicate(timeout=300), p.returncode) for name, p in procs.items()}
+
+    stdout, stderr, rc = out["ok"]
+    assert rc == 0, stderr
+    result = json.loads(stdout)  # exactly one JSON document
+    assert set(result["results"]) == {"lru", "kvflow"}
+    assert result["config"]["device_kv_tokens"] == 250
+    for policy_result in result["results"].values():
+        assert set(policy_result) >= RESULT_KEYS
+
+    stdout, stderr, rc = out["belady"]
+    assert rc == 2 and stdout == ""
+    assert "belady cannot run on the CPU engine" in stderr and "Traceback" not in stderr
+
+    stdout, stderr, rc = out["no pool"]
+    assert rc == 2 and stdout == ""
+    assert "device_kv_tokens must be positive" in stderr and "Traceback" not in stderr
