@@ -28,7 +28,9 @@ from kvflow_ray.engines.cpu.kv_pool import KVPool
 from kvflow_ray.engines.cpu.model import CpuModel
 from kvflow_ray.engines.sim.profile import Profile, user_profile_dir
 
-PREFILL_GRID = ((1024, 0), (1024, 1024), (256, 2048), (32, 2048), (32, 0))  # (new tokens, context)
+# (new tokens, context). Both kinds of prefill a workflow makes: whole prompts in chunks (recompute)
+# and short dynamic suffixes after a long cached prefix (the common case once the cache works).
+PREFILL_GRID = ((1024, 0), (1024, 1024), (32, 0), (256, 2048), (32, 1024), (32, 2048), (64, 2048), (128, 3072))
 DECODE_CONTEXTS = (64, 1024, 2048, 3072)
 
 
@@ -36,14 +38,48 @@ def profile_path(out: str | None = None) -> Path:
     return Path(out) if out else user_profile_dir() / "cpu-reference.yaml"
 
 
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: first calls pay for allocation and kernel selection
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+class _StepTimer:
+    """Times whole engine steps (`CpuEngine.step`: scheduling, KV gather, forward, scatter, sampling)
+    on an LRU engine whose pool holds everything, so each step's shape is known exactly."""
+
+    def __init__(self, config: CpuEngineConfig, model: CpuModel) -> None:
+        from dataclasses import replace
+
+        from kvflow_ray.engines.cpu.engine import CpuEngine
+
+        longest = max(max(ctx + n for n, ctx in PREFILL_GRID), max(DECODE_CONTEXTS)) + 16
+        self.engine = CpuEngine(replace(config, policy="lru", device_kv_tokens=64 * longest, link_gbps=None,
+                                        chunk_tokens=max(n for n, _c in PREFILL_GRID)), model=model)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def fresh(self, n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(0, 256, (n,), generator=self.gen).tolist())
+
+    def run(self, tokens: tuple[int, ...], max_tokens: int) -> list[float]:
+        """Seconds of each forward step of one request (its prefill chunk, then its decodes)."""
+        from kvflow_ray.engines.base import GenerateRequest
+
+        self.engine.submit(GenerateRequest(tokens=tokens, max_tokens=max_tokens, ignore_eos=True))
+        times = []
+        while self.engine.busy:
+            t0 = time.perf_counter()
+            self.engine.step()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def prefill(self, n: int, ctx: int, repeats: int) -> float:
+        prefix = self.fresh(ctx)
+        if ctx:
+            self.run(prefix, 1)  # now cached: the next prompt's prefill computes exactly n tokens after ctx
+        times = [self.run(prefix + self.fresh(n), 1)[0] for _ in range(repeats + 1)]
+        return statistics.median(times[1:])  # the first pays for allocation and kernel selection
+
+    def decode(self, ctx: int, repeats: int) -> float:
+        steps = self.run(self.fresh(ctx), 2 + 2 * repeats)[1:]  # decodes at contexts ctx .. ctx + 2 * repeats
+        return statistics.median(steps)
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 def calibrate(config: CpuEngineConfig, *, repeats: int = 3, log: Callable[[str], None] = lambda _m: None,
@@ -52,49 +88,31 @@ def calibrate(config: CpuEngineConfig, *, repeats: int = 3, log: Callable[[str],
     model = model if model is not None else CpuModel(config.model, threads=config.threads)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    need = max(n + ctx for n, ctx in PREFILL_GRID) + max(DECODE_CONTEXTS) + 8
-    pool = KVPool("calibration", need, model.n_layers, model.n_kv_heads, model.head_dim, model.torch_dtype)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, min(model.vocab_size, 256), (need,), generator=gen).tolist()
-    slots = pool.alloc(need)
-    # fill the pool with the real KV of a long sequence (chunked, as the engine computes it)
-    filled = 0
-    longest = max(max(ctx + n for n, ctx in PREFILL_GRID), max(DECODE_CONTEXTS))
-    while filled < longest:
-        n = min(1024, longest - filled)
-        k, v = pool.gather(slots[:filled])
-        _logits, nk, nv = model.prefill(tokens[filled:filled + n], k, v)
-        pool.scatter(slots[filled:filled + n], nk, nv)
-        filled += n
+    timer = _StepTimer(config, model)
+    try:
+        timer.prefill(64, 0, 1)  # warm up
+        decode = [(ctx, timer.decode(ctx, repeats * 3)) for ctx in DECODE_CONTEXTS]
+        log("decode step: " + ", ".join(f"ctx {c}: {t * 1e3:.1f} ms" for c, t in decode))
+        prefill = [(n, ctx, timer.prefill(n, ctx, repeats)) for n, ctx in PREFILL_GRID]
+        log("prefill chunk: " + ", ".join(f"{n}@{c}: {t * 1e3:.0f} ms" for n, c, t in prefill))
+    finally:
+        timer.close()
 
-    def prefill_step(n: int, ctx: int) -> None:
-        k, v = pool.gather(slots[:ctx])
-        _logits, nk, nv = model.prefill(tokens[ctx:ctx + n], k, v)
-        pool.scatter(slots[ctx:ctx + n], nk, nv)
-
-    def decode_step(ctx: int) -> None:
-        k, v = pool.gather(slots[:ctx])
-        _logits, nk, nv = model.decode([tokens[ctx]], [k], [v])
-        pool.scatter(slots[ctx:ctx + 1], nk, nv)
-
-    decode = [(ctx, _median_time(lambda c=ctx: decode_step(c), repeats * 5)) for ctx in DECODE_CONTEXTS]
-    log("decode step: " + ", ".join(f"ctx {c}: {t * 1e3:.1f} ms" for c, t in decode))
-    prefill = [(n, ctx, _median_time(lambda n=n, c=ctx: prefill_step(n, c), repeats)) for n, ctx in PREFILL_GRID]
-    log("prefill chunk: " + ", ".join(f"{n}@{c}: {t * 1e3:.0f} ms" for n, c, t in prefill))
-
-    peak, hbm, overhead, streamed = _fit(config, model, decode, prefill)
+    peak, attention_mfu, hbm, overhead, streamed = _fit(config, model, decode, prefill)
 
     # the copy stream, paced as the engine paces it
     from queue import Queue
 
     from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream
 
+    src = KVPool("calibration-device", 2048, model.n_layers, model.n_kv_heads, model.head_dim, model.torch_dtype)
     host = KVPool("calibration-host", 2048, model.n_layers, model.n_kv_heads, model.head_dim, model.torch_dtype)
     done: Queue[CopyJob] = Queue()
     stream = CopyStream("calibration", config.link_gbps, done)
     rates = []
+    slots = src.alloc(2048)
     for _ in range(3):
-        stream.submit(CopyJob(pool, slots[:2048], host, host.alloc(2048), lambda: None))
+        stream.submit(CopyJob(src, slots, host, host.alloc(2048), lambda: None))
         job = done.get()
         host.free(job.dst_slots)
         rates.append(2048 * model.kv_bytes_per_token / (job.finished - job.started))
@@ -102,56 +120,68 @@ def calibrate(config: CpuEngineConfig, *, repeats: int = 3, log: Callable[[str],
     link = statistics.median(rates)
     log(f"copy: {link / 1e9:.3f} GB/s (link_gbps={config.link_gbps})")
 
-    values = _profile_values(config, model, peak_flops=peak, hbm=hbm, overhead=overhead, h2d=link, d2h=link,
-                             streamed=streamed)
+    values = _profile_values(config, model, peak_flops=peak, attention_mfu=attention_mfu, hbm=hbm,
+                             overhead=overhead, h2d=link, d2h=link, streamed=streamed)
     fitted = Profile(**values)
     errors = [fitted.step_time([(n, ctx)], []) / t - 1 for n, ctx, t in prefill]
     errors += [fitted.step_time([], [ctx]) / t - 1 for ctx, t in decode]
-    log(f"fit: peak {peak / 1e9:.1f} GFLOP/s, bandwidth {hbm / 1e9:.1f} GB/s, overhead {overhead * 1e3:.2f} ms; "
+    log(f"fit: GEMM {peak / 1e9:.1f} GFLOP/s, attention {peak * attention_mfu / 1e9:.1f} GFLOP/s, "
+        f"bandwidth {hbm / 1e9:.1f} GB/s, overhead {overhead * 1e3:.2f} ms; "
         f"worst step error {max(abs(e) for e in errors):.1%}")
     return {"values": values, "measurements": {"decode": decode, "prefill": prefill, "copy_bytes_per_s": rates,
                                                "fit_errors": errors}}
 
 
 def _fit(config: CpuEngineConfig, model: CpuModel, decode: list[tuple[int, float]],
-         prefill: list[tuple[int, int, float]]) -> tuple[float, float, float, float]:
-    """(peak_flops, bytes/s, per-step overhead, bytes streamed per step) minimising the squared relative
-    error of the roofline over every measured step.
+         prefill: list[tuple[int, int, float]]) -> tuple[float, float, float, float, float]:
+    """(peak FLOP/s, attention efficiency, bytes/s, per-step overhead, bytes streamed per step)
+    minimising the squared relative error of the roofline over every measured step.
 
     Decode times are a line in the context length: its slope is KV bytes per token / bandwidth. The
     intercept splits into a fixed overhead and bytes streamed per step (on a CPU mostly interpreter
-    and dispatch cost, not weights: 45 MB of float32 weights stay largely in cache). Each split is
-    tried; the peak FLOP/s then follows from the prefill chunks by least squares."""
+    and dispatch cost, not weights: the float32 weights stay largely in cache). Each split is tried;
+    GEMM and attention rates then follow from the prefill chunks by linear least squares."""
     xs, ys = [c for c, _ in decode], [t for _, t in decode]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     hbm = model.kv_bytes_per_token / max(slope, 1e-12)
     intercept = max(my - slope * mx, 0.0)
-    unit = Profile(**_profile_values(config, model, peak_flops=1.0, hbm=hbm, overhead=0.0, h2d=1.0, d2h=1.0,
-                                     streamed=0.0))
-    flops = [unit.step_time([(n, ctx)], []) for n, ctx, _t in prefill]  # seconds at 1 FLOP/s = FLOPs
-    best: tuple[float, tuple[float, float, float, float]] | None = None
+    unit = Profile(**_profile_values(config, model, peak_flops=1.0, attention_mfu=1.0, hbm=hbm, overhead=0.0,
+                                     h2d=1.0, d2h=1.0, streamed=0.0))
+    gemm = [2.0 * unit.params * n for n, _c, _t in prefill]
+    attn = [unit.attention_flops(n, c) for n, c, _t in prefill]
+    best: tuple[float, tuple[float, float, float, float, float]] | None = None
     for i in range(101):
         overhead = intercept * i / 100
         streamed = (intercept - overhead) * hbm
-        # relative least squares of t - overhead = flops / peak, for x = 1 / peak
-        num = sum(f * (t - overhead) / (t * t) for f, (_n, _c, t) in zip(flops, prefill, strict=True))
-        den = sum(f * f / (t * t) for f, (_n, _c, t) in zip(flops, prefill, strict=True))
-        if num <= 0:
+        # weighted (1/t) least squares of t - overhead = gemm * x1 + attn * x2
+        rows = [(g / t, a / t, (t - overhead) / t) for g, a, (_n, _c, t) in zip(gemm, attn, prefill, strict=True)]
+        s11 = sum(g * g for g, _a, _y in rows)
+        s12 = sum(g * a for g, a, _y in rows)
+        s22 = sum(a * a for _g, a, _y in rows)
+        b1 = sum(g * y for g, _a, y in rows)
+        b2 = sum(a * y for _g, a, y in rows)
+        det = s11 * s22 - s12 * s12
+        if det <= 0:
             continue
-        peak = den / num
-        prof = Profile(**_profile_values(config, model, peak_flops=peak, hbm=hbm, overhead=overhead, h2d=1.0,
-                                         d2h=1.0, streamed=streamed))
+        x1, x2 = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
+        if x1 <= 0 or x2 <= 0:
+            continue
+        peak, attention_mfu = 1.0 / x1, x1 / x2
+        prof = Profile(**_profile_values(config, model, peak_flops=peak, attention_mfu=attention_mfu, hbm=hbm,
+                                         overhead=overhead, h2d=1.0, d2h=1.0, streamed=streamed))
         err = sum((prof.step_time([(n, c)], []) / t - 1) ** 2 for n, c, t in prefill)
         err += sum((prof.step_time([], [c]) / t - 1) ** 2 for c, t in decode)
         if best is None or err < best[0]:
-            best = (err, (peak, hbm, overhead, streamed))
-    assert best is not None, "calibration measured no usable prefill step"
+            best = (err, (peak, attention_mfu, hbm, overhead, streamed))
+    if best is None:
+        raise RuntimeError("calibration could not fit the measured steps (timings too noisy?): run it again "
+                           "on an idle machine")
     return best[1]
 
 
-def _profile_values(config: CpuEngineConfig, model: CpuModel, *, peak_flops: float, hbm: float, overhead: float,
-                    h2d: float, d2h: float, streamed: float) -> dict[str, Any]:
+def _profile_values(config: CpuEngineConfig, model: CpuModel, *, peak_flops: float, attention_mfu: float,
+                    hbm: float, overhead: float, h2d: float, d2h: float, streamed: float) -> dict[str, Any]:
     kv = model.kv_bytes_per_token
     return {
         "name": "cpu-reference",
@@ -179,6 +209,7 @@ def _profile_values(config: CpuEngineConfig, model: CpuModel, *, peak_flops: flo
         "chunked_prefill_tokens": config.chunk_tokens,
         "max_running_requests": config.max_running,
         "host_kv_tokens": config.host_kv_tokens,
+        "attention_mfu": attention_mfu,
     }
 
 
@@ -192,7 +223,8 @@ def write_profile(profile: dict[str, Any], out: str | None = None) -> Path:
         "# Cost profile measured by `kvflow-ray bench calibrate` (kvflow_ray/engines/cpu/calibrate.py) on",
         f"# {platform.node()} ({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs),"
         f" torch {torch.__version__}, {dt.datetime.now().isoformat(timespec='seconds')}.",
-        "# peak_flops, hbm_bytes_per_s and iteration_overhead_s are fitted to these engine steps (median times):",
+        "# peak_flops, attention_mfu, hbm_bytes_per_s, weight_bytes and iteration_overhead_s are fitted to these",
+        "# engine steps (median times):",
         *(f"#   decode at context {c}: {t * 1e3:.2f} ms" for c, t in m["decode"]),
         *(f"#   prefill of {n} tokens after {c}: {t * 1e3:.1f} ms" for n, c, t in m["prefill"]),
         "#   copy of 2048 tokens between pools: "

@@ -8,7 +8,7 @@ HBM bandwidth), plus a fixed per-step overhead. Copies between tiers take bytes 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import yaml
@@ -39,6 +39,10 @@ class Profile:
     chunked_prefill_tokens: int
     max_running_requests: int
     host_kv_tokens: int
+    # Achieved fraction of peak in attention (QK^T, AV), when it differs from the GEMMs' `prefill_mfu`.
+    # Unset in the GPU profiles (one efficiency for both); the CPU calibration fits it, because a CPU's
+    # attention over a long context runs several times slower per FLOP than its matmuls.
+    attention_mfu: float = 0.0
 
     @property
     def gpu_kv_tokens(self) -> int:
@@ -58,12 +62,13 @@ class Profile:
         if not prefill and not decode_contexts:
             return 0.0
         tokens = sum(n for n, _ in prefill) + len(decode_contexts)
-        flops = 2.0 * self.params * tokens
-        flops += sum(self.attention_flops(n, ctx) for n, ctx in prefill)
-        flops += sum(self.attention_flops(1, ctx) for ctx in decode_contexts)
+        gemm = 2.0 * self.params * tokens
+        attention = sum(self.attention_flops(n, ctx) for n, ctx in prefill)
+        attention += sum(self.attention_flops(1, ctx) for ctx in decode_contexts)
         kv_read = sum(decode_contexts) + sum(ctx for _, ctx in prefill)
         bytes_moved = self.weight_bytes + kv_read * self.kv_bytes_per_token
-        compute = flops / (self.peak_flops * self.prefill_mfu)
+        compute = (gemm / (self.peak_flops * self.prefill_mfu)
+                   + attention / (self.peak_flops * (self.attention_mfu or self.prefill_mfu)))
         memory = bytes_moved / (self.hbm_bytes_per_s * self.decode_mbu)
         return max(compute, memory) + self.iteration_overhead_s
 
@@ -109,12 +114,14 @@ def load_profile(name_or_path: str, overrides: dict[str, str] | None = None) -> 
         if key not in known:
             raise ValueError(f"--set {key}: not a profile field (fields: {', '.join(known)})")
         data[key] = value
-    missing = sorted(set(known) - set(data))
+    missing = sorted(name for name, f in known.items() if name not in data and f.default is MISSING)
     unknown = sorted(set(data) - set(known))
     if missing or unknown:
         raise ValueError(f"{path}: missing fields {missing}, unknown fields {unknown}")
     values = {}
     for name, f in known.items():
+        if name not in data:
+            continue  # optional, its default applies
         raw = data[name]
         try:
             values[name] = str(raw) if f.type == "str" else (int(float(raw)) if f.type == "int" else float(raw))
