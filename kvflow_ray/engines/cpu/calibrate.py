@@ -48,7 +48,7 @@ class _StepTimer:
         from kvflow_ray.engines.cpu.engine import CpuEngine
 
         longest = max(max(ctx + n for n, ctx in PREFILL_GRID), max(DECODE_CONTEXTS)) + 16
-        self.engine = CpuEngine(replace(config, policy="lru", device_kv_tokens=64 * longest, link_gbps=None,
+        self.engine = CpuEngine(replace(config, policy="lru", device_kv_tokens=4 * longest, link_gbps=None,
                                         chunk_tokens=max(n for n, _c in PREFILL_GRID)), model=model)
         self.gen = torch.Generator().manual_seed(0)
 

@@ -90,6 +90,7 @@ class CpuEngine:
         self._events: deque[CacheEvent] = deque(maxlen=10_000)  # bounded: a consumer that never drains loses the oldest
         self._loop: threading.Thread | None = None
         self._stop = threading.Event()
+        self._step_lock = threading.Lock()
         self._wake = threading.Event()
         self.compute_s = 0.0
         self.forward_steps = 0
@@ -227,10 +228,11 @@ class CpuEngine:
         """One scheduling iteration: take new requests and hints, land finished copies, run one forward
         step. Returns False when there is nothing at all to do. When work exists but none can run (it
         waits for copies), blocks up to `timeout` for a copy to land."""
-        try:
-            return self._step(timeout)
-        finally:
-            self._run_callbacks()
+        with self._step_lock:  # callers without a background loop may drive it from several threads
+            try:
+                return self._step(timeout)
+            finally:
+                self._run_callbacks()
 
     def _step(self, timeout: float) -> bool:
         self._drain_inbox()
