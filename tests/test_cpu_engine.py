@@ -445,6 +445,36 @@ def test_queued_load_does_not_block_admission(model: CpuModel, policy: str) -> N
 
 
 # ---------------------------------------------------------------------------------------------------- hints, events
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(model: CpuModel, reference: Reference,
+                                                                        phase: str) -> None:
+    """A forward pass that raises (fault injected into this engine's model calls) fails the requests in that step
+    with the error; their memory and locks go back, and the next request is served."""
+    with CpuEngine(_config("kvflow", 600), model=model) as engine:
+        real = getattr(engine.model, phase)
+        calls = {"n": 0}
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError(f"injected {phase} failure")
+            return real(*args, **kwargs)
+
+        setattr(engine.model, phase, failing)
+        try:
+            with pytest.raises(RuntimeError, match=f"injected {phase} failure"):
+                engine.generate(GenerateRequest(tokens=_tokens(120, 51), max_tokens=4, ignore_eos=True))
+            assert engine.stats()["requests_failed"] == 1
+            assert engine.cache.private_tokens == 0 and engine.device.free_slots == engine.cache.free_tokens
+            assert all(node.lock_ref == 0 for node in engine.cache.tree.nodes())
+            tokens = _tokens(120, 52)
+            assert engine.generate(GenerateRequest(tokens=tokens, max_tokens=4, ignore_eos=True)).tokens == \
+                reference(tokens, 4)
+            engine.cache.tree.check_invariants()
+        finally:
+            setattr(engine.model, phase, real)
+
+
 def test_retiring_a_workflow_removes_its_tags(model: CpuModel) -> None:
     with CpuEngine(_config("kvflow", 1_000), model=model) as engine:
         engine.apply_hints(Hints(steps={"wf": {"a0": 0.0, "a2": 1.0}, "wf2": {"a0": 0.0}},
