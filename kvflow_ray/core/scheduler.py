@@ -63,6 +63,7 @@ class CacheRequest:
     seen_state: tuple[bool, list[RadixNode]] = (True, [])
     pending_nodes: list[RadixNode] = field(default_factory=list)  # prefix nodes not on the device at arrival
     ready_at_arrival: int = 0
+    cached_at_arrival: int = 0  # prefix tokens in the tree (either tier) at arrival
     waiting_on: list[RadixNode] = field(default_factory=list)  # LOADING nodes the prefill needs
     matched: int = 0  # prefix tokens served from the cache (either tier)
     private: int = 0  # device tokens allocated to it outside the tree
@@ -152,6 +153,7 @@ class ReplicaScheduler:
         match = self.cache.tree.match_prefix(req.tokens)
         ready, loading, host = match.split_by_tier()
         req.ready_at_arrival = ready
+        req.cached_at_arrival = match.length
         req.pending_nodes = loading + host
         req.tail = match.last
         self.waiting.append(req)
@@ -300,8 +302,10 @@ class ReplicaScheduler:
             req.private = private
             req.waiting_on = loading + host
             req.matched = match.length
-            req.gpu_hit = min(req.ready_at_arrival, match.length)
-            req.cpu_hit = match.length - req.gpu_hit
+            # Device hits: on the device at arrival, or computed on the device by another request since
+            # (a concurrent call of the same agent); host hits: on the host or loading at arrival.
+            req.cpu_hit = max(0, min(match.length, req.cached_at_arrival) - req.ready_at_arrival)
+            req.gpu_hit = match.length - req.cpu_hit
             req.miss = len(req.tokens) - match.length
             req.prefill_pos = min(match.length, len(req.tokens) - 1)
             self.waiting.remove(req)
