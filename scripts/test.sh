@@ -6,6 +6,13 @@ cd "$(dirname "$0")/.."
 
 python3 -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 
+# Services the tests talk to for real (started on loopback by the test fixtures, stopped after).
+if ! command -v redis-server >/dev/null; then
+    echo "== installing redis-server"
+    SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo "sudo")
+    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
 echo "== ruff"
 python3 -m ruff check kvflow_ray tests benchmarks
 
