@@ -1,0 +1,194 @@
+"""The workflow router's logic, without Ray: the `WorkflowRouter` actor (next) wraps one of these.
+
+It keeps, per tenant, workflow templates and every client's live step-graph state in the `Store`
+(so a restarted router resumes where it stopped), knows which replica holds which prefix (from the
+replicas' cache events), picks a replica for each agent call (`core.routing`), and says which
+steps-to-execution each replica should now use (`Hints`).
+
+Tenancy: every operation names its tenant; client ids and templates are looked up only inside it,
+so tenant A cannot read, finish or steer tenant B's client `c1` even when both use that name. The
+engine-level workflow key is `tenant/client_id`, so two tenants' clients never share cache tags.
+
+Hints are advisory. A call for an agent that the graph says is not ready is still routed and
+served; the live state follows what actually ran, and the deviation is counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvflow_ray.core.graph import UnknownAgentError, WorkflowSpec, WorkflowState, parse_spec
+from kvflow_ray.core.routing import PrefixAffinityRouter
+from kvflow_ray.engines.base import CacheEvent, Hints
+from kvflow_ray.serve.store import Store, check_name
+
+
+class _NotFound(KeyError, ValueError):
+    """A failed lookup caused by a request (so also a ValueError); prints its message unquoted."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownClientError(_NotFound):
+    """A client id this tenant never started (or that expired / was finished)."""
+
+
+class UnknownWorkflowError(_NotFound):
+    """A workflow template this tenant never registered."""
+
+
+@dataclass
+class Route:
+    replica: str
+    outcome: str  # affinity | balanced | cold
+    workflow_key: str  # tenant/client_id: the engine-level workflow instance
+    fixed_prompt: str | None  # the agent's prompt text from the template, if any
+    deviation: bool  # the agent was not ready per the step graph (served anyway)
+    hints: list[tuple[str, Hints]] = field(default_factory=list)  # (replica, hints) to push
+
+
+def workflow_key(tenant: str, client_id: str) -> str:
+    return f"{tenant}/{client_id}"
+
+
+class RouterCore:
+    def __init__(self, store: Store, policy: PrefixAffinityRouter | None = None) -> None:
+        self.store = store
+        self.policy = policy or PrefixAffinityRouter()
+        self.loads: dict[str, int] = {}  # live replicas -> requests queued or running there
+        self.decisions: Counter[str] = Counter()
+        self.deviations = 0
+        self.decision_seconds: list[float] = []  # recent decision latencies (bounded)
+        self._specs: dict[tuple[str, str], WorkflowSpec] = {}  # parsed templates, by (tenant, name)
+        # tiers each replica holds each prefix in (a write-back briefly holds both); the store keeps the best
+        self._held: dict[tuple[str, str], set[str]] = {}
+
+    # ------------------------------------------------------------------ replicas
+    def add_replica(self, name: str) -> None:
+        self.loads.setdefault(check_name("replica", name), 0)
+
+    def remove_replica(self, name: str) -> None:
+        """A dead replica: its prefixes are forgotten, so its clients' next calls route elsewhere."""
+        self.loads.pop(name, None)
+        self.store.drop_replica(name)
+        self._held = {key: tiers for key, tiers in self._held.items() if key[0] != name}
+
+    def cache_events(self, replica: str, events: Iterable[CacheEvent]) -> None:
+        """Replica `replica` reports prefixes stored in / removed from a tier; the store keeps the best
+        tier each replica holds each prefix in (device over host)."""
+        for event in events:
+            tiers = self._held.setdefault((replica, event.prefix_hash), set())
+            if event.kind == "stored":
+                tiers.add(event.tier)
+            else:
+                tiers.discard(event.tier)
+            best = "gpu" if "gpu" in tiers else "cpu" if "cpu" in tiers else None
+            if best is None:
+                del self._held[(replica, event.prefix_hash)]
+            self.store.set_location(event.prefix_hash, replica, best)
+
+    # ------------------------------------------------------------------ templates
+    def put_template(self, tenant: str, spec: Mapping[str, Any]) -> WorkflowSpec:
+        parsed = parse_spec(dict(spec))  # raises SpecError naming the field
+        self.store.put_template(tenant, parsed.name, parsed.to_dict())
+        self._specs[(tenant, parsed.name)] = parsed
+        return parsed
+
+    def template(self, tenant: str, name: str) -> WorkflowSpec:
+        key = (check_name("tenant", tenant), check_name("workflow", name))
+        spec = self._specs.get(key)
+        if spec is None:
+            raw = self.store.get_template(tenant, name)
+            if raw is None:
+                raise UnknownWorkflowError(f"unknown workflow {name!r} (register it with POST /v1/workflows)")
+            spec = self._specs[key] = parse_spec(raw)
+        return spec
+
+    # ------------------------------------------------------------------ calls
+    def _load_client(self, tenant: str, client_id: str) -> tuple[WorkflowSpec, WorkflowState, dict[str, Any]]:
+        record = self.store.get_client(tenant, client_id)
+        if record is None:
+            raise UnknownClientError(f"unknown client {client_id!r}: start it with a request that names its workflow")
+        spec = self.template(tenant, record["workflow"])
+        return spec, WorkflowState.from_dict(spec, record["state"]), record
+
+    def _save_client(self, tenant: str, client_id: str, spec: WorkflowSpec, state: WorkflowState,
+                     record: dict[str, Any]) -> None:
+        record["workflow"] = spec.name
+        record["state"] = state.to_dict()
+        self.store.put_client(tenant, client_id, record)
+
+    def start_call(self, tenant: str, client_id: str, agent: str, *, workflow: str | None = None,
+                   prefix_hash: str | None = None, prefix_tokens: int = 0) -> Route:
+        """An agent call arrives: update the client's state, pick a replica, compute the hints."""
+        started = time.perf_counter()
+        check_name("client_id", client_id)
+        record = self.store.get_client(tenant, client_id)
+        if record is None or (workflow is not None and record["workflow"] != workflow):
+            if workflow is None:
+                raise UnknownClientError(f"unknown client {client_id!r}: its first request must name the workflow")
+            spec = self.template(tenant, workflow)
+            state = WorkflowState(spec, running=[])
+            record = {"workflow": spec.name, "placement": {}}
+        else:
+            spec, state, record = self._load_client(tenant, client_id)
+        if agent not in spec.agents:
+            raise UnknownAgentError(agent, spec.name, spec.agents)
+        deviation = not (agent in state.running or state.ready(agent) or
+                         (not state.running and agent in spec.start_agents()))
+        if deviation:
+            self.deviations += 1
+        state.start(agent)
+        if not self.loads:
+            raise RuntimeError("no live replica to route to")
+        holders = self.store.locations(prefix_hash) if prefix_hash else {}
+        decision = self.policy.route(holders, self.loads, prefix_tokens)
+        record["placement"][agent] = decision.replica
+        self._save_client(tenant, client_id, spec, state, record)
+        self.loads[decision.replica] += 1
+        self.decisions[decision.outcome] += 1
+        key = workflow_key(tenant, client_id)
+        route = Route(decision.replica, decision.outcome, key, spec.agents[agent].prompt, deviation,
+                      self._hints(key, state))
+        self._record_latency(time.perf_counter() - started)
+        return route
+
+    def end_call(self, tenant: str, client_id: str, agent: str, replica: str | None = None) -> list[tuple[str, Hints]]:
+        """The call finished (served or failed): the agent is done; new steps go to the replicas."""
+        if replica is not None and self.loads.get(replica, 0) > 0:
+            self.loads[replica] -= 1
+        spec, state, record = self._load_client(tenant, client_id)
+        if agent not in spec.agents:
+            raise UnknownAgentError(agent, spec.name, spec.agents)
+        state.finish(agent)
+        self._save_client(tenant, client_id, spec, state, record)
+        return self._hints(workflow_key(tenant, client_id), state)
+
+    def finish_client(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:
+        """`POST /v1/clients/{id}/finish`: the workflow instance is over; its prompts are retired."""
+        check_name("client_id", client_id)
+        if not self.store.delete_client(tenant, client_id):
+            raise UnknownClientError(f"unknown client {client_id!r}")
+        retire = Hints(retire=[workflow_key(tenant, client_id)])
+        return [(replica, retire) for replica in sorted(self.loads)]
+
+    def active_clients(self) -> Counter[str]:
+        """Live workflow instances per tenant (the `kvflow_workflows_active` gauge)."""
+        return Counter(tenant for tenant, _client, _state in self.store.clients())
+
+    # ------------------------------------------------------------------ helpers
+    def _hints(self, key: str, state: WorkflowState) -> list[tuple[str, Hints]]:
+        # Every replica may hold some of this client's prefixes (shared templates), so every live
+        # replica gets the new steps; hints are a few numbers per agent.
+        steps = Hints(steps={key: state.steps_to_execution()})
+        return [(replica, steps) for replica in sorted(self.loads)]
+
+    def _record_latency(self, seconds: float) -> None:
+        self.decision_seconds.append(seconds)
+        if len(self.decision_seconds) > 10_000:
+            del self.decision_seconds[:5_000]

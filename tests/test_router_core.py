@@ -1,0 +1,132 @@
+"""The workflow router's logic over a real store (embedded and Redis): tenancy, affinity routing from
+cache events, advisory hints with deviations counted, restart from the store, replica loss."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvflow_ray.core.graph import SpecError, UnknownAgentError
+from kvflow_ray.engines.base import CacheEvent
+from kvflow_ray.serve.router_core import RouterCore, UnknownClientError, UnknownWorkflowError
+from kvflow_ray.serve.store import MemoryStore, RedisStore, Store
+
+PEER = {"name": "peer", "entry": "planner", "agents": {
+    "planner": {"prompt": "You are the Planner.", "after": ["reviewer"]},
+    "executor": {"after": ["planner"]},
+    "expresser": {"after": ["executor"]},
+    "reviewer": {"after": ["expresser"]},
+}}
+OTHER_PEER = {"name": "peer", "agents": {"solo": {}}}  # another tenant's template with the same name
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    pytest.importorskip("redis")
+    url = request.getfixturevalue("redis_url")
+    import redis
+
+    redis.Redis.from_url(url).flushdb()
+    yield RedisStore(url)
+
+
+@pytest.fixture
+def router(store: Store) -> RouterCore:
+    core = RouterCore(store)
+    for name in ("r1", "r2"):
+        core.add_replica(name)
+    core.put_template("acme", PEER)
+    core.put_template("globex", OTHER_PEER)
+    return core
+
+
+def test_tenants_are_isolated(router: RouterCore) -> None:
+    route = router.start_call("acme", "c1", "planner", workflow="peer")
+    assert route.workflow_key == "acme/c1" and route.fixed_prompt == "You are the Planner."
+    # globex's `peer` is a different template; its client c1 is a different instance
+    with pytest.raises(UnknownAgentError):
+        router.start_call("globex", "c1", "planner", workflow="peer")
+    assert router.start_call("globex", "c1", "solo", workflow="peer").workflow_key == "globex/c1"
+    with pytest.raises(UnknownClientError):
+        router.end_call("initech", "c1", "planner")
+    with pytest.raises(UnknownClientError):
+        router.finish_client("initech", "c1")
+    with pytest.raises(UnknownWorkflowError):
+        router.template("initech", "peer")
+    router.finish_client("globex", "c1")
+    # acme's c1 is untouched by globex finishing its own c1
+    router.end_call("acme", "c1", "planner")
+    assert router.active_clients() == {"acme": 1}
+
+
+def test_affinity_follows_cache_events(router: RouterCore) -> None:
+    router.cache_events("r2", [CacheEvent("stored", "gpu", "h-planner", 20)])
+    route = router.start_call("acme", "c1", "planner", workflow="peer", prefix_hash="h-planner", prefix_tokens=20)
+    assert (route.replica, route.outcome) == ("r2", "affinity")
+    # written back, then dropped from the device: the host copy still counts
+    router.cache_events("r2", [CacheEvent("stored", "cpu", "h-planner", 20),
+                               CacheEvent("removed", "gpu", "h-planner", 20)])
+    assert router.store.locations("h-planner") == {"r2": "cpu"}
+    router.cache_events("r2", [CacheEvent("removed", "cpu", "h-planner", 20)])
+    assert router.store.locations("h-planner") == {}
+    assert router.decisions["affinity"] == 1
+
+
+def test_hints_carry_steps_and_deviations_are_served_and_counted(router: RouterCore) -> None:
+    route = router.start_call("acme", "c1", "planner", workflow="peer")
+    assert not route.deviation
+    replicas = [replica for replica, _h in route.hints]
+    assert replicas == ["r1", "r2"]
+    steps = route.hints[0][1].steps["acme/c1"]
+    assert steps == {"planner": 0, "executor": 1, "expresser": 2, "reviewer": 3}
+    router.end_call("acme", "c1", "planner", route.replica)
+    # the graph says executor; the client calls reviewer: served, counted, and the state follows it
+    route = router.start_call("acme", "c1", "reviewer")
+    assert route.deviation and router.deviations == 1
+    steps = route.hints[0][1].steps["acme/c1"]
+    assert steps["reviewer"] == 0 and steps["planner"] == 1
+    hints = router.end_call("acme", "c1", "reviewer", route.replica)
+    assert hints[0][1].steps["acme/c1"]["planner"] == 1
+    with pytest.raises(UnknownAgentError, match="unknown agent 'ghost'"):
+        router.start_call("acme", "c1", "ghost")
+
+
+def test_a_restarted_router_resumes_from_the_store(router: RouterCore) -> None:
+    route = router.start_call("acme", "c1", "planner", workflow="peer")
+    router.end_call("acme", "c1", "planner", route.replica)
+    router.start_call("acme", "c1", "executor")
+    before = router.start_call("acme", "c2", "planner", workflow="peer").hints[0][1].steps
+    restarted = RouterCore(router.store)  # a new actor: nothing in memory but the store
+    restarted.add_replica("r1")
+    hints = restarted.end_call("acme", "c1", "executor")
+    steps = hints[0][1].steps["acme/c1"]
+    assert steps == {"planner": 3, "executor": 4, "expresser": 1, "reviewer": 2}
+    assert restarted.start_call("acme", "c2", "planner").hints[0][1].steps == before
+    assert restarted.active_clients() == {"acme": 2}
+
+
+def test_replica_loss_moves_calls_elsewhere(router: RouterCore) -> None:
+    router.cache_events("r1", [CacheEvent("stored", "gpu", "h-planner", 20)])
+    assert router.start_call("acme", "c1", "planner", workflow="peer", prefix_hash="h-planner").replica == "r1"
+    router.remove_replica("r1")
+    route = router.start_call("acme", "c2", "planner", workflow="peer", prefix_hash="h-planner")
+    assert (route.replica, route.outcome) == ("r2", "cold")
+    router.remove_replica("r2")
+    with pytest.raises(RuntimeError, match="no live replica"):
+        router.start_call("acme", "c3", "planner", workflow="peer")
+
+
+def test_bad_input(router: RouterCore) -> None:
+    with pytest.raises(UnknownClientError, match="must name the workflow"):
+        router.start_call("acme", "new", "planner")
+    with pytest.raises(UnknownWorkflowError) as info:
+        router.start_call("acme", "new", "planner", workflow="nope")
+    assert str(info.value) == "unknown workflow 'nope' (register it with POST /v1/workflows)"
+    with pytest.raises(ValueError, match="not a valid name"):
+        router.start_call("acme", "bad id", "planner", workflow="peer")
+    with pytest.raises(SpecError, match="agents"):
+        router.put_template("acme", {"name": "empty", "agents": {}})
