@@ -135,12 +135,13 @@ class RouterCore:
             spec = self.template(tenant, workflow)
             state = WorkflowState(spec, running=[])
             record = {"workflow": spec.name, "placement": {}}
+            fresh = True
         else:
             spec, state, record = self._load_client(tenant, client_id)
+            fresh = False
         if agent not in spec.agents:
             raise UnknownAgentError(agent, spec.name, spec.agents)
-        deviation = not (agent in state.running or state.ready(agent) or
-                         (not state.running and agent in spec.start_agents()))
+        deviation = not (agent in state.running or state.ready(agent) or (fresh and agent in spec.start_agents()))
         if deviation:
             self.deviations += 1
         state.start(agent)
