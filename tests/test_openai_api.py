@@ -1,0 +1,89 @@
+"""The OpenAI wire format: request validation with OpenAI-style errors, kvflow metadata, the chat
+fixed-prompt boundary, and response bodies the official OpenAI SDK parses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvflow_ray.engines.base import GenerateResult
+from kvflow_ray.engines.cpu.tokenizer import ByteTokenizer
+from kvflow_ray.serve.openai_api import ApiError, fixed_boundary, parse_request, response_body, stream_chunk
+
+CHAT = {"model": "m", "messages": [{"role": "system", "content": "You are the Planner. Plan."},
+                                   {"role": "user", "content": "task 1"}],
+        "max_tokens": 8, "kvflow": {"client_id": "c1", "workflow": "peer", "agent": "planner"}}
+
+
+def test_a_valid_chat_request() -> None:
+    req = parse_request(CHAT, chat=True)
+    assert req.chat and req.max_tokens == 8 and req.temperature == 1.0 and not req.stream
+    assert req.meta is not None and (req.meta.client_id, req.meta.workflow, req.meta.agent) == ("c1", "peer", "planner")
+    plain = parse_request({"prompt": ["hello"], "max_tokens": 2, "stream": True,
+                           "stream_options": {"include_usage": True}}, chat=False)
+    assert plain.prompt == "hello" and plain.meta is None and plain.stream and plain.include_usage
+
+
+BAD: dict[str, tuple[Any, bool, str, str | None]] = {
+    "not an object": ([1, 2], True, "JSON object", None),
+    "no messages": ({"model": "m"}, True, "'messages' is required", "messages"),
+    "bad role": ({"messages": [{"role": "tool", "content": "x"}]}, True, "not supported", "messages[0].role"),
+    "content not text": ({"messages": [{"role": "user", "content": 3}]}, True, "must be a string",
+                         "messages[0].content"),
+    "no prompt": ({"prompt": ""}, False, "'prompt' is required", "prompt"),
+    "max_tokens zero": ({**CHAT, "max_tokens": 0}, True, "between 1 and", "max_tokens"),
+    "max_tokens text": ({**CHAT, "max_tokens": "8"}, True, "must be an integer", "max_tokens"),
+    "max_tokens bool": ({**CHAT, "max_tokens": True}, True, "got a boolean", "max_tokens"),
+    "temperature": ({**CHAT, "temperature": 3}, True, "between 0 and 2", "temperature"),
+    "n": ({**CHAT, "n": 2}, True, "n=1", "n"),
+    "kvflow not object": ({**CHAT, "kvflow": "c1"}, True, "must be an object", "kvflow"),
+    "kvflow no agent": ({**CHAT, "kvflow": {"client_id": "c1"}}, True, "kvflow.agent", "kvflow.agent"),
+    "kvflow unknown key": ({**CHAT, "kvflow": {"client_id": "c", "agent": "a", "tenant": "b"}}, True,
+                           "unknown keys", "kvflow"),
+    "kvflow fixed negative": ({**CHAT, "kvflow": {"client_id": "c", "agent": "a", "fixed_prefix_tokens": -1}}, True,
+                              "non-negative", "kvflow.fixed_prefix_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_requests_get_openai_errors(case: str) -> None:
+    body, chat, message, param = BAD[case]
+    with pytest.raises(ApiError) as info:
+        parse_request(body, chat=chat)
+    err = info.value
+    assert err.status == 400 and message in err.message and err.param == param
+    assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error", "param": param,
+                                    "code": None}}
+
+
+def test_fixed_boundary_of_a_chat_request() -> None:
+    tok = ByteTokenizer()
+    messages = CHAT["messages"]
+    n = fixed_boundary(tok.apply_chat_template, tok.encode, messages, "You are the Planner.")
+    full = tok.encode(tok.apply_chat_template(messages))
+    assert n is not None and tok.decode(full[:n]).endswith("You are the Planner.")
+    assert tok.decode(full[:n]).startswith("<|system|>")
+    # the first message does not begin with the agent's prompt: no boundary
+    assert fixed_boundary(tok.apply_chat_template, tok.encode, messages, "You are the Reviewer.") is None
+    assert fixed_boundary(tok.apply_chat_template, tok.encode, messages, None) is None
+
+
+RESULT = GenerateResult(tokens=[104, 105], text="hi", prompt_tokens=40, gpu_hit_tokens=20, cpu_hit_tokens=5,
+                        miss_tokens=15, stall_s=0.0, ttft_s=0.01, latency_s=0.02, finish_reason="length")
+
+
+def test_responses_parse_with_the_openai_sdk() -> None:
+    openai = pytest.importorskip("openai")
+    chat = openai.types.chat.ChatCompletion.model_validate(response_body(RESULT, chat=True, model="m"))
+    assert chat.choices[0].message.content == "hi" and chat.usage is not None
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens, chat.usage.total_tokens) == (40, 2, 42)
+    assert chat.usage.prompt_tokens_details is not None and chat.usage.prompt_tokens_details.cached_tokens == 25
+    text = openai.types.Completion.model_validate(response_body(RESULT, chat=False, model="m"))
+    assert text.choices[0].text == "hi"
+    chunk = openai.types.chat.ChatCompletionChunk.model_validate(
+        stream_chunk("h", chat=True, model="m", request_id="x", first=True))
+    assert chunk.choices[0].delta.content == "h" and chunk.choices[0].delta.role == "assistant"
+    last = openai.types.Completion.model_validate(
+        stream_chunk("", chat=False, model="m", request_id="x", finish_reason="stop"))
+    assert last.choices[0].finish_reason == "stop"
