@@ -101,18 +101,6 @@ AGENTS = ("a", "b", "c")
 STEPS = st.sampled_from([0, 1, 2, 3, INF])
 
 
-def _chain(node: RadixNode) -> list[RadixNode]:
-    out = []
-    while node.parent is not None:
-        out.append(node)
-        node = node.parent
-    return out
-
-
-def _root_sequence(node: RadixNode) -> tuple[int, ...]:
-    return tuple(t for n in reversed(_chain(node)) for t in n.key)
-
-
 class CacheMachine(RuleBasedStateMachine):
     """Locked or in-flight nodes are never evicted; accounting never drifts; capacity never exceeded;
     matches are longest cached prefixes; every deferred eviction completes once the copies in flight land."""
@@ -170,8 +158,8 @@ class CacheMachine(RuleBasedStateMachine):
             assert (node.gpu, node.cpu, node.offloading, node.key) == (gpu, cpu, offloading, key), node
             assert node.evict_pending <= pending  # a kept node may stop pending, never start
         for node, seq in locked_seqs:
-            assert node.gpu is GpuState.READY and _root_sequence(node) == seq
-            assert all(n.gpu is not GpuState.NONE for n in _chain(node))  # its prefix stays on the device
+            assert node.gpu is GpuState.READY and node.sequence() == seq
+            assert all(n.gpu is not GpuState.NONE for n in node.path())  # its prefix stays on the device
         for node in writebacks:
             assert node not in protected
             assert node.offloading and node.evict_pending and node.gpu is GpuState.READY and not node.cpu
@@ -216,7 +204,7 @@ class CacheMachine(RuleBasedStateMachine):
             ready.append(node)
         if ready:
             self.tree.lock(ready[-1])
-            self.locks.append((ready[-1], _root_sequence(ready[-1])))
+            self.locks.append((ready[-1], ready[-1].sequence()))
 
     @precondition(lambda self: self.has(self._ready))
     @rule(data=st.data())
@@ -224,7 +212,7 @@ class CacheMachine(RuleBasedStateMachine):
         """A request whose prompt ends exactly at some device node (often one being written back)."""
         node = self.pick(data, self._ready)
         self.tree.lock(node)
-        self.locks.append((node, _root_sequence(node)))
+        self.locks.append((node, node.sequence()))
 
     @precondition(lambda self: self.locks)
     @rule(data=st.data())
@@ -383,17 +371,17 @@ class CacheMachine(RuleBasedStateMachine):
     def locks_and_data(self) -> None:
         nodes = list(self.tree.nodes())
         for node in nodes:
-            assert node.lock_ref == sum(1 for x, _ in self.locks if node in _chain(x)), node
+            assert node.lock_ref == sum(1 for x, _ in self.locks if node in x.path()), node
             assert not node.evict_pending or node.gpu is GpuState.READY
             # payloads are the node's own tokens: slicing on splits and copies never mixed them up
             if node.gpu is GpuState.READY:
                 assert node.gpu_value == node.key, node
             if node.cpu:
                 assert node.cpu_value == node.key, node
-            seq = _root_sequence(node)
+            seq = node.sequence()
             assert any(s[: len(seq)] == seq for s in self.inserted)
         for node, seq in self.locks:
-            assert node.parent is not None and node.gpu is GpuState.READY and _root_sequence(node) == seq
+            assert node.parent is not None and node.gpu is GpuState.READY and node.sequence() == seq
 
 
 CacheMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=50, deadline=None)

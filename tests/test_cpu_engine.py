@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvflow_ray.core.radix import GpuState, RadixNode  # noqa: E402
+from kvflow_ray.core.radix import GpuState  # noqa: E402
 from kvflow_ray.engines.base import GenerateRequest, GenerateResult, Hints, prefix_hash  # noqa: E402
 from kvflow_ray.engines.cpu.bench import run_cpu_policies  # noqa: E402
 from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig  # noqa: E402
@@ -353,13 +353,8 @@ def _check_pool_contents(engine: CpuEngine, model: CpuModel) -> None:
     host_slots: list[int] = []
     leaves = [n for n in engine.cache.tree.nodes() if not n.children]
     for leaf in leaves:
-        path: list[RadixNode] = []
-        node: RadixNode | None = leaf
-        while node is not None and node.parent is not None:
-            path.append(node)
-            node = node.parent
-        path.reverse()
-        sequence = [t for n in path for t in n.key]
+        path = leaf.path()
+        sequence = list(leaf.sequence())
         empty = torch.empty(model.n_layers, 0, model.n_kv_heads, model.head_dim)
         _, k, v = model.prefill(sequence, empty, empty)
         start = 0

@@ -6,6 +6,7 @@ the list of tagged prefixes (for agent tags). Alphabets are tiny so prefixes col
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -322,17 +323,9 @@ class TierMachine(RuleBasedStateMachine):
             if node.gpu is GpuState.READY:
                 assert node.gpu_value == node.key or node.gpu_value is None
         for node in seqs:
-            assert node.lock_ref == sum(1 for x in self.locked if node in _ancestors_and_self(x))
+            assert node.lock_ref == sum(1 for x in self.locked if node in x.path())
         for node in self.locked:
             assert node.parent is not None and node.gpu is GpuState.READY
-
-
-def _ancestors_and_self(node: RadixNode) -> list[RadixNode]:
-    out = []
-    while node.parent is not None:
-        out.append(node)
-        node = node.parent
-    return out
 
 
 TierMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
@@ -340,6 +333,20 @@ test_tier_accounting = TierMachine.TestCase
 
 
 # ---------------------------------------------------------------------- unit tests
+def test_node_path_and_sequence_follow_splits() -> None:
+    tree = RadixTree(page_size=1)
+    for seq in ((1, 2, 3, 4), (1, 2, 9), (1, 5), (7,)):
+        tree.insert(seq)
+    expected = all_sequences(tree)  # by explicit traversal from the root
+    assert len(expected) == 6  # (1) (2) (3, 4) (9) (5) (7): the inserts split (1, 2, 3, 4) twice
+    for node, seq in expected.items():
+        assert node.sequence() == seq == root_sequence(node)
+        path = node.path()
+        assert path[-1] is node and path[0].parent is tree.root
+        assert all(child.parent is parent for parent, child in itertools.pairwise(path))
+    assert tree.root.path() == [] and tree.root.sequence() == ()
+
+
 def test_page_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="page_size must be >= 1"):
         RadixTree(0)

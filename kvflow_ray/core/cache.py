@@ -258,7 +258,7 @@ class TieredCache:
         for node in nodes:
             self.tree.begin_load(node)
         if nodes:
-            self._keep_pending(_ancestors(nodes[0]))
+            self._keep_pending(nodes[0].path()[:-1])  # its ancestors
         return tokens
 
     def _keep_pending(self, nodes: Iterable[RadixNode]) -> None:
@@ -293,11 +293,3 @@ class TieredCache:
         self.offloading_tokens += len(node.key)
         return True
 
-
-def _ancestors(node: RadixNode) -> list[RadixNode]:
-    out = []
-    parent = node.parent
-    while parent is not None and parent.parent is not None:  # up to, not including, the root
-        out.append(parent)
-        parent = parent.parent
-    return out

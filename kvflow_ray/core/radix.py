@@ -70,6 +70,20 @@ class RadixNode:
             return Tier.OFFLOADING
         return Tier.GPU if self.gpu is GpuState.READY else Tier.CPU
 
+    def path(self) -> list[RadixNode]:
+        """The nodes from the root's child down to this one (the root itself excluded)."""
+        out = []
+        node: RadixNode = self
+        while node.parent is not None:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+    def sequence(self) -> tuple[int, ...]:
+        """The tokens from the root to the end of this node: the prefix whose KV it completes."""
+        return tuple(t for node in self.path() for t in node.key)
+
     @property
     def in_flight(self) -> bool:
         return self.gpu is GpuState.LOADING or self.offloading

@@ -374,31 +374,23 @@ class CpuEngine:
     def _stored_events(self, last: RadixNode | None, end: int, adopted: list[tuple[int, int]]) -> None:
         """A committed prompt (path ending at `last`, `end` tokens): report the nodes whose KV this
         request computed, so a router learns what the replica now holds."""
-        node = last
-        while adopted and node is not None and node.parent is not None:
+        if not adopted or last is None:
+            return
+        for node in reversed(last.path()):
             start = end - len(node.key)
             if any(lo <= start and end <= hi for lo, hi in adopted):
                 self._event("stored", "gpu", node)
-            end, node = start, node.parent
+            end = start
 
     def _event(self, kind: str, tier: str, node: RadixNode) -> None:
-        keys = []
-        n = node
-        while n.parent is not None:
-            keys.append(n.key)
-            n = n.parent
-        tokens = tuple(t for key in reversed(keys) for t in key)
-        if tokens:
-            self._events.append(CacheEvent(kind, tier, prefix_hash(tokens), len(node.key)))
+        if node.parent is not None:
+            self._events.append(CacheEvent(kind, tier, prefix_hash(node.sequence()), len(node.key)))
 
     # ------------------------------------------------------------------ compute
     def _path_slots(self, node: RadixNode | None) -> torch.Tensor:
         """Device slots of the cached prefix ending at `node` (all READY: the request holds a lock)."""
-        parts = []
-        while node is not None and node.parent is not None:
-            parts.append(node.gpu_value)
-            node = node.parent
-        return torch.cat(parts[::-1]) if parts else torch.empty(0, dtype=torch.int64)  # type: ignore[arg-type]
+        parts = [n.gpu_value for n in node.path()] if node is not None else []
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)  # type: ignore[arg-type]
 
     def _prefill(self, req: CpuRequest, n: int) -> None:
         if req.ctx is None:  # first chunk: the cached prefix's slots, then its own for the rest
