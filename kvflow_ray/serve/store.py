@@ -72,6 +72,33 @@ def _key(*parts: str) -> str:
     return ":".join(("kvflow", *parts))
 
 
+def _template_key(tenant: str, name: str) -> str:
+    return _key(check_name("tenant", tenant), "template", check_name("workflow", name))
+
+
+def _templates_prefix(tenant: str) -> str:
+    return _key(check_name("tenant", tenant), "template", "")
+
+
+def _client_key(tenant: str, client_id: str) -> str:
+    return _key(check_name("tenant", tenant), "client", check_name("client_id", client_id))
+
+
+def _parse_client_key(key: str) -> tuple[str, str] | None:
+    """(tenant, client id) of a client-state key; None for any other key."""
+    parts = key.split(":")
+    return (parts[1], parts[3]) if len(parts) == 4 and parts[2] == "client" else None
+
+
+def _location_key(prefix_hash: str) -> str:
+    return _key("loc", check_name("prefix hash", prefix_hash))
+
+
+def _check_tier(tier: str | None) -> None:
+    if tier is not None and tier not in TIERS:
+        raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+
+
 class MemoryStore:
     """The embedded default: the Redis layout in a dict, with the same expiry semantics."""
 
@@ -96,32 +123,32 @@ class MemoryStore:
 
     def put_template(self, tenant: str, name: str, spec: dict[str, Any]) -> None:
         with self._lock:
-            self._set(_key(check_name("tenant", tenant), "template", check_name("workflow", name)), json.dumps(spec))
+            self._set(_template_key(tenant, name), json.dumps(spec))
 
     def get_template(self, tenant: str, name: str) -> dict[str, Any] | None:
         with self._lock:
-            raw = self._get(_key(check_name("tenant", tenant), "template", check_name("workflow", name)))
+            raw = self._get(_template_key(tenant, name))
         return None if raw is None else json.loads(raw)
 
     def templates(self, tenant: str) -> list[str]:
-        prefix = _key(check_name("tenant", tenant), "template", "")
+        prefix = _templates_prefix(tenant)
         with self._lock:
             keys = [k for k in list(self._data) if k.startswith(prefix) and self._get(k) is not None]
         return sorted(k[len(prefix):] for k in keys)
 
     def put_client(self, tenant: str, client_id: str, state: dict[str, Any]) -> None:
-        key = _key(check_name("tenant", tenant), "client", check_name("client_id", client_id))
+        key = _client_key(tenant, client_id)
         with self._lock:
             self._set(key, json.dumps(state), self.ttl_s)
 
     def get_client(self, tenant: str, client_id: str) -> dict[str, Any] | None:
-        key = _key(check_name("tenant", tenant), "client", check_name("client_id", client_id))
+        key = _client_key(tenant, client_id)
         with self._lock:
             raw = self._get(key)
         return None if raw is None else json.loads(raw)
 
     def delete_client(self, tenant: str, client_id: str) -> bool:
-        key = _key(check_name("tenant", tenant), "client", check_name("client_id", client_id))
+        key = _client_key(tenant, client_id)
         with self._lock:
             present = self._get(key) is not None
             self._data.pop(key, None)
@@ -131,14 +158,13 @@ class MemoryStore:
         with self._lock:
             items = [(k, self._get(k)) for k in list(self._data)]
         for key, raw in items:
-            parts = key.split(":")
-            if raw is not None and len(parts) == 4 and parts[2] == "client":
-                yield parts[1], parts[3], json.loads(raw)
+            ids = _parse_client_key(key)
+            if raw is not None and ids is not None:
+                yield *ids, json.loads(raw)
 
     def set_location(self, prefix_hash: str, replica: str, tier: str | None) -> None:
-        if tier is not None and tier not in TIERS:
-            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
-        key = _key("loc", check_name("prefix hash", prefix_hash))
+        _check_tier(tier)
+        key = _location_key(prefix_hash)
         with self._lock:
             holders: dict[str, str] = dict(self._get(key) or {})
             if tier is None:
@@ -152,7 +178,7 @@ class MemoryStore:
 
     def locations(self, prefix_hash: str) -> dict[str, str]:
         with self._lock:
-            return dict(self._get(_key("loc", check_name("prefix hash", prefix_hash))) or {})
+            return dict(self._get(_location_key(prefix_hash)) or {})
 
     def drop_replica(self, replica: str) -> None:
         with self._lock:
@@ -193,48 +219,45 @@ class RedisStore:
             raise ConnectionError(f"cannot reach Redis at {url}: {exc}") from exc
 
     def put_template(self, tenant: str, name: str, spec: dict[str, Any]) -> None:
-        self._r.set(_key(check_name("tenant", tenant), "template", check_name("workflow", name)), json.dumps(spec))
+        self._r.set(_template_key(tenant, name), json.dumps(spec))
 
     def get_template(self, tenant: str, name: str) -> dict[str, Any] | None:
-        raw = self._r.get(_key(check_name("tenant", tenant), "template", check_name("workflow", name)))
+        raw = self._r.get(_template_key(tenant, name))
         return None if raw is None else json.loads(raw)
 
     def templates(self, tenant: str) -> list[str]:
-        prefix = _key(check_name("tenant", tenant), "template", "")
+        prefix = _templates_prefix(tenant)
         return sorted(k[len(prefix):] for k in self._r.scan_iter(match=prefix + "*", count=500))
 
     def put_client(self, tenant: str, client_id: str, state: dict[str, Any]) -> None:
-        key = _key(check_name("tenant", tenant), "client", check_name("client_id", client_id))
+        key = _client_key(tenant, client_id)
         self._r.set(key, json.dumps(state), px=max(1, int(self.ttl_s * 1000)))
 
     def get_client(self, tenant: str, client_id: str) -> dict[str, Any] | None:
-        raw = self._r.get(_key(check_name("tenant", tenant), "client", check_name("client_id", client_id)))
+        raw = self._r.get(_client_key(tenant, client_id))
         return None if raw is None else json.loads(raw)
 
     def delete_client(self, tenant: str, client_id: str) -> bool:
-        key = _key(check_name("tenant", tenant), "client", check_name("client_id", client_id))
+        key = _client_key(tenant, client_id)
         return bool(self._r.delete(key))
 
     def clients(self) -> Iterator[tuple[str, str, dict[str, Any]]]:
         for key in self._r.scan_iter(match=_key("*", "client", "*"), count=500):
-            parts = key.split(":")
-            if len(parts) != 4 or parts[2] != "client":
-                continue
-            raw = self._r.get(key)
-            if raw is not None:  # may have expired since the scan
-                yield parts[1], parts[3], json.loads(raw)
+            ids = _parse_client_key(key)
+            raw = self._r.get(key) if ids is not None else None
+            if ids is not None and raw is not None:  # may have expired since the scan
+                yield *ids, json.loads(raw)
 
     def set_location(self, prefix_hash: str, replica: str, tier: str | None) -> None:
-        if tier is not None and tier not in TIERS:
-            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
-        key = _key("loc", check_name("prefix hash", prefix_hash))
+        _check_tier(tier)
+        key = _location_key(prefix_hash)
         if tier is None:
             self._r.hdel(key, replica)
         else:
             self._r.hset(key, check_name("replica", replica), tier)
 
     def locations(self, prefix_hash: str) -> dict[str, str]:
-        return dict(self._r.hgetall(_key("loc", check_name("prefix hash", prefix_hash))))
+        return dict(self._r.hgetall(_location_key(prefix_hash)))
 
     def drop_replica(self, replica: str) -> None:
         self._r.delete(_key("replica", replica))
