@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from kvflow_ray.commands.bench import fidelity_report
 from kvflow_ray.engines.base import GenerateRequest, Hints
-from kvflow_ray.engines.cpu.bench import run_cpu_policies
+from kvflow_ray.engines.cpu.bench import policy_progress, run_cpu_policies
 from kvflow_ray.engines.cpu.calibrate import calibrate, write_profile
 from kvflow_ray.engines.cpu.config import CpuEngineConfig
 from kvflow_ray.engines.cpu.engine import CpuEngine
@@ -45,27 +45,15 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def bar_factory(label: str) -> Any:
-    bars: list[Any] = []
-
-    def start(policy: str, total: int) -> Any:
-        if bars:
-            bars[-1].close()
-        bars.append(tqdm(total=total, desc=f"{label} {policy}", unit="req", file=sys.stderr, disable=None))
-        return lambda: bars[-1].update(1)
-
-    return start
-
-
 def policies_and_fidelity(model: CpuModel, config: CpuEngineConfig, iterations: int) -> dict[str, Any]:
     scenario = workload.single(agents=10, fixed=2048, dynamic=32, output=8, iterations=iterations)
-    measured = run_cpu_policies(scenario, config, POLICIES, model=model, progress=bar_factory("cpu single"))
+    with policy_progress("cpu single") as progress:
+        measured = run_cpu_policies(scenario, config, POLICIES, model=model, progress=progress)
     with tempfile.TemporaryDirectory() as tmp:
         profile_file = write_profile(calibrate(config, model=model), str(Path(tmp) / "cpu-reference.yaml"))
         profile = load_profile(str(profile_file))
         calibration = profile_file.read_text()
-    simulated = run_policies(workload.single(agents=10, fixed=2048, dynamic=32, output=8, iterations=iterations),
-                             profile, POLICIES, horizon=config.horizon, max_inflight=config.max_inflight,
+    simulated = run_policies(scenario, profile, POLICIES, horizon=config.horizon, max_inflight=config.max_inflight,
                              gpu_capacity=config.device_kv_tokens)
     return {"measured": measured, "simulated": simulated, "fidelity": fidelity_report(measured, simulated),
             "calibration": calibration}

@@ -101,25 +101,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def _progress_bar(label: str) -> tuple[Any, Any]:
-    from tqdm import tqdm
-
-    bars: list[Any] = []
-
-    def start(policy: str, total: int) -> Any:
-        if bars:
-            bars[-1].close()
-        bar = tqdm(total=total, desc=f"{label} {policy}", unit="req", file=sys.stderr, disable=None)
-        bars.append(bar)
-        return lambda: bar.update(1)
-
-    def close() -> None:
-        if bars:
-            bars[-1].close()
-
-    return start, close
-
-
 def _policies(text: str) -> list[str]:
     from kvflow_ray.engines.sim.runner import parse_policies
 
@@ -127,16 +108,13 @@ def _policies(text: str) -> list[str]:
 
 
 def _run_cpu(args: argparse.Namespace) -> int:
-    from kvflow_ray.engines.cpu.bench import run_cpu_policies
+    from kvflow_ray.engines.cpu.bench import policy_progress, run_cpu_policies
 
     policies = _policies(args.policies)
     scenario = build_scenario(args)
     config = _engine_config(args)
-    start, close = _progress_bar(f"cpu {scenario.name}")
-    try:
-        out = run_cpu_policies(scenario, config, policies, progress=start)
-    finally:
-        close()
+    with policy_progress(f"cpu {scenario.name}") as progress:
+        out = run_cpu_policies(scenario, config, policies, progress=progress)
     print(json.dumps(out) if args.json else format_table(out))
     return 0
 
@@ -153,7 +131,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
 
 def _run_fidelity(args: argparse.Namespace) -> int:
-    from kvflow_ray.engines.cpu.bench import run_cpu_policies
+    from kvflow_ray.engines.cpu.bench import policy_progress, run_cpu_policies
     from kvflow_ray.engines.cpu.calibrate import calibrate, profile_path, write_profile
     from kvflow_ray.engines.sim.profile import load_profile
     from kvflow_ray.engines.sim.runner import run_policies
@@ -164,12 +142,9 @@ def _run_fidelity(args: argparse.Namespace) -> int:
     if args.recalibrate or not profile_path().exists():
         write_profile(calibrate(config, log=lambda msg: print(msg, file=sys.stderr)))
     profile = load_profile("cpu-reference")
-    start, close = _progress_bar(f"cpu {scenario.name}")
-    try:
-        measured = run_cpu_policies(scenario, config, policies, progress=start)
-    finally:
-        close()
-    simulated = run_policies(build_scenario(args), profile, policies, horizon=config.horizon,
+    with policy_progress(f"cpu {scenario.name}") as progress:
+        measured = run_cpu_policies(scenario, config, policies, progress=progress)
+    simulated = run_policies(scenario, profile, policies, horizon=config.horizon,
                              max_inflight=config.max_inflight, gpu_capacity=config.device_kv_tokens)
     out = fidelity_report(measured, simulated)
     if args.json:

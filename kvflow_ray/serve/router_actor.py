@@ -83,10 +83,7 @@ class WorkflowRouterActor:
 
 def get_router(store_url: str | None = None, *, create: bool = True) -> Any:
     """The deployment's router actor, created on first use (named, so every process finds the same one)."""
-    try:
+    if not create:
         return ray.get_actor(ROUTER_NAME, namespace=ROUTER_NAMESPACE)
-    except ValueError:
-        if not create:
-            raise
     return WorkflowRouterActor.options(name=ROUTER_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True,
                                        lifetime="detached").remote(store_url)

@@ -8,8 +8,10 @@ to the engine as `Hints`, and times each workflow pass on the wall clock.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -42,7 +44,6 @@ class EngineDriver:
         self.on_request = on_request
         self._t0 = time.perf_counter()
         self._prompts: dict[tuple[str, str], tuple[int, ...]] = {}
-        self._clients: list[WorkflowClient] = []
 
     @property
     def now(self) -> float:
@@ -80,9 +81,7 @@ class EngineDriver:
         """Run every client to the end; returns the makespan in seconds."""
         self._t0 = time.perf_counter()
         for plan in self.scenario.plans:
-            client = WorkflowClient(self, plan)  # type: ignore[arg-type]
-            self._clients.append(client)
-            client.begin()
+            WorkflowClient(self, plan).begin()  # type: ignore[arg-type]
         last_progress, done = time.perf_counter(), self.engine.requests_done
         while self.engine.busy:
             self.engine.step(timeout=0.01)
@@ -93,6 +92,27 @@ class EngineDriver:
                                    f"({len(self.engine.scheduler.waiting)} waiting, "
                                    f"{len(self.engine.scheduler.running)} running)")
         return self.now
+
+
+@contextlib.contextmanager
+def policy_progress(label: str) -> Iterator[Callable[[str, int], Callable[[], None]]]:
+    """Progress bars for `run_cpu_policies`: one per policy, counting finished requests (stderr)."""
+    from tqdm import tqdm
+
+    bars: list[Any] = []
+
+    def start(policy: str, total: int) -> Callable[[], None]:
+        if bars:
+            bars[-1].close()
+        bar = tqdm(total=total, desc=f"{label} {policy}", unit="req", file=sys.stderr, disable=None)
+        bars.append(bar)
+        return lambda: bar.update(1)
+
+    try:
+        yield start
+    finally:
+        if bars:
+            bars[-1].close()
 
 
 def expected_requests(scenario: Scenario) -> int:
