@@ -13,6 +13,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("kvflow_ray.commands.validate", "check a workflow spec and print steps-to-execution"),
     "sim": ("kvflow_ray.commands.sim", "run a scenario on the discrete-event simulator, policies side by side"),
     "bench": ("kvflow_ray.commands.bench", "benchmarks on a real engine (cpu), calibration and simulator fidelity"),
+    "serve": ("kvflow_ray.commands.serve", "serve workflows: OpenAI-compatible API on Ray Serve, workflow router"),
+    "run": ("kvflow_ray.commands.run", "drive a workflow against a server with concurrent clients; report"),
 }
 
 

@@ -7,12 +7,17 @@ results and periodic engine stats; the router feeds its decisions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow_ray.engines.base import GenerateResult
+
+# `*_created` series double every family in the exposition and no dashboard reads them.
+disable_created_metrics()
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
@@ -97,3 +102,30 @@ class RouterMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Families:
+    """A collector that yields already-parsed metric families (see `merge_expositions`)."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = list(families)
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def merge_expositions(texts: Iterable[bytes | str]) -> bytes:
+    """One exposition from several processes' (the router's and every replica's): samples of the
+    same family are grouped under one HELP/TYPE header, as the text format requires. The replicas'
+    series differ by their `replica` label, so no sample collides."""
+    merged: dict[str, Metric] = {}
+    for text in texts:
+        raw = text.decode() if isinstance(text, bytes) else text
+        for family in text_string_to_metric_families(raw):
+            if family.name in merged:
+                merged[family.name].samples.extend(family.samples)
+            else:
+                merged[family.name] = family
+    registry = CollectorRegistry()
+    registry.register(_Families(merged.values()))  # type: ignore[arg-type]
+    return generate_latest(registry)

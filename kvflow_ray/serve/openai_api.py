@@ -54,6 +54,7 @@ class ParsedRequest:
     seed: int | None = None
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False  # extension (as in vLLM): generate exactly max_tokens
     meta: KvflowMeta | None = None
 
 
@@ -138,6 +139,7 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
     req.stream = _get(body, "stream", bool, False)
     options = _get(body, "stream_options", dict, {})
     req.include_usage = bool(options.get("include_usage", False))
+    req.ignore_eos = _get(body, "ignore_eos", bool, False)
     req.meta = parse_meta(body.get("kvflow"))
     return req
 
@@ -159,6 +161,16 @@ def fixed_boundary(render: Callable[[list[dict[str, str]]], str], encode: Callab
         return None
     head_ids, full_ids = encode(head), encode(full)
     return len(head_ids) if full_ids[:len(head_ids)] == head_ids else None
+
+
+def agent_prefix(render: Callable[[list[dict[str, str]]], str], encode: Callable[[str], list[int]],
+                 agent_prompt: str) -> list[int]:
+    """Token ids of an agent's fixed prompt as a chat request starts with it (the prompt as the
+    system message, after the chat template): what an engine keeps and prefetches for the agent,
+    and what `fixed_boundary` measures on a real request."""
+    marker = f"\x00kvflow-boundary-{uuid.uuid4().hex}\x00"
+    rendered = render([{"role": "system", "content": agent_prompt + marker}])
+    return encode(rendered[:rendered.index(marker)])
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -52,6 +52,20 @@ class Route:
     hints: list[tuple[str, Hints]] = field(default_factory=list)  # (replica, hints) to push
 
 
+@dataclass
+class HintBatch:
+    """What waits to be pushed to one replica, merged: the latest steps of each workflow instance,
+    the agents' fixed prompts (text; the replica tokenizes) of instances it has not been told about
+    yet, and finished instances. Plain data, so it crosses process boundaries as is."""
+
+    steps: dict[str, dict[str, float]] = field(default_factory=dict)
+    prompts: dict[str, dict[str, str]] = field(default_factory=dict)
+    retire: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.steps or self.prompts or self.retire)
+
+
 def workflow_key(tenant: str, client_id: str) -> str:
     return f"{tenant}/{client_id}"
 
@@ -67,6 +81,8 @@ class RouterCore:
         self._specs: dict[tuple[str, str], WorkflowSpec] = {}  # parsed templates, by (tenant, name)
         # tiers each replica holds each prefix in (a write-back briefly holds both); the store keeps the best
         self._held: dict[tuple[str, str], set[str]] = {}
+        self._outbox: dict[str, HintBatch] = {}  # replica -> hints not yet pulled
+        self._told: set[tuple[str, str]] = set()  # (replica, workflow key) whose prompts were sent
 
     # ------------------------------------------------------------------ replicas
     def add_replica(self, name: str) -> None:
@@ -75,6 +91,8 @@ class RouterCore:
     def remove_replica(self, name: str) -> None:
         """A dead replica: its prefixes are forgotten, so its clients' next calls route elsewhere."""
         self.loads.pop(name, None)
+        self._outbox.pop(name, None)
+        self._told = {told for told in self._told if told[0] != name}
         self.store.drop_replica(name)
         self._held = {key: tiers for key, tiers in self._held.items() if key[0] != name}
 
@@ -108,6 +126,14 @@ class RouterCore:
                 raise UnknownWorkflowError(f"unknown workflow {name!r} (register it with POST /v1/workflows)")
             spec = self._specs[key] = parse_spec(raw)
         return spec
+
+    def client_workflow(self, tenant: str, client_id: str) -> str:
+        """The workflow a live client runs (for requests that name only the client and agent)."""
+        check_name("client_id", client_id)
+        record = self.store.get_client(tenant, client_id)
+        if record is None:
+            raise UnknownClientError(f"unknown client {client_id!r}: its first request must name the workflow")
+        return str(record["workflow"])
 
     # ------------------------------------------------------------------ calls
     def _load_client(self, tenant: str, client_id: str) -> tuple[WorkflowSpec, WorkflowState, dict[str, Any]]:
@@ -155,7 +181,7 @@ class RouterCore:
         self.decisions[decision.outcome] += 1
         key = workflow_key(tenant, client_id)
         route = Route(decision.replica, decision.outcome, key, spec.agents[agent].prompt, deviation,
-                      self._hints(key, state))
+                      self._hints(key, state, spec))
         self._record_latency(time.perf_counter() - started)
         return route
 
@@ -168,25 +194,49 @@ class RouterCore:
             raise UnknownAgentError(agent, spec.name, spec.agents)
         state.finish(agent)
         self._save_client(tenant, client_id, spec, state, record)
-        return self._hints(workflow_key(tenant, client_id), state)
+        return self._hints(workflow_key(tenant, client_id), state, spec)
 
     def finish_client(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:
         """`POST /v1/clients/{id}/finish`: the workflow instance is over; its prompts are retired."""
         check_name("client_id", client_id)
         if not self.store.delete_client(tenant, client_id):
             raise UnknownClientError(f"unknown client {client_id!r}")
-        retire = Hints(retire=[workflow_key(tenant, client_id)])
+        key = workflow_key(tenant, client_id)
+        self._told = {told for told in self._told if told[1] != key}
+        for replica in self.loads:
+            batch = self._outbox.setdefault(replica, HintBatch())
+            batch.steps.pop(key, None)
+            batch.prompts.pop(key, None)
+            batch.retire.append(key)
+        retire = Hints(retire=[key])
         return [(replica, retire) for replica in sorted(self.loads)]
+
+    def take_hints(self, replica: str) -> HintBatch | None:
+        """The hints waiting for `replica` (removed from the outbox), or None."""
+        batch = self._outbox.pop(replica, None)
+        return batch if batch else None
+
+    def pending_hints(self) -> list[str]:
+        return [replica for replica, batch in self._outbox.items() if batch]
 
     def active_clients(self) -> Counter[str]:
         """Live workflow instances per tenant (the `kvflow_workflows_active` gauge)."""
         return Counter(tenant for tenant, _client, _state in self.store.clients())
 
     # ------------------------------------------------------------------ helpers
-    def _hints(self, key: str, state: WorkflowState) -> list[tuple[str, Hints]]:
+    def _hints(self, key: str, state: WorkflowState, spec: WorkflowSpec) -> list[tuple[str, Hints]]:
         # Every replica may hold some of this client's prefixes (shared templates), so every live
-        # replica gets the new steps; hints are a few numbers per agent.
-        steps = Hints(steps={key: state.steps_to_execution()})
+        # replica gets the new steps; hints are a few numbers per agent. A replica learns the
+        # agents' prompts (for prefetch) the first time it hears of the instance.
+        steps_now = state.steps_to_execution()
+        prompts = {agent: a.prompt for agent, a in spec.agents.items() if a.prompt}
+        for replica in self.loads:
+            batch = self._outbox.setdefault(replica, HintBatch())
+            batch.steps[key] = dict(steps_now)
+            if prompts and (replica, key) not in self._told:
+                self._told.add((replica, key))
+                batch.prompts[key] = prompts
+        steps = Hints(steps={key: steps_now})
         return [(replica, steps) for replica in sorted(self.loads)]
 
     def _record_latency(self, seconds: float) -> None:

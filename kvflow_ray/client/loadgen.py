@@ -1,0 +1,236 @@
+"""The load generator behind `kvflow-ray run`: many concurrent instances of a workflow against a
+kvflow-ray server, through the SDK (so through the OpenAI SDK), with what a platform team wants to
+see afterwards: workflow latency percentiles, hit ratios by tier, and how often the router's
+affinity held.
+
+Each client walks the step graph as the workflow declares it (the same walk as the simulator's
+clients): entry agents first, then every successor that becomes ready; agents that become ready
+together (an AND fan-out) run concurrently; a return to the entry ends one iteration of a loop.
+Each agent call sends the agent's fixed prompt (system message) plus a dynamic user message that
+carries the task and the previous agent's output.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvflow_ray.client.workflow import Workflow
+from kvflow_ray.core.graph import WorkflowState
+
+
+@dataclass
+class LoadConfig:
+    clients: int = 4  # concurrent workflow instances
+    iterations: int = 2  # passes of the workflow per client (loops: returns to the entry)
+    max_tokens: int = 32  # output tokens per agent call (exact: ignore_eos)
+    task_chars: int = 120  # dynamic task text per call, besides the previous agent's output
+    api_key: str | None = None
+    model: str | None = None
+    timeout_s: float = 600.0
+
+
+@dataclass
+class CallRecord:
+    client: int
+    iteration: int
+    agent: str
+    latency_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    route: str  # affinity | balanced | cold | plain
+    replica: str
+    error: str | None = None
+
+
+@dataclass
+class LoadResult:
+    calls: list[CallRecord] = field(default_factory=list)
+    iterations: list[float] = field(default_factory=list)  # workflow iteration latencies
+    wall_s: float = 0.0
+    metrics_before: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
+    metrics_after: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(0, math.ceil(q / 100 * len(ordered)) - 1)
+    return ordered[rank]
+
+
+def scrape(url: str, api_key: str | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of `GET /metrics` as {(name, sorted labels): value}."""
+    request = urllib.request.Request(url.rstrip("/") + "/metrics")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+class _Client:
+    def __init__(self, index: int, workflow: Workflow, base_url: str, config: LoadConfig,
+                 result: LoadResult, lock: threading.Lock, on_call: Callable[[], None]) -> None:
+        self.index, self.workflow, self.config = index, workflow, config
+        self.result, self.lock, self.on_call = result, lock, on_call
+        self.run = workflow.client(base_url=base_url, api_key=config.api_key, model=config.model,
+                                   register=index == 0, timeout=config.timeout_s,
+                                   client_id=f"{workflow.name}-{index}-{uuid.uuid4().hex[:8]}")
+        self.entry = set(workflow.spec.start_agents())
+        self.last_output = ""
+
+    def call(self, agent: str, iteration: int) -> None:
+        task = (f"Task {self.index}.{iteration} for the {agent}: " + "analyse the quarterly filing; " * 40)
+        task = task[:self.config.task_chars]
+        content = task + (f"\n\nPrevious step said: {self.last_output[:200]}" if self.last_output else "")
+        handle = self.run.agent(agent)
+        started = time.perf_counter()
+        try:
+            raw = handle.run.openai.chat.completions.with_raw_response.create(
+                model=self.config.model or "default", messages=handle.messages([{"role": "user", "content": content}]),
+                max_tokens=self.config.max_tokens, temperature=0, extra_body={
+                    "kvflow": self.run.metadata(agent), "ignore_eos": True})
+            response = raw.parse()
+            usage = response.usage
+            details = getattr(usage, "prompt_tokens_details", None)
+            self.last_output = response.choices[0].message.content or ""
+            record = CallRecord(self.index, iteration, agent, time.perf_counter() - started, usage.prompt_tokens,
+                                (details.cached_tokens or 0) if details else 0,
+                                raw.headers.get("x-kvflow-route", "plain"), raw.headers.get("x-kvflow-replica", "?"))
+        except Exception as exc:
+            record = CallRecord(self.index, iteration, agent, time.perf_counter() - started, 0, 0, "error", "?",
+                                f"{type(exc).__name__}: {exc}")
+        with self.lock:
+            self.result.calls.append(record)
+        self.on_call()
+
+    def go(self) -> None:
+        """All iterations of this client, then `finish`."""
+        spec = self.workflow.spec
+        with self.run, ThreadPoolExecutor(max_workers=max(1, len(spec.agents))) as pool:
+            for iteration in range(self.config.iterations):
+                started = time.perf_counter()
+                state = WorkflowState(spec, running=[])
+                ready = sorted(self.entry)
+                while ready:
+                    for agent in ready:
+                        state.start(agent)
+                    list(pool.map(lambda a, it=iteration: self.call(a, it), ready))
+                    following: list[str] = []
+                    for agent in ready:
+                        state.finish(agent)
+                        following += [v for v in spec.successors(agent)
+                                      if v not in following and v not in state.running and state.ready(v)]
+                    ready = [v for v in following if v not in self.entry]  # back at the entry: next iteration
+                with self.lock:
+                    self.result.iterations.append(time.perf_counter() - started)
+
+
+def run_load(workflow: Workflow, base_url: str, config: LoadConfig, *, progress: bool = True) -> LoadResult:
+    """Run `config.clients` concurrent instances of `workflow` against `base_url` (the server root)."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    result = LoadResult()
+    result.metrics_before = scrape(root, config.api_key)
+    lock = threading.Lock()
+    calls_per_iteration = _calls_per_iteration(workflow)
+    total = config.clients * config.iterations * calls_per_iteration
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=f"run {workflow.name}", unit="call", file=sys.stderr,
+               disable=None if progress else True)
+    tick = lambda: bar.update(1)  # noqa: E731 (tqdm's update is thread-safe)
+    started = time.perf_counter()
+    clients = [_Client(i, workflow, root + "/v1", config, result, lock, tick) for i in range(config.clients)]
+    threads = [threading.Thread(target=c.go, name=f"client-{c.index}") for c in clients]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    bar.close()
+    result.wall_s = time.perf_counter() - started
+    result.metrics_after = scrape(root, config.api_key)
+    return result
+
+
+def _calls_per_iteration(workflow: Workflow) -> int:
+    """Agent calls one iteration makes (the walk of `_Client.go`, without a server)."""
+    spec = workflow.spec
+    entry = set(spec.start_agents())
+    state = WorkflowState(spec, running=[])
+    ready, calls = sorted(entry), 0
+    while ready:
+        calls += len(ready)
+        for agent in ready:
+            state.start(agent)
+        following: list[str] = []
+        for agent in ready:
+            state.finish(agent)
+            following += [v for v in spec.successors(agent)
+                          if v not in following and v not in state.running and state.ready(v)]
+        ready = [v for v in following if v not in entry]
+    return calls
+
+
+def _delta(result: LoadResult, name: str, **labels: str) -> float:
+    """How much the counters named `name` (summed over series matching `labels`) grew during the run."""
+    def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> float:
+        return sum(v for (n, ls), v in samples.items() if n == name and all((k, x) in ls for k, x in labels.items()))
+    return total(result.metrics_after) - total(result.metrics_before)
+
+
+def summarise(result: LoadResult, workflow: Workflow, config: LoadConfig) -> dict[str, Any]:
+    """The `kvflow-ray run --json` object."""
+    ok = [c for c in result.calls if c.error is None]
+    warm = [c for c in ok if c.iteration > 0]  # each client's first pass is its warm-up
+    routed = [c for c in warm if c.route != "plain"]
+    prompt = {tier: _delta(result, "kvflow_prompt_tokens_total", tier=tier) for tier in ("gpu", "cpu", "miss")}
+    all_prompt = sum(prompt.values()) or math.nan
+    decisions = {o: _delta(result, "kvflow_router_decisions_total", outcome=o)
+                 for o in ("affinity", "balanced", "cold")}
+    errors = [c for c in result.calls if c.error is not None]
+    return {
+        "workflow": workflow.name,
+        "clients": config.clients,
+        "iterations": config.iterations,
+        "calls": len(result.calls),
+        "errors": len(errors),
+        "first_error": errors[0].error if errors else None,
+        "wall_s": round(result.wall_s, 3),
+        "calls_per_s": round(len(ok) / result.wall_s, 3) if result.wall_s else None,
+        "latency_s": _stats(result.iterations),
+        "call_latency_s": _stats([c.latency_s for c in ok]),
+        "gpu_hit_ratio": _ratio(prompt["gpu"], all_prompt),
+        "cpu_hit_ratio": _ratio(prompt["cpu"], all_prompt),
+        "cached_ratio": _ratio(sum(c.cached_tokens for c in ok), sum(c.prompt_tokens for c in ok) or math.nan),
+        "affinity_ratio_after_warmup": _ratio(sum(c.route == "affinity" for c in routed), len(routed) or math.nan),
+        "router_decisions": {k: int(v) for k, v in decisions.items()},
+        "prefetch": {o: int(_delta(result, "kvflow_prefetch_total", outcome=o)) for o in ("issued", "completed")},
+        "prefetch_stall_s": round(_delta(result, "kvflow_prefetch_stall_seconds_sum"), 4),
+        "replicas": dict(Counter(c.replica for c in ok)),
+    }
+
+
+def _ratio(num: float, den: float) -> float | None:
+    value = num / den
+    return None if math.isnan(value) else round(value, 4)
+
+
+def _stats(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    return {"mean": round(sum(values) / len(values), 4), "p50": round(percentile(values, 50), 4),
+            "p99": round(percentile(values, 99), 4)}

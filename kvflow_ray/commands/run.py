@@ -1,0 +1,88 @@
+"""Drive a workflow against a kvflow-ray server with concurrent clients and report latency, hit
+ratios and routing.
+
+Each client is one running instance of the workflow (its own client id); it walks the step graph
+for --iterations passes, calling each agent through the OpenAI SDK with the kvflow metadata, then
+finishes. Reported: workflow-iteration latency (mean, p50, p99), agent-call latency, the share of
+prompt tokens served from the device (gpu_hit_ratio) and host (cpu_hit_ratio) tiers, and the share
+of agent calls after each client's first pass that the router sent to a replica holding their
+prefix (affinity_ratio_after_warmup).
+
+Without --url it starts the embedded default first (local Ray, CPU-engine replicas, in-process
+router store; no GPU, no Redis) and stops it afterwards.
+
+Examples:
+  kvflow-ray run workflows/peer.yaml --clients 8 --iterations 2
+  kvflow-ray run workflows/peer.yaml --url http://127.0.0.1:8000 --clients 16 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvflow_ray.commands.serve import add_server_arguments, app_config
+from kvflow_ray.core.graph import SpecError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("workflow", type=Path, help="workflow spec (YAML or JSON)")
+    parser.add_argument("--url", default=None, help="server root, e.g. http://127.0.0.1:8000 "
+                        "(default: start the embedded server for this run)")
+    parser.add_argument("--clients", type=int, default=4, help="concurrent workflow instances (default 4)")
+    parser.add_argument("--iterations", type=int, default=2, help="passes of the workflow per client (default 2)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per agent call (default 32)")
+    parser.add_argument("--key", default=None, help="bearer API key")
+    parser.add_argument("--port", type=int, default=8000, help="port of the embedded server (default 8000)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    group = parser.add_argument_group("embedded server (without --url)")
+    add_server_arguments(group)  # type: ignore[arg-type]
+
+
+def format_summary(s: dict) -> str:
+    lat, call = s["latency_s"], s["call_latency_s"]
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    lines = [
+        f"workflow {s['workflow']}: {s['clients']} clients x {s['iterations']} iterations, {s['calls']} agent calls "
+        f"({s['errors']} failed) in {s['wall_s']:.1f} s",
+        f"  workflow latency   mean {lat['mean']} s   p50 {lat['p50']} s   p99 {lat['p99']} s",
+        f"  agent-call latency mean {call['mean']} s   p50 {call['p50']} s   p99 {call['p99']} s",
+        f"  prompt tokens from device {pct(s['gpu_hit_ratio'])}, from host {pct(s['cpu_hit_ratio'])}, "
+        f"cached (usage) {pct(s['cached_ratio'])}",
+        f"  routed to the prefix holder after warm-up: {pct(s['affinity_ratio_after_warmup'])}   "
+        f"decisions {s['router_decisions']}   prefetch {s['prefetch']}",
+    ]
+    if s["first_error"]:
+        lines.append(f"  first error: {s['first_error']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvflow_ray.client.loadgen import LoadConfig, run_load, summarise
+    from kvflow_ray.client.workflow import Workflow
+
+    try:
+        workflow = Workflow.from_yaml(args.workflow)
+        if args.clients < 1 or args.iterations < 1 or args.max_tokens < 1:
+            raise ValueError("--clients, --iterations and --max-tokens must be at least 1")
+        config = app_config(args) if args.url is None else None
+    except (SpecError, ValueError, OSError) as exc:
+        print(f"kvflow-ray run: {exc}", file=sys.stderr)
+        return 2
+    load = LoadConfig(clients=args.clients, iterations=args.iterations, max_tokens=args.max_tokens, api_key=args.key)
+    server = None
+    if args.url is None:
+        from kvflow_ray.serve.app import LocalServer
+
+        print(f"starting the embedded server ({config.replicas} {config.engine} replicas) ...", file=sys.stderr)
+        server = LocalServer(config, port=args.port).start()
+    try:
+        result = run_load(workflow, args.url or server.url, load)  # type: ignore[union-attr]
+    finally:
+        if server is not None:
+            server.stop()
+    summary = summarise(result, workflow, load)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 1 if summary["errors"] else 0

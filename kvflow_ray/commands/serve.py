@@ -1,0 +1,104 @@
+"""Serve workflows over an OpenAI-compatible API: local Ray, N engine replicas, the workflow router.
+
+Starts (or joins, with RAY_ADDRESS) a Ray cluster, deploys the kvflow-ray app and serves until
+Ctrl-C. The same app deploys from a Ray Serve config file: `serve run deploy/serve-cpu.yaml`.
+
+Without --redis the router keeps its state in process (the embedded default): fine for one
+machine, but a restarted router then forgets live workflows. With --redis it survives restarts.
+
+Examples:
+  kvflow-ray serve                                   # CPU engine, 2 replicas, http://127.0.0.1:8000
+  kvflow-ray serve --replicas 4 --redis redis://127.0.0.1:6379/0
+  kvflow-ray serve --config deploy/serve-cpu.yaml    # the app args of a Serve config file
+Then: kvflow-ray run workflows/peer.yaml --url http://127.0.0.1:8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvflow_ray.serve.config import ENGINES, ROUTINGS, AppConfig
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=ENGINES, default=None, help="engine per replica (default cpu)")
+    parser.add_argument("--replicas", type=int, default=None, help="engine replicas (default 2)")
+    parser.add_argument("--redis", default=None, help="redis://host:port/db for durable router state "
+                        "(default: the embedded in-process store)")
+    parser.add_argument("--routing", choices=ROUTINGS, default=None,
+                        help="workflow: prefix-affinity routing by the workflow router (default); "
+                             "default: Ray Serve's own request router (for comparison)")
+    parser.add_argument("--policy", default=None, help="engine cache policy: lru, hicache, kvflow (default)")
+    parser.add_argument("--device-kv-tokens", type=int, default=None, help="device KV pool per replica (tokens)")
+    parser.add_argument("--api-key", action="append", default=None, metavar="KEY=TENANT",
+                        help="accept bearer KEY for TENANT (repeatable); none = one open 'default' tenant")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="app args from a YAML/JSON file: either the args mapping itself or a Ray Serve "
+                             "config file (its first application's args); flags override it")
+
+
+def app_config(args: argparse.Namespace) -> AppConfig:
+    data: dict[str, Any] = {}
+    if args.config is not None:
+        try:
+            raw = yaml.safe_load(args.config.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"cannot read --config {args.config}: {exc}") from None
+        if isinstance(raw, dict) and "applications" in raw:
+            raw = (raw["applications"] or [{}])[0].get("args", {})
+        if not isinstance(raw, dict):
+            raise ValueError(f"--config {args.config}: expected a mapping of app args")
+        data.update(raw)
+    for key in ("engine", "replicas", "redis", "routing", "policy", "device_kv_tokens"):
+        value = getattr(args, key, None)
+        if value is not None:
+            data[key] = value
+    if getattr(args, "api_key", None):
+        keys = {}
+        for item in args.api_key:
+            key, sep, tenant = item.partition("=")
+            if not sep or not key or not tenant:
+                raise ValueError(f"--api-key {item!r}: expected KEY=TENANT")
+            keys[key] = tenant
+        data["api_keys"] = keys
+    return AppConfig.from_dict(data)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_server_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = app_config(args)
+    except ValueError as exc:
+        print(f"kvflow-ray serve: {exc}", file=sys.stderr)
+        return 2
+    from kvflow_ray.serve.app import LocalServer
+
+    server = LocalServer(config, host=args.host, port=args.port)
+    print(f"starting {config.replicas} {config.engine} replica(s), routing={config.routing}, "
+          f"store={'redis' if config.redis else 'embedded'} ...", file=sys.stderr)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        server.start()
+        print(json.dumps({"url": server.url, "openai_base_url": server.url + "/v1", "replicas": config.replicas}),
+              flush=True)
+        print("serving; Ctrl-C to stop", file=sys.stderr)
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0

@@ -1,0 +1,115 @@
+"""The Serve application: an ingress in front of N engine replicas, and the workflow router actor.
+
+`build_app(args)` is the import path a Ray Serve config file names (`deploy/*.yaml`), so
+`serve run deploy/serve-cpu.yaml` and `kvflow-ray serve` deploy the same thing. `LocalServer`
+starts local Ray, deploys the app and stops it all again: what `kvflow-ray serve`, `kvflow-ray run`
+(without `--url`), the tests and the benchmarks use.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+from typing import Any
+
+from kvflow_ray.serve.config import AppConfig
+
+APP_NAME = "kvflow"
+
+
+def build_app(args: dict[str, Any] | None = None) -> Any:
+    """The application for `serve.run` / a Serve config's `import_path: kvflow_ray.serve.app:build_app`."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from kvflow_ray.serve.ingress import HttpIngress
+    from kvflow_ray.serve.replica import EngineReplica
+    from kvflow_ray.serve.request_router import WorkflowRequestRouter
+
+    config = AppConfig.from_dict(args)
+    router_config = (RequestRouterConfig(request_router_class=WorkflowRequestRouter)
+                     if config.routing == "workflow" else RequestRouterConfig())
+    actor_options: dict[str, Any] = {"num_cpus": config.replica_num_cpus}
+    if config.replica_num_gpus:
+        actor_options["num_gpus"] = config.replica_num_gpus
+    replica = serve.deployment(EngineReplica, name="EngineReplica", num_replicas=config.replicas,
+                               max_ongoing_requests=config.max_ongoing_requests, ray_actor_options=actor_options,
+                               request_router_config=router_config, health_check_period_s=2,
+                               graceful_shutdown_timeout_s=5)
+    ingress = serve.deployment(HttpIngress, name="Ingress", num_replicas=1, max_ongoing_requests=1024,
+                               ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replica.bind(config.to_dict()), config.to_dict())
+
+
+class LocalServer:
+    """Local Ray + the app on 127.0.0.1:`port`, as a context manager."""
+
+    def __init__(self, config: AppConfig | None = None, *, host: str = "127.0.0.1", port: int = 8000,
+                 num_cpus: int | None = None) -> None:
+        self.config = config or AppConfig()
+        self.host, self.port = host, port
+        self.num_cpus = num_cpus or os.cpu_count() or 2
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 300.0) -> LocalServer:
+        import ray
+        from ray import serve
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        if not ray.is_initialized():
+            ray.init(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        serve.start(http_options={"host": self.host, "port": self.port})
+        self.deploy(self.config)
+        self.wait_ready(timeout_s)
+        return self
+
+    def deploy(self, config: AppConfig) -> None:
+        """(Re)deploy the app with `config`; a new router starts with it (its state is per app)."""
+        from ray import serve
+
+        from kvflow_ray.serve.router_actor import stop_router
+
+        serve.delete(APP_NAME)
+        stop_router()
+        self.config = config
+        serve.run(build_app(config.to_dict()), name=APP_NAME, route_prefix="/", blocking=False)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until /health says every replica has registered with the router."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                    import json
+
+                    if len(json.loads(response.read())["replicas"]) >= self.config.replicas:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the app did not become healthy at {self.url} within {timeout_s:.0f} s")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        from kvflow_ray.serve.router_actor import stop_router
+
+        if ray.is_initialized():
+            try:
+                serve.shutdown()
+                stop_router()
+            finally:
+                ray.shutdown()
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

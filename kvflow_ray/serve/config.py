@@ -1,0 +1,71 @@
+"""The serving app's configuration: one plain dataclass, read from the `args` of a Ray Serve config
+file (`deploy/*.yaml`), from `kvflow-ray serve` flags, or from code. Unknown keys are errors, so a
+typo in a deployment file fails at deploy time rather than being ignored."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+ENGINES = ("cpu", "sim", "sglang")
+ROUTINGS = ("workflow", "default")
+
+
+@dataclass
+class AppConfig:
+    engine: str = "cpu"  # cpu (embedded default) | sim | sglang (its own issue)
+    replicas: int = 2
+    redis: str | None = None  # redis://host:port/db; None = the embedded in-process store
+    routing: str = "workflow"  # workflow: honour the router's choice; default: Ray Serve's own router
+    api_keys: dict[str, str] = field(default_factory=dict)  # bearer key -> tenant; empty = one "default" tenant
+    state_ttl_s: float = 3600.0  # idle workflow state expires after this long
+    max_ongoing_requests: int = 64  # per engine replica (the engine batches up to its max_running)
+    replica_num_cpus: float = 0.5  # Ray CPUs reserved per engine replica
+    replica_num_gpus: float = 0.0  # 1 for an engine that needs a GPU (sglang)
+    # engine settings (cpu): see CpuEngineConfig for what each means
+    policy: str = "kvflow"
+    model_path: str | None = None
+    device_kv_tokens: int = 12_288
+    host_kv_tokens: int = 65_536
+    link_gbps: float | None = 0.1
+    max_running: int = 16
+    horizon: int = 1
+    threads: int | None = None  # torch threads per replica; None: the machine's cores / replicas
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.engine == "sglang":
+            raise ValueError("engine 'sglang' is not available yet (it arrives with the SGLang plugin); "
+                             "use cpu or sim")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {self.replicas}")
+        if not isinstance(self.api_keys, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and k for k, v in self.api_keys.items()):
+            raise ValueError("api_keys must map non-empty key strings to tenant names")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> AppConfig:
+        data = dict(data or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown app config keys {unknown} (known: {sorted(known)})")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def engine_threads(self) -> int:
+        return self.threads or max(1, (os.cpu_count() or 1) // self.replicas)
+
+    def tenant_for(self, key: str | None) -> str | None:
+        """The tenant of a bearer key; None when keys are configured and this one is not among them."""
+        if not self.api_keys:
+            return "default"
+        return self.api_keys.get(key or "")

@@ -1,0 +1,188 @@
+"""EngineReplica: one Ray Serve replica around one engine (one per GPU; CPU engines on CPU).
+
+The replica serves `generate` / `stream` calls from the ingress and keeps two conversations with
+the workflow router going on background threads:
+- hints: a long poll (`pull_hints`) that returns as soon as the router has new steps-to-execution,
+  agents' prompts or retired workflows for this replica; they go straight to `engine.apply_hints`;
+- reports: every second a heartbeat with this replica's metrics; after every request (and with each
+  report) the engine's cache events, so the router knows which prefixes live here.
+Router calls that fail (the router restarting) are retried; serving never waits on the router.
+
+Its name towards the router is Serve's replica id (`unique_id`), which is what the request router
+sees for each candidate replica, so a routing decision names a replica both sides recognise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray import serve
+
+from kvflow_ray.engines.base import GenerateRequest, Hints
+from kvflow_ray.serve.config import AppConfig
+from kvflow_ray.serve.metrics import ReplicaMetrics
+from kvflow_ray.serve.openai_api import agent_prefix
+from kvflow_ray.serve.router_actor import get_router
+
+logger = logging.getLogger("ray.serve")
+REPORT_PERIOD_S = 1.0
+
+
+def make_engine(config: AppConfig) -> Any:
+    """The engine a replica runs, started on its background thread."""
+    if config.engine == "cpu":
+        from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig
+        from kvflow_ray.engines.cpu.engine import CpuEngine
+
+        engine_config = CpuEngineConfig(
+            model=ModelConfig(path=config.model_path, seed=config.seed), policy=config.policy,
+            device_kv_tokens=config.device_kv_tokens, host_kv_tokens=config.host_kv_tokens,
+            link_gbps=config.link_gbps, max_running=config.max_running, horizon=config.horizon,
+            threads=config.engine_threads())
+        return CpuEngine(engine_config).start()
+    if config.engine == "sim":
+        from kvflow_ray.engines.sim.engine import SimEngine
+
+        return SimEngine.from_app_config(config).start()
+    raise ValueError(f"engine {config.engine!r} cannot run in an EngineReplica yet")
+
+
+class EngineReplica:
+    """The deployment class (wrapped by `serve.deployment` in `app.py`)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = AppConfig.from_dict(config)
+        self.name: str = serve.get_replica_context().replica_id.unique_id
+        self.engine = make_engine(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self.metrics = ReplicaMetrics(self.name)
+        self.router = get_router(self.config.redis)
+        self._prefix_cache: dict[str, tuple[int, ...]] = {}  # agent prompt text -> its token ids
+        self._stop = threading.Event()
+        self._events_lock = threading.Lock()  # one drain of the engine's events at a time, in order
+        self._register()
+        for target in (self._hint_loop, self._report_loop):
+            threading.Thread(target=target, name=f"kvflow-{target.__name__}", daemon=True).start()
+        logger.info("EngineReplica %s serving %s (%s)", self.name, self.engine.model_name, self.config.policy)
+
+    # ------------------------------------------------------------------ serving
+    async def generate(self, request: dict[str, Any], kvflow_replica: str | None = None) -> dict[str, Any]:
+        """Run one request. `kvflow_replica` is the router's choice, read by the request router
+        (here only for the record). Bad input comes back as {"error": ..., "status": 400}."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+        try:
+            self.engine.submit(GenerateRequest(**request),
+                               on_done=lambda r: loop.call_soon_threadsafe(done.set_result, r))
+        except ValueError as exc:
+            return {"replica": self.name, "error": str(exc), "status": 400}
+        req = await done
+        return self._outcome(req)
+
+    async def stream(self, request: dict[str, Any], kvflow_replica: str | None = None
+                     ) -> AsyncIterator[dict[str, Any]]:
+        """Yield {"text": delta} as tokens arrive, then the outcome of `generate`."""
+        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue[Any] = asyncio.Queue()
+        try:
+            self.engine.submit(GenerateRequest(**request),
+                               on_token=lambda t: loop.call_soon_threadsafe(tokens.put_nowait, t),
+                               on_done=lambda r: loop.call_soon_threadsafe(tokens.put_nowait, r))
+        except ValueError as exc:
+            yield {"replica": self.name, "error": str(exc), "status": 400}
+            return
+        out: list[int] = []
+        sent = ""
+        while True:
+            item = await tokens.get()
+            if not isinstance(item, int):
+                yield self._outcome(item)
+                return
+            out.append(item)
+            text = self.tokenizer.decode(out)
+            if text.endswith("\ufffd"):  # a character cut in the middle: wait for the rest
+                continue
+            if len(text) > len(sent):
+                yield {"text": text[len(sent):]}
+                sent = text
+
+    def replica_name(self) -> str:
+        return self.name
+
+    def stats(self) -> dict[str, Any]:
+        return {"replica": self.name, **self.engine.stats()}
+
+    def __del__(self) -> None:
+        self._stop.set()
+        close = getattr(getattr(self, "engine", None), "close", None)
+        if close is not None:
+            close()
+
+    # ------------------------------------------------------------------ helpers
+    def _outcome(self, req: Any) -> dict[str, Any]:
+        if req.error is not None:
+            status = 400 if isinstance(req.error, ValueError) else 500
+            return {"replica": self.name, "error": str(req.error), "status": status}
+        self.metrics.observe_result(req.result)
+        self._push_events()
+        return {"replica": self.name, "result": dataclasses.asdict(req.result)}
+
+    def _push_events(self) -> None:
+        """The engine's cache events to the router, in order (one drain at a time, fire and forget:
+        Ray runs one caller's calls to an actor in submission order)."""
+        with self._events_lock:
+            events = self.engine.cache_events()
+            if events:
+                try:
+                    self.router.cache_events.remote(self.name, [dataclasses.astuple(e) for e in events])
+                except Exception:  # the router is restarting: its view heals from later events
+                    logger.warning("could not send %d cache events to the router", len(events))
+
+    def _register(self) -> None:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                ray.get(self.router.add_replica.remote(self.name), timeout=10)
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    def _prompt_tokens(self, text: str) -> tuple[int, ...]:
+        tokens = self._prefix_cache.get(text)
+        if tokens is None:
+            render = self.tokenizer.apply_chat_template
+            tokens = self._prefix_cache[text] = tuple(agent_prefix(render, self.tokenizer.encode, text))
+        return tokens
+
+    def _to_hints(self, batch: dict[str, Any]) -> Hints:
+        prompts = {(key, agent): self._prompt_tokens(text)
+                   for key, agents in batch["prompts"].items() for agent, text in agents.items()}
+        return Hints(steps=batch["steps"], prompts=prompts, retire=batch["retire"])
+
+    def _hint_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                batch = ray.get(self.router.pull_hints.remote(self.name, 1.0), timeout=30)
+            except Exception:  # the router is restarting
+                time.sleep(0.5)
+                continue
+            if batch is not None:
+                self.engine.apply_hints(self._to_hints(batch))
+
+    def _report_loop(self) -> None:
+        while not self._stop.wait(REPORT_PERIOD_S):
+            try:
+                self.metrics.observe_stats(self.engine.stats())
+                self._push_events()
+                ray.get(self.router.report.remote(self.name, self.metrics.exposition()), timeout=10)
+            except Exception as exc:  # the router is restarting: report again next period
+                logger.debug("report to the router failed: %s", exc)
