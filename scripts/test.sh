@@ -7,10 +7,14 @@ cd "$(dirname "$0")/.."
 python3 -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 
 # Services the tests talk to for real (started on loopback by the test fixtures, stopped after).
-if ! command -v redis-server >/dev/null; then
-    echo "== installing redis-server"
+MISSING=""
+command -v redis-server >/dev/null || MISSING="$MISSING redis-server"
+command -v prometheus >/dev/null || MISSING="$MISSING prometheus"
+if [ -n "$MISSING" ]; then
+    echo "== installing$MISSING"
     SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo "sudo")
-    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+    # shellcheck disable=SC2086
+    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $MISSING >/dev/null
 fi
 
 echo "== ruff"

@@ -56,3 +56,72 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+class Prometheus:
+    """A real Prometheus server scraping `targets` every second; `query` evaluates PromQL through its HTTP API."""
+
+    def __init__(self, binary: str, workdir: Path, targets: list[str]) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = workdir / "prometheus.yml"
+        config.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+                          "scrape_configs:\n  - job_name: kvflow\n    metrics_path: /metrics\n"
+                          f"    static_configs:\n      - targets: {targets!r}\n")
+        self.proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
+                                      f"--web.listen-address=127.0.0.1:{self.port}"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not self._ready():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
+                pytest.fail(f"prometheus did not start on port {self.port}")
+            time.sleep(0.2)
+
+    def _ready(self) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def query(self, expr: str) -> list[dict]:
+        import json
+        import urllib.parse
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}",
+                                    timeout=10) as response:
+            body = json.loads(response.read())
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def prometheus_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """Start real Prometheus servers (Debian's `prometheus`, installed by scripts/test.sh) scraping given
+    `host:port` targets; all are stopped after the session."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("prometheus is not installed: scripts/test.sh installs it (apt-get install prometheus)")
+    started: list[Prometheus] = []
+
+    def start(targets: list[str]) -> Prometheus:
+        server = Prometheus(binary, tmp_path_factory.mktemp("prometheus"), targets)
+        started.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.stop()

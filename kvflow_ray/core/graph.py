@@ -56,6 +56,9 @@ class SpecError(ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable (it crosses Ray process boundaries)
+        return (type(self), (self.field, self.message))
+
 
 class UnknownAgentError(KeyError, ValueError):
     """A live-state operation named an agent that the workflow does not have.
@@ -72,7 +75,11 @@ class UnknownAgentError(KeyError, ValueError):
         super().__init__(message)
         self.agent = agent
         self.workflow = workflow
+        self.known = tuple(known)
         self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable (it crosses Ray process boundaries)
+        return (type(self), (self.agent, self.workflow, self.known))
 
     def __str__(self) -> str:
         # KeyError.__str__ would repr() the message and wrap it in quotes.
