@@ -82,13 +82,37 @@ def scrape(url: str, api_key: str | None = None) -> dict[tuple[str, tuple[tuple[
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+WORDS = ("ledger", "accrual", "segment", "guidance", "margin", "liquidity", "covenant", "impairment", "tranche",
+         "amortisation", "dividend", "backlog", "hedge", "provision", "goodwill", "yield", "capex", "churn")
+
+
+def application_variants(workflow: Workflow, n: int, preamble_chars: int = 1200) -> list[Workflow]:
+    """`n` applications built on one workflow: same graph, and each application's agents share an
+    application-specific preamble (its handbook: rules, examples) before their own prompt, so no two
+    applications share cached prefixes. This is the multi-tenant load a shared cluster sees."""
+    import random
+
+    variants = []
+    for k in range(n):
+        rng = random.Random(k)
+        preamble = f"Handbook of application {k}: "
+        while len(preamble) < preamble_chars:
+            preamble += " ".join(rng.choice(WORDS) for _ in range(12)) + ". "
+        data = workflow.spec.to_dict()
+        data["name"] = f"{workflow.name}-app{k}"
+        for agent in data["agents"].values():
+            agent["prompt"] = preamble[:preamble_chars] + "\n" + (agent.get("prompt") or "")
+        variants.append(Workflow.from_dict(data))
+    return variants
+
+
 class _Client:
     def __init__(self, index: int, workflow: Workflow, base_url: str, config: LoadConfig,
-                 result: LoadResult, lock: threading.Lock, on_call: Callable[[], None]) -> None:
+                 result: LoadResult, lock: threading.Lock, on_call: Callable[[], None], register: bool) -> None:
         self.index, self.workflow, self.config = index, workflow, config
         self.result, self.lock, self.on_call = result, lock, on_call
         self.run = workflow.client(base_url=base_url, api_key=config.api_key, model=config.model,
-                                   register=index == 0, timeout=config.timeout_s,
+                                   register=register, timeout=config.timeout_s,
                                    client_id=f"{workflow.name}-{index}-{uuid.uuid4().hex[:8]}")
         self.entry = set(workflow.spec.start_agents())
         self.last_output = ""
@@ -140,21 +164,25 @@ class _Client:
                     self.result.iterations.append(time.perf_counter() - started)
 
 
-def run_load(workflow: Workflow, base_url: str, config: LoadConfig, *, progress: bool = True) -> LoadResult:
-    """Run `config.clients` concurrent instances of `workflow` against `base_url` (the server root)."""
+def run_load(workflow: Workflow | Sequence[Workflow], base_url: str, config: LoadConfig, *,
+             progress: bool = True) -> LoadResult:
+    """Run `config.clients` concurrent instances of `workflow` against `base_url` (the server root).
+    With several workflows, client i runs workflow i mod their number."""
+    workflows = [workflow] if isinstance(workflow, Workflow) else list(workflow)
     root = base_url.rstrip("/").removesuffix("/v1")
     result = LoadResult()
     result.metrics_before = scrape(root, config.api_key)
     lock = threading.Lock()
-    calls_per_iteration = _calls_per_iteration(workflow)
-    total = config.clients * config.iterations * calls_per_iteration
+    total = config.iterations * sum(_calls_per_iteration(workflows[i % len(workflows)])
+                                    for i in range(config.clients))
     from tqdm import tqdm
 
-    bar = tqdm(total=total, desc=f"run {workflow.name}", unit="call", file=sys.stderr,
+    bar = tqdm(total=total, desc=f"run {workflows[0].name}", unit="call", file=sys.stderr,
                disable=None if progress else True)
     tick = lambda: bar.update(1)  # noqa: E731 (tqdm's update is thread-safe)
     started = time.perf_counter()
-    clients = [_Client(i, workflow, root + "/v1", config, result, lock, tick) for i in range(config.clients)]
+    clients = [_Client(i, workflows[i % len(workflows)], root + "/v1", config, result, lock, tick,
+                       register=i < len(workflows)) for i in range(config.clients)]
     threads = [threading.Thread(target=c.go, name=f"client-{c.index}") for c in clients]
     for thread in threads:
         thread.start()

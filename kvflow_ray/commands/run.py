@@ -34,6 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=4, help="concurrent workflow instances (default 4)")
     parser.add_argument("--iterations", type=int, default=2, help="passes of the workflow per client (default 2)")
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per agent call (default 32)")
+    parser.add_argument("--applications", type=int, default=1,
+                        help="run N applications built on the workflow, each with its own prompt preamble "
+                             "(client i runs application i mod N): the multi-tenant case (default 1)")
+    parser.add_argument("--preamble-chars", type=int, default=1200,
+                        help="length of each application's preamble with --applications > 1 (default 1200)")
     parser.add_argument("--key", default=None, help="bearer API key")
     parser.add_argument("--port", type=int, default=8000, help="port of the embedded server (default 8000)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -60,13 +65,13 @@ def format_summary(s: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvflow_ray.client.loadgen import LoadConfig, run_load, summarise
+    from kvflow_ray.client.loadgen import LoadConfig, application_variants, run_load, summarise
     from kvflow_ray.client.workflow import Workflow
 
     try:
         workflow = Workflow.from_yaml(args.workflow)
-        if args.clients < 1 or args.iterations < 1 or args.max_tokens < 1:
-            raise ValueError("--clients, --iterations and --max-tokens must be at least 1")
+        if min(args.clients, args.iterations, args.max_tokens, args.applications) < 1:
+            raise ValueError("--clients, --iterations, --max-tokens and --applications must be at least 1")
         config = app_config(args) if args.url is None else None
     except (SpecError, ValueError, OSError) as exc:
         print(f"kvflow-ray run: {exc}", file=sys.stderr)
@@ -79,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"starting the embedded server ({config.replicas} {config.engine} replicas) ...", file=sys.stderr)
         server = LocalServer(config, port=args.port).start()
     try:
-        result = run_load(workflow, args.url or server.url, load)  # type: ignore[union-attr]
+        workflows = ([workflow] if args.applications == 1
+                     else application_variants(workflow, args.applications, args.preamble_chars))
+        result = run_load(workflows, args.url or server.url, load)  # type: ignore[union-attr]
     finally:
         if server is not None:
             server.stop()

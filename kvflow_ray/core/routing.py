@@ -4,7 +4,9 @@ knows (where the agent's fixed prefix is cached, how loaded each replica is) and
 - affinity: a replica holding the prefix, device tier before host tier, unless its queue is longer
   than the least loaded replica's by more than `balance_threshold` requests;
 - balanced: the prefix is held, but its holders are overloaded: the cheapest replica instead;
-- cold: nobody holds the prefix: the cheapest replica.
+- cold: nobody holds the prefix: the workflow's home replica (where its previous agent ran, which
+  holds the context that agent produced and the prompt preamble agents of one application share)
+  while it is within the balance threshold, else the cheapest replica.
 "Cheapest" prices the queue ahead of the call and the prefix work it would need there: nothing on
 the device tier, a copy from the host tier, a full recompute elsewhere.
 """
@@ -39,9 +41,11 @@ class PrefixAffinityRouter:
         per_token = 0.0 if tier == "gpu" else self.host_token_cost if tier == "cpu" else self.miss_token_cost
         return load * self.queued_request_cost + prefix_tokens * per_token
 
-    def route(self, holders: Mapping[str, str], loads: Mapping[str, int], prefix_tokens: int) -> RouteDecision:
+    def route(self, holders: Mapping[str, str], loads: Mapping[str, int], prefix_tokens: int,
+              home: str | None = None) -> RouteDecision:
         """`holders`: replica -> tier holding the agent's fixed prefix; `loads`: queued + running
-        requests of every live replica (the candidates). Ties break by replica name (stable)."""
+        requests of every live replica (the candidates); `home`: where the workflow's previous
+        agent ran, if anywhere. Ties break by replica name (stable)."""
         if not loads:
             raise ValueError("no live replica to route to")
         live_holders = {r: t for r, t in holders.items() if r in loads}
@@ -50,6 +54,8 @@ class PrefixAffinityRouter:
             best = min(live_holders, key=lambda r: (TIER_RANK.get(live_holders[r], 2), loads[r], r))
             if loads[best] - least <= self.balance_threshold:
                 return RouteDecision(best, "affinity", live_holders[best])
+        elif home in loads and loads[home] - least <= self.balance_threshold:
+            return RouteDecision(home, "cold", None)
         cheapest = min(loads, key=lambda r: (self.cost(loads[r], live_holders.get(r), prefix_tokens), r))
         outcome = "balanced" if live_holders else "cold"
         if cheapest in live_holders:  # overloaded holders can still be the cheapest choice

@@ -81,6 +81,10 @@ class RouterCore:
         self._specs: dict[tuple[str, str], WorkflowSpec] = {}  # parsed templates, by (tenant, name)
         # tiers each replica holds each prefix in (a write-back briefly holds both); the store keeps the best
         self._held: dict[tuple[str, str], set[str]] = {}
+        # Write-through caches: the store is the source of truth (a restarted router reads it), but
+        # the hot path reads memory, so a decision costs one store write instead of three round trips.
+        self._clients: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}  # -> (written at, record)
+        self._locations: dict[str, dict[str, str]] = {}  # prefix hash -> {replica: best tier}
         self._outbox: dict[str, HintBatch] = {}  # replica -> hints not yet pulled
         self._told: set[tuple[str, str]] = set()  # (replica, workflow key) whose prompts were sent
 
@@ -95,6 +99,8 @@ class RouterCore:
         self._told = {told for told in self._told if told[0] != name}
         self.store.drop_replica(name)
         self._held = {key: tiers for key, tiers in self._held.items() if key[0] != name}
+        for holders in self._locations.values():
+            holders.pop(name, None)
 
     def cache_events(self, replica: str, events: Iterable[CacheEvent]) -> None:
         """Replica `replica` reports prefixes stored in / removed from a tier; the store keeps the best
@@ -106,8 +112,14 @@ class RouterCore:
             else:
                 tiers.discard(event.tier)
             best = "gpu" if "gpu" in tiers else "cpu" if "cpu" in tiers else None
+            holders = self._locations.setdefault(event.prefix_hash, {})
             if best is None:
                 del self._held[(replica, event.prefix_hash)]
+                holders.pop(replica, None)
+                if not holders:
+                    del self._locations[event.prefix_hash]
+            else:
+                holders[replica] = best
             self.store.set_location(event.prefix_hash, replica, best)
 
     # ------------------------------------------------------------------ templates
@@ -130,14 +142,29 @@ class RouterCore:
     def client_workflow(self, tenant: str, client_id: str) -> str:
         """The workflow a live client runs (for requests that name only the client and agent)."""
         check_name("client_id", client_id)
-        record = self.store.get_client(tenant, client_id)
+        record = self._get_client(tenant, client_id)
         if record is None:
             raise UnknownClientError(f"unknown client {client_id!r}: its first request must name the workflow")
         return str(record["workflow"])
 
     # ------------------------------------------------------------------ calls
+    def _get_client(self, tenant: str, client_id: str) -> dict[str, Any] | None:
+        cached = self._clients.get((tenant, client_id))
+        if cached is not None and time.monotonic() - cached[0] < self.store.ttl_s:
+            return cached[1]
+        record = self.store.get_client(tenant, client_id)  # a restart, or written by an earlier router
+        if record is not None:
+            self._remember_client(tenant, client_id, record)
+        return record
+
+    def _remember_client(self, tenant: str, client_id: str, record: dict[str, Any]) -> None:
+        if len(self._clients) >= 200_000:  # bounded: the oldest half goes; the store still has them
+            for key in sorted(self._clients, key=lambda k: self._clients[k][0])[:100_000]:
+                del self._clients[key]
+        self._clients[(tenant, client_id)] = (time.monotonic(), record)
+
     def _load_client(self, tenant: str, client_id: str) -> tuple[WorkflowSpec, WorkflowState, dict[str, Any]]:
-        record = self.store.get_client(tenant, client_id)
+        record = self._get_client(tenant, client_id)
         if record is None:
             raise UnknownClientError(f"unknown client {client_id!r}: start it with a request that names its workflow")
         spec = self.template(tenant, record["workflow"])
@@ -148,13 +175,14 @@ class RouterCore:
         record["workflow"] = spec.name
         record["state"] = state.to_dict()
         self.store.put_client(tenant, client_id, record)
+        self._remember_client(tenant, client_id, record)
 
     def start_call(self, tenant: str, client_id: str, agent: str, *, workflow: str | None = None,
                    prefix_hash: str | None = None, prefix_tokens: int = 0) -> Route:
         """An agent call arrives: update the client's state, pick a replica, compute the hints."""
         started = time.perf_counter()
         check_name("client_id", client_id)
-        record = self.store.get_client(tenant, client_id)
+        record = self._get_client(tenant, client_id)
         if record is None or (workflow is not None and record["workflow"] != workflow):
             if workflow is None:
                 raise UnknownClientError(f"unknown client {client_id!r}: its first request must name the workflow")
@@ -173,9 +201,10 @@ class RouterCore:
         state.start(agent)
         if not self.loads:
             raise RuntimeError("no live replica to route to")
-        holders = self.store.locations(prefix_hash) if prefix_hash else {}
-        decision = self.policy.route(holders, self.loads, prefix_tokens)
+        holders = self._holders(prefix_hash) if prefix_hash else {}
+        decision = self.policy.route(holders, self.loads, prefix_tokens, home=record.get("home"))
         record["placement"][agent] = decision.replica
+        record["home"] = decision.replica
         self._save_client(tenant, client_id, spec, state, record)
         self.loads[decision.replica] += 1
         self.decisions[decision.outcome] += 1
@@ -199,6 +228,7 @@ class RouterCore:
     def finish_client(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:
         """`POST /v1/clients/{id}/finish`: the workflow instance is over; its prompts are retired."""
         check_name("client_id", client_id)
+        self._clients.pop((tenant, client_id), None)
         if not self.store.delete_client(tenant, client_id):
             raise UnknownClientError(f"unknown client {client_id!r}")
         key = workflow_key(tenant, client_id)
@@ -224,6 +254,14 @@ class RouterCore:
         return Counter(tenant for tenant, _client, _state in self.store.clients())
 
     # ------------------------------------------------------------------ helpers
+    def _holders(self, prefix_hash: str) -> dict[str, str]:
+        holders = self._locations.get(prefix_hash)
+        if holders is None:  # not heard of since this router started: what the store remembers
+            holders = self.store.locations(prefix_hash)
+            if holders:
+                self._locations[prefix_hash] = holders
+        return holders
+
     def _hints(self, key: str, state: WorkflowState, spec: WorkflowSpec) -> list[tuple[str, Hints]]:
         # Every replica may hold some of this client's prefixes (shared templates), so every live
         # replica gets the new steps; hints are a few numbers per agent. A replica learns the

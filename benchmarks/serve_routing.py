@@ -1,0 +1,194 @@
+"""Workflow-aware routing vs Ray Serve's default routing, same load, one run; and the router's
+decision latency with 1,000 concurrent clients.
+
+Part 1 (end to end): local Ray, 2 CPU-engine replicas (kvflow cache policy in both runs), the same
+multi-application PEER load through the OpenAI SDK (`kvflow-ray run`'s load generator), first with
+the workflow router's choice honoured (`routing=workflow`), then with Serve's default
+power-of-two-choices router (`routing=default`). Each application has its own prompt preamble, so
+where an agent runs decides whether its prompt is already cached there.
+
+Part 2 (router only): the WorkflowRouter actor with 1,000 live clients (PEER, 2 replicas), all
+calling start_call / end_call concurrently; reports the decision time inside the router and the
+round trip seen by a caller, p50 / p99, with the embedded store and with Redis (when
+redis-server is installed).
+
+Writes benchmarks/results/serve_routing.json.
+    python benchmarks/serve_routing.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "serve_routing.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def routing_comparison(args: argparse.Namespace) -> dict[str, Any]:
+    from kvflow_ray.client import Workflow
+    from kvflow_ray.client.loadgen import LoadConfig, application_variants, run_load, summarise
+    from kvflow_ray.serve.app import LocalServer
+    from kvflow_ray.serve.config import AppConfig
+
+    peer = Workflow.from_yaml(ROOT / "workflows" / "peer.yaml")
+    apps = application_variants(peer, args.applications, args.preamble_chars)
+    load = LoadConfig(clients=args.clients, iterations=args.iterations, max_tokens=args.max_tokens,
+                      task_chars=args.task_chars)
+    base = AppConfig(replicas=2, threads=1)
+    out: dict[str, Any] = {"setup": {"replicas": 2, "engine": "cpu", "policy": base.policy,
+                                     "device_kv_tokens": base.device_kv_tokens, "workflow": "peer",
+                                     "applications": args.applications, "preamble_chars": args.preamble_chars,
+                                     "clients": args.clients, "iterations": args.iterations,
+                                     "max_tokens": args.max_tokens}, "results": {}}
+    server = LocalServer(base, port=free_port(), num_cpus=2)
+    try:
+        server.start()
+        for routing in ("workflow", "default"):
+            server.deploy(AppConfig(**{**base.to_dict(), "routing": routing}))
+            server.wait_ready()
+            print(f"routing={routing}", file=sys.stderr)
+            result = run_load(apps, server.url, load)
+            summary = summarise(result, apps[0], load)
+            summary["workflow"] = "peer"
+            out["results"][routing] = summary
+    finally:
+        server.stop()
+    w, d = out["results"]["workflow"], out["results"]["default"]
+    out["ratios"] = {
+        "gpu_hit_ratio": round(w["gpu_hit_ratio"] / d["gpu_hit_ratio"], 3) if d["gpu_hit_ratio"] else None,
+        "p50_latency_speedup": round(d["latency_s"]["p50"] / w["latency_s"]["p50"], 3),
+        "p99_latency_speedup": round(d["latency_s"]["p99"] / w["latency_s"]["p99"], 3),
+        "mean_latency_speedup": round(d["latency_s"]["mean"] / w["latency_s"]["mean"], 3),
+    }
+    return out
+
+
+async def _decisions(router: Any, clients: int, iterations: int, think_s: float, tag: str) -> list[float]:
+    """Every client loops over PEER; between its calls it 'runs the agent' for ~think_s (uniform
+    0.5-1.5x), so the router sees the arrival pattern of real agent calls (0: back to back)."""
+    import random
+
+    order = ["planner", "executor", "expresser", "reviewer"]
+    trips: list[float] = []
+
+    async def one(i: int) -> None:
+        cid = f"{tag}{i}"
+        rng = random.Random(i)
+        await asyncio.sleep(rng.uniform(0, think_s))  # clients do not start in lockstep
+        for _ in range(iterations):
+            for agent in order:
+                started = time.perf_counter()
+                route = await router.start_call.remote("bench", cid, agent, workflow="peer",
+                                                       prefix_hash=f"h{agent}", prefix_tokens=400)
+                trips.append(time.perf_counter() - started)
+                if think_s:
+                    await asyncio.sleep(rng.uniform(0.5 * think_s, 1.5 * think_s))
+                await router.end_call.remote("bench", cid, agent, route["replica"])
+
+    async def heartbeats() -> None:  # the replicas' reports (stand-ins here), or the router forgets them
+        while True:
+            await asyncio.gather(router.report.remote("r1"), router.report.remote("r2"))
+            await asyncio.sleep(1.0)
+
+    beating = asyncio.ensure_future(heartbeats())
+    await asyncio.gather(*(one(i) for i in range(clients)))
+    beating.cancel()
+    return trips
+
+
+def decision_latency(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    from kvflow_ray.client.loadgen import percentile
+    from kvflow_ray.core.graph import load_spec
+    from kvflow_ray.serve.router_actor import WorkflowRouterActor
+
+    spec = load_spec(ROOT / "workflows" / "peer.yaml").to_dict()
+    stores: dict[str, str | None] = {"embedded": None}
+    redis_proc = None
+    if shutil.which("redis-server"):
+        port = free_port()
+        redis_proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                       "--appendonly", "no", "--dir", tempfile.mkdtemp()],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        time.sleep(0.5)
+        stores["redis"] = f"redis://127.0.0.1:{port}/0"
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    out: dict[str, Any] = {"clients": args.router_clients, "calls_per_client": 4 * args.router_iterations}
+    try:
+        for name, url in stores.items():
+            router = WorkflowRouterActor.remote(url)
+            ray.get([router.add_replica.remote("r1"), router.add_replica.remote("r2")])
+            ray.get(router.put_template.remote("bench", spec))
+            for agent, replica in (("planner", "r1"), ("executor", "r2"), ("expresser", "r1"), ("reviewer", "r2")):
+                ray.get(router.cache_events.remote(replica, [("stored", "gpu", f"h{agent}", 400)]))
+            out[name] = {}
+            for mode, think in (("paced", args.think_s), ("saturated", 0.0)):
+                print(f"router decisions, {name} store, {args.router_clients} clients, {mode}", file=sys.stderr)
+                started = time.perf_counter()
+                trips = asyncio.run(_decisions(router, args.router_clients, args.router_iterations, think, mode))
+                wall = time.perf_counter() - started
+                inside = ray.get(router.decision_latencies.remote())[-len(trips):]
+                out[name][mode] = {
+                    "think_s": think, "decisions": len(trips), "decisions_per_s": round(len(trips) / wall, 1),
+                    "decision_ms": {"p50": round(1e3 * percentile(inside, 50), 4),
+                                    "p99": round(1e3 * percentile(inside, 99), 4)},
+                    "round_trip_ms": {"p50": round(1e3 * percentile(trips, 50), 3),
+                                      "p99": round(1e3 * percentile(trips, 99), 3)}}
+            ray.kill(router)
+    finally:
+        ray.shutdown()
+        if redis_proc is not None:
+            redis_proc.terminate()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small load (smoke test)")
+    parser.add_argument("--applications", type=int, default=6)
+    parser.add_argument("--clients", type=int, default=12)
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--task-chars", type=int, default=200)
+    parser.add_argument("--preamble-chars", type=int, default=1600)
+    parser.add_argument("--router-clients", type=int, default=1000)
+    parser.add_argument("--router-iterations", type=int, default=2)
+    parser.add_argument("--think-s", type=float, default=2.0,
+                        help="mean time a client's agent runs between its router calls (paced run)")
+    parser.add_argument("--skip-e2e", action="store_true", help="only the router decision latency")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.quick:
+        args.applications, args.clients, args.iterations, args.router_clients = 2, 2, 2, 50
+    report: dict[str, Any] = {}
+    if not args.skip_e2e:
+        report["routing"] = routing_comparison(args)
+    report["router_decision_latency"] = decision_latency(args)
+    print(json.dumps(report, indent=2))
+    if not args.quick:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
