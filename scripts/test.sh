@@ -18,7 +18,7 @@ if [ -n "$MISSING" ]; then
 fi
 
 echo "== ruff"
-python3 -m ruff check kvflow_ray tests benchmarks
+python3 -m ruff check kvflow_ray tests benchmarks workflows
 
 echo "== pytest"
 python3 -m pytest -q "$@"

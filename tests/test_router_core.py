@@ -130,3 +130,36 @@ def test_bad_input(router: RouterCore) -> None:
         router.start_call("acme", "bad id", "planner", workflow="peer")
     with pytest.raises(SpecError, match="agents"):
         router.put_template("acme", {"name": "empty", "agents": {}})
+
+
+def test_hints_wait_in_an_outbox_per_replica_with_prompts_sent_once(router: RouterCore) -> None:
+    router.start_call("acme", "c1", "planner", workflow="peer")
+    for replica in ("r1", "r2"):
+        batch = router.take_hints(replica)
+        assert batch is not None and batch.steps["acme/c1"]["planner"] == 0
+        assert batch.prompts == {"acme/c1": {"planner": "You are the Planner."}}  # only agents with a prompt
+        assert router.take_hints(replica) is None  # taken
+    router.end_call("acme", "c1", "planner", "r1")
+    router.start_call("acme", "c1", "executor")
+    batch = router.take_hints("r1")
+    assert batch is not None and batch.steps["acme/c1"]["executor"] == 0 and not batch.prompts  # told already
+    router.finish_client("acme", "c1")
+    batch = router.take_hints("r2")
+    assert batch is not None and batch.retire == ["acme/c1"] and "acme/c1" not in batch.steps
+    router.remove_replica("r1")
+    assert router.take_hints("r1") is None and router.pending_hints() == []
+
+
+def test_a_cold_agent_goes_to_its_workflows_home_replica(router: RouterCore) -> None:
+    first = router.start_call("acme", "c1", "planner", workflow="peer", prefix_hash="p", prefix_tokens=100)
+    router.end_call("acme", "c1", "planner", first.replica)
+    other = "r2" if first.replica == "r1" else "r1"
+    router.loads[first.replica] += 1  # slightly busier, within the balance threshold: still home
+    route = router.start_call("acme", "c1", "executor", prefix_hash="e", prefix_tokens=100)
+    assert (route.replica, route.outcome) == (first.replica, "cold")
+    assert router.client_workflow("acme", "c1") == "peer"
+    with pytest.raises(UnknownClientError):
+        router.client_workflow("beta", "c1")
+    router.loads[first.replica] += 10  # far busier than the other replica: the cheapest one instead
+    router.end_call("acme", "c1", "executor", route.replica)
+    assert router.start_call("acme", "c1", "expresser", prefix_hash="x", prefix_tokens=100).replica == other

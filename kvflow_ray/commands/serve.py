@@ -102,3 +102,4 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.stop()
     return 0
+

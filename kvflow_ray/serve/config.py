@@ -9,13 +9,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-ENGINES = ("cpu", "sim", "sglang")
+ENGINES = ("cpu", "sglang")
 ROUTINGS = ("workflow", "default")
 
 
 @dataclass
 class AppConfig:
-    engine: str = "cpu"  # cpu (embedded default) | sim | sglang (its own issue)
+    engine: str = "cpu"  # cpu (the embedded default) | sglang (arrives with the SGLang plugin)
     replicas: int = 2
     redis: str | None = None  # redis://host:port/db; None = the embedded in-process store
     routing: str = "workflow"  # workflow: honour the router's choice; default: Ray Serve's own router
@@ -36,11 +36,14 @@ class AppConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.engine == "sim":
+            raise ValueError("engine 'sim' does not serve requests: the simulator runs whole scenarios offline "
+                             "(kvflow-ray sim); serve with engine cpu")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.engine == "sglang":
             raise ValueError("engine 'sglang' is not available yet (it arrives with the SGLang plugin); "
-                             "use cpu or sim")
+                             "use cpu")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.replicas < 1:

@@ -47,10 +47,6 @@ def make_engine(config: AppConfig) -> Any:
             link_gbps=config.link_gbps, max_running=config.max_running, horizon=config.horizon,
             threads=config.engine_threads())
         return CpuEngine(engine_config).start()
-    if config.engine == "sim":
-        from kvflow_ray.engines.sim.engine import SimEngine
-
-        return SimEngine.from_app_config(config).start()
     raise ValueError(f"engine {config.engine!r} cannot run in an EngineReplica yet")
 
 

@@ -1,0 +1,116 @@
+"""The serving layer's pure parts, without Ray: app config (and that deploy/serve-cpu.yaml deploys what
+`kvflow-ray serve` deploys), the CLI's argument errors, merged metrics, the chat-prefix tokens an
+engine keeps for an agent, and the load generator's walk of each example workflow."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvflow_ray.cli import main
+from kvflow_ray.client import Workflow
+from kvflow_ray.client.loadgen import _calls_per_iteration, application_variants, percentile
+from kvflow_ray.commands import serve as serve_command
+from kvflow_ray.engines.base import GenerateResult
+from kvflow_ray.engines.cpu.tokenizer import ByteTokenizer
+from kvflow_ray.serve.config import AppConfig
+from kvflow_ray.serve.metrics import ReplicaMetrics, RouterMetrics, merge_expositions
+from kvflow_ray.serve.openai_api import agent_prefix, fixed_boundary
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _serve_config(*argv: str) -> AppConfig:
+    parser = argparse.ArgumentParser()
+    serve_command.add_arguments(parser)
+    return serve_command.app_config(parser.parse_args(list(argv)))
+
+
+def test_app_config_rejects_what_it_cannot_run() -> None:
+    with pytest.raises(ValueError, match="unknown app config keys \\['replica'\\]"):
+        AppConfig.from_dict({"replica": 3})
+    with pytest.raises(ValueError, match="kvflow-ray sim"):
+        AppConfig(engine="sim")
+    with pytest.raises(ValueError, match="SGLang plugin"):
+        AppConfig(engine="sglang")
+    with pytest.raises(ValueError, match="routing"):
+        AppConfig(routing="random")
+    with pytest.raises(ValueError, match="replicas"):
+        AppConfig(replicas=0)
+    with pytest.raises(ValueError, match="api_keys"):
+        AppConfig(api_keys={"": "acme"})
+
+
+def test_tenants_come_from_api_keys() -> None:
+    assert AppConfig().tenant_for(None) == "default"  # no keys configured: one open tenant
+    keyed = AppConfig(api_keys={"k1": "acme"})
+    assert keyed.tenant_for("k1") == "acme"
+    assert keyed.tenant_for("k2") is None and keyed.tenant_for(None) is None
+
+
+def test_the_deploy_file_deploys_what_kvflow_ray_serve_deploys() -> None:
+    serve_file = yaml.safe_load((ROOT / "deploy" / "serve-cpu.yaml").read_text())
+    app = serve_file["applications"][0]
+    assert app["import_path"] == "kvflow_ray.serve.app:build_app"
+    assert AppConfig.from_dict(app["args"]) == _serve_config()
+    from_file = _serve_config("--config", str(ROOT / "deploy" / "serve-cpu.yaml"), "--replicas", "3")
+    assert from_file.replicas == 3 and from_file.policy == "kvflow"  # flags override the file
+
+
+def test_cli_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--api-key", "no-tenant"]) == 2
+    assert "KEY=TENANT" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nagents: {a: {after: [ghost]}}\n")
+    assert main(["run", str(bad)]) == 2
+    assert "ghost" in capsys.readouterr().err
+    assert main(["run", str(ROOT / "workflows" / "peer.yaml"), "--clients", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err
+
+
+def test_merged_metrics_keep_one_header_per_family_and_every_replica() -> None:
+    a, b, router = ReplicaMetrics("a"), ReplicaMetrics("b"), RouterMetrics()
+    result = GenerateResult([1], "x", 10, 6, 2, 2, 0.01, 0.02, 0.03, "length")
+    a.observe_result(result)
+    b.observe_result(result)
+    router.observe_decision("affinity", 0.0001, "acme", deviation=False)
+    text = merge_expositions([router.exposition(), a.exposition(), b.exposition()]).decode()
+    assert text.count("# TYPE kvflow_prompt_tokens_total counter") == 1
+    assert "_created" not in text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("kvflow_prompt_tokens_total", (("replica", "a"), ("tier", "gpu")))] == 6
+    assert samples[("kvflow_prompt_tokens_total", (("replica", "b"), ("tier", "cpu")))] == 2
+    assert samples[("kvflow_router_decisions_total", (("outcome", "affinity"),))] == 1
+
+
+def test_agent_prefix_is_where_a_chat_request_of_the_agent_crosses_its_boundary() -> None:
+    tok = ByteTokenizer()
+    prompt = "You are the Planner. Plan in numbered steps."
+    prefix = agent_prefix(tok.apply_chat_template, tok.encode, prompt)
+    messages = [{"role": "system", "content": prompt}, {"role": "user", "content": "What changed?"}]
+    full = tok.encode(tok.apply_chat_template(messages))
+    assert fixed_boundary(tok.apply_chat_template, tok.encode, messages, prompt) == len(prefix)
+    assert full[:len(prefix)] == prefix and tok.decode(prefix).endswith(prompt)
+
+
+@pytest.mark.parametrize(("name", "calls"), [("peer", 4), ("software_team", 4), ("triage_branch", None),
+                                             ("microbench10", 10)])
+def test_the_load_generator_walks_each_example_workflow(name: str, calls: int | None) -> None:
+    workflow = Workflow.from_yaml(ROOT / "workflows" / f"{name}.yaml")
+    n = _calls_per_iteration(workflow)
+    assert n == (calls if calls is not None else n) and 1 <= n <= len(workflow.spec.agents)
+    apps = application_variants(workflow, 3, preamble_chars=200)
+    assert len({a.name for a in apps}) == 3
+    prompts = [a.spec.agents[workflow.spec.entry or sorted(workflow.spec.start_agents())[0]].prompt for a in apps]
+    assert len(set(prompts)) == 3 and all(p and len(p) > 200 for p in prompts)
+    assert all(a.spec.agents.keys() == workflow.spec.agents.keys() for a in apps)
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50 and percentile(values, 99) == 99 and percentile(values, 100) == 100
