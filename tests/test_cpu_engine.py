@@ -584,3 +584,31 @@ def test_cli_bench_cpu() -> None:
     stdout, stderr, rc = out["no pool"]
     assert rc == 2 and stdout == ""
     assert "device_kv_tokens must be positive" in stderr and "Traceback" not in stderr
+
+
+def test_a_prompt_diverging_inside_a_node_in_flight_keeps_its_uncached_tail(model: CpuModel,
+                                                                           reference: Reference) -> None:
+    """C shares the first 60 tokens of a 100-token prompt whose node is being loaded back (a node in flight
+    is never split), so the tree takes none of C's prompt at commit. C's own KV for that tail must stay its
+    own (not freed, still in its context and in the books) until C finishes. Found under load in the
+    serving benchmark, where the engine freed the tail and failed the request."""
+    fixed = _tokens(100, 50)
+    slow = CpuEngineConfig(policy="kvflow", device_kv_tokens=300, host_kv_tokens=2_000, link_gbps=0.005)
+    with CpuEngine(slow, model=model) as engine:
+        engine.generate(GenerateRequest(tokens=fixed + _tokens(5, 51), max_tokens=2, ignore_eos=True,
+                                        workflow="wf", agent="a", fixed_prefix_tokens=100))
+        _ok, writebacks = engine.cache.make_room(engine.cache.gpu_capacity)  # everything to the host
+        engine.write_back(writebacks)
+        _drain(engine)
+        assert engine.cache.tree.gpu_tokens == 0
+        engine.apply_hints(Hints(prompts={("wf", "a"): fixed}, steps={"wf": {"a": 1}}))  # prefetch: LOADING
+        engine.step()
+        assert engine._copies_inflight == 1
+        c_tokens = fixed[:60] + _tokens(40, 53)
+        c = engine.submit(GenerateRequest(tokens=c_tokens, max_tokens=8, ignore_eos=True))
+        _drain(engine)
+        assert c.error is None, repr(c.error)
+        assert c.result is not None and c.result.tokens == reference(c_tokens, 8)
+        assert c.result.miss_tokens == 100  # it could use nothing of the node in flight
+        _check_pool_contents(engine, model)
+        assert engine.cache.private_tokens == 0

@@ -77,13 +77,18 @@ class TieredCache:
         return m
 
     def commit(self, tokens: Sequence[int], private_tokens: int, gpu_value: object = None,
-               adopted: list[tuple[int, int]] | None = None) -> list[RadixNode]:
+               adopted: list[tuple[int, int]] | None = None, keep_uncovered: bool = False) -> list[RadixNode]:
         """Hand a request's freshly computed KV to the tree: `private_tokens` of its private
         allocation covered `tokens` past what it matched; KV someone else inserted meanwhile is freed
-        (`adopted` receives the ranges of `tokens` the tree took, see `RadixTree.insert`)."""
+        (`adopted` receives the ranges of `tokens` the tree took, see `RadixTree.insert`).
+
+        The tree may cover less than `tokens`: a sequence that diverges inside a node with a copy in
+        flight cannot split it. With `keep_uncovered` (a prompt whose request goes on decoding), the
+        uncovered tail stays allocated to the request; otherwise it is released with the rest."""
         path, new = self.tree.insert(tokens, gpu_value, adopted)
-        assert new <= private_tokens, (new, private_tokens)
-        self.release(private_tokens)
+        uncovered = min(private_tokens, len(tokens) - sum(len(node.key) for node in path)) if keep_uncovered else 0
+        assert new <= private_tokens - uncovered, (new, private_tokens, uncovered)
+        self.release(private_tokens - uncovered)
         self._keep_pending(path)
         # keep used accounting: the tree now owns `new` tokens that were private
         return path

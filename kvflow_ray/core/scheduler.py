@@ -68,6 +68,9 @@ class CacheRequest:
     matched: int = 0  # prefix tokens served from the cache (either tier)
     private: int = 0  # device tokens allocated to it outside the tree
     prefill_pos: int = 0  # prompt tokens whose KV exists (cached or computed)
+    # prompt tokens the tree holds once the prompt is committed (all of them, unless the prompt diverges
+    # inside a node with a copy in flight, which cannot be split: the rest stays private to the request)
+    committed: int = 0
     decoded: int = 0  # output tokens produced
     # outcome
     gpu_hit: int = 0
@@ -360,8 +363,9 @@ class ReplicaScheduler:
         if req.prefilling:
             return False
         computed = len(req.tokens) - min(req.matched, len(req.tokens) - 1)
-        path = self.cache.commit(req.tokens, computed, gpu_value, adopted)
-        req.private -= computed
+        path = self.cache.commit(req.tokens, computed, gpu_value, adopted, keep_uncovered=True)
+        req.committed = sum(len(node.key) for node in path)
+        req.private -= computed - min(computed, len(req.tokens) - req.committed)
         if req.fixed_len and req.workflow is not None and req.agent is not None:
             self.cache.tree.tag_prefix(req.tokens[:req.fixed_len], (req.workflow, req.agent))
         self.cache.tree.lock(path[-1] if path else None)

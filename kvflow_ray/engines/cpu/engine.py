@@ -411,9 +411,12 @@ class CpuEngine:
         req.first_token_at = time.perf_counter()
         finished = self.scheduler.prefill_done(req, n, req.ctx[:prompt_len], adopted)
         assert req.own is not None
-        self._free_unadopted(req.own[:prompt_len - req.base], req.base, adopted)
-        self._stored_events(req.locked, prompt_len, adopted)
-        req.ctx = torch.cat([self._path_slots(req.locked), req.own[prompt_len - req.base:]])
+        # positions the tree now covers: freed where it already had them; the rest (an uncovered tail,
+        # see TieredCache.commit) stays in the request's own slots until it finishes
+        covered = req.committed
+        self._free_unadopted(req.own[:covered - req.base], req.base, adopted)
+        self._stored_events(req.locked, covered, adopted)
+        req.ctx = torch.cat([self._path_slots(req.locked), req.own[covered - req.base:]])
         assert len(req.ctx) == prompt_len + req.max_new, (len(req.ctx), prompt_len, req.max_new)
         if self._emit(req, token) or finished:
             self._finish(req)
@@ -449,7 +452,7 @@ class CpuEngine:
         sequence = req.tokens + tuple(req.out[:-1])  # the last token was sampled, never fed: no KV
         adopted: list[tuple[int, int]] = []
         self.scheduler.finish(req, sequence, req.ctx[:len(sequence)], adopted)
-        self._free_unadopted(req.own[prompt_len - req.base:], prompt_len, adopted)
+        self._free_unadopted(req.own[req.committed - req.base:], req.committed, adopted)
         req.ctx = req.own = None
         now = time.perf_counter()
         req.result = GenerateResult(
@@ -487,7 +490,7 @@ class CpuEngine:
     def _release(self, req: CpuRequest) -> None:
         if req.own is not None and req in self.scheduler.running:
             # before its prompt was committed every own slot is private; after, only the output's
-            self.device.free(req.own if req.prefilling else req.own[len(req.tokens) - req.base:])
+            self.device.free(req.own if req.prefilling else req.own[req.committed - req.base:])
         self.scheduler.cancel(req)
         req.ctx = req.own = None
 
