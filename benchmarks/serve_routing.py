@@ -175,6 +175,7 @@ def main() -> int:
     parser.add_argument("--think-s", type=float, default=2.0,
                         help="mean time a client's agent runs between its router calls (paced run)")
     parser.add_argument("--skip-e2e", action="store_true", help="only the router decision latency")
+    parser.add_argument("--skip-router", action="store_true", help="only the end-to-end routing comparison")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.quick:
@@ -182,7 +183,8 @@ def main() -> int:
     report: dict[str, Any] = {}
     if not args.skip_e2e:
         report["routing"] = routing_comparison(args)
-    report["router_decision_latency"] = decision_latency(args)
+    if not args.skip_router:
+        report["router_decision_latency"] = decision_latency(args)
     print(json.dumps(report, indent=2))
     if not args.quick:
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,9 @@ class AppConfig:
     replicas: int = 2
     redis: str | None = None  # redis://host:port/db; None = the embedded in-process store
     routing: str = "workflow"  # workflow: honour the router's choice; default: Ray Serve's own router
+    # a prefix holder keeps the call while its queue is at most this many requests longer than the
+    # least loaded replica's; low for slow engines (a queued request costs seconds on a CPU engine)
+    balance_threshold: int = 2
     api_keys: dict[str, str] = field(default_factory=dict)  # bearer key -> tenant; empty = one "default" tenant
     state_ttl_s: float = 3600.0  # idle workflow state expires after this long
     max_ongoing_requests: int = 64  # per engine replica (the engine batches up to its max_running)

@@ -72,7 +72,8 @@ class Ingress:
     def __init__(self, engine: Any, config: dict[str, Any]) -> None:
         self.config = AppConfig.from_dict(config)
         self.engine = engine
-        self.router = get_router(self.config.redis)
+        self.router = get_router(self.config.redis, ttl_s=self.config.state_ttl_s,
+                                 balance_threshold=self.config.balance_threshold)
         self.tokenizer = load_tokenizer(self.config.model_path)
         self.model_name = self.config.model_path or "kvflow-cpu-random"
         self.max_context = 4096 if self.config.model_path is None else 1 << 30  # the engine checks its own

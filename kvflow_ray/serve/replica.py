@@ -59,7 +59,8 @@ class EngineReplica:
         self.engine = make_engine(self.config)
         self.tokenizer = self.engine.tokenizer
         self.metrics = ReplicaMetrics(self.name)
-        self.router = get_router(self.config.redis)
+        self.router = get_router(self.config.redis, ttl_s=self.config.state_ttl_s,
+                                 balance_threshold=self.config.balance_threshold)
         self._prefix_cache: dict[str, tuple[int, ...]] = {}  # agent prompt text -> its token ids
         self._stop = threading.Event()
         self._events_lock = threading.Lock()  # one drain of the engine's events at a time, in order

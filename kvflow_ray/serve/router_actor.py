@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 
+from kvflow_ray.core.routing import PrefixAffinityRouter
 from kvflow_ray.engines.base import CacheEvent, Hints
 from kvflow_ray.serve.metrics import RouterMetrics, merge_expositions
 from kvflow_ray.serve.router_core import RouterCore
@@ -39,9 +40,9 @@ def _hints(pairs: list[tuple[str, Hints]]) -> list[tuple[str, dict[str, Any]]]:
 
 @ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0, max_concurrency=10_000)
 class WorkflowRouterActor:
-    def __init__(self, store_url: str | None = None, ttl_s: float = 3600.0) -> None:
+    def __init__(self, store_url: str | None = None, ttl_s: float = 3600.0, balance_threshold: int = 2) -> None:
         self.instance = uuid.uuid4().hex  # changes on every (re)start
-        self.core = RouterCore(open_store(store_url, ttl_s))
+        self.core = RouterCore(open_store(store_url, ttl_s), PrefixAffinityRouter(balance_threshold=balance_threshold))
         self.metrics = RouterMetrics()
         self.expositions: dict[str, bytes] = {}  # replica -> its latest metrics
         self._wakeups: dict[str, asyncio.Event] = {}
@@ -156,12 +157,14 @@ class WorkflowRouterActor:
             self.expositions.pop(name, None)
 
 
-def get_router(store_url: str | None = None, *, create: bool = True) -> Any:
-    """The deployment's router actor, created on first use (named, so every process finds the same one)."""
+def get_router(store_url: str | None = None, *, create: bool = True, ttl_s: float = 3600.0,
+               balance_threshold: int = 2) -> Any:
+    """The deployment's router actor, created on first use (named, so every process finds the same
+    one; the first creator's settings win)."""
     if not create:
         return ray.get_actor(ROUTER_NAME, namespace=ROUTER_NAMESPACE)
     return WorkflowRouterActor.options(name=ROUTER_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True,
-                                       lifetime="detached").remote(store_url)
+                                       lifetime="detached").remote(store_url, ttl_s, balance_threshold)
 
 
 def stop_router() -> None:

@@ -205,6 +205,11 @@ class RouterCore:
         decision = self.policy.route(holders, self.loads, prefix_tokens, home=record.get("home"))
         record["placement"][agent] = decision.replica
         record["home"] = decision.replica
+        if prefix_hash and decision.tier is None:
+            # The chosen replica will hold the prefix once this call's prefill runs: say so now, so
+            # calls for the same prefix that arrive before its cache event follow it there instead
+            # of computing a second copy elsewhere. (Memory only: the store keeps what replicas report.)
+            self._locations.setdefault(prefix_hash, {})[decision.replica] = "gpu"
         self._save_client(tenant, client_id, spec, state, record)
         self.loads[decision.replica] += 1
         self.decisions[decision.outcome] += 1
