@@ -1,19 +1,22 @@
 """Workflow-aware routing vs Ray Serve's default routing, same load, one run; and the router's
 decision latency with 1,000 concurrent clients.
 
-Part 1 (end to end): local Ray, 2 CPU-engine replicas (kvflow cache policy in both runs), the same
-multi-application PEER load through the OpenAI SDK (`kvflow-ray run`'s load generator), first with
-the workflow router's choice honoured (`routing=workflow`), then with Serve's default
-power-of-two-choices router (`routing=default`). Each application has its own prompt preamble, so
-where an agent runs decides whether its prompt is already cached there.
+Part 1 (end to end): local Ray, 2 CPU-engine replicas, the same multi-application PEER load
+through the OpenAI SDK (`kvflow-ray run`'s load generator), first with the workflow router's choice
+honoured (`routing=workflow`), then with Serve's default power-of-two-choices router
+(`routing=default`); under the kvflow cache policy (host tier, prefetch) and under lru (device
+only, like an engine without a host tier). Each application has its own prompt preamble, so where
+an agent runs decides whether its prompt is already cached there.
 
 Part 2 (router only): the WorkflowRouter actor with 1,000 live clients (PEER, 2 replicas), all
 calling start_call / end_call concurrently; reports the decision time inside the router and the
 round trip seen by a caller, p50 / p99, with the embedded store and with Redis (when
 redis-server is installed).
 
-Writes benchmarks/results/serve_routing.json.
+Writes benchmarks/results/serve_routing.json (serve_routing_sim.json with --engine sim: the same
+comparison on simulated A10G replicas, where compute is a GPU profile's, not this machine's CPU).
     python benchmarks/serve_routing.py [--quick]
+    python benchmarks/serve_routing.py --engine sim --applications 16 --clients 32 --skip-router
 """
 
 from __future__ import annotations
@@ -41,6 +44,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def device_kv_tokens(config: Any) -> int:
+    """The device pool each replica ends up with (the engine's default unless the config sets one)."""
+    if config.device_kv_tokens is not None:
+        return int(config.device_kv_tokens)
+    if config.engine == "sim":
+        from kvflow_ray.engines.sim.profile import load_profile
+
+        return load_profile(config.profile).gpu_kv_tokens
+    from kvflow_ray.engines.cpu.config import CpuEngineConfig
+
+    return CpuEngineConfig().device_kv_tokens
+
+
 def routing_comparison(args: argparse.Namespace) -> dict[str, Any]:
     from kvflow_ray.client import Workflow
     from kvflow_ray.client.loadgen import LoadConfig, application_variants, run_load, summarise
@@ -51,32 +67,39 @@ def routing_comparison(args: argparse.Namespace) -> dict[str, Any]:
     apps = application_variants(peer, args.applications, args.preamble_chars)
     load = LoadConfig(clients=args.clients, iterations=args.iterations, max_tokens=args.max_tokens,
                       task_chars=args.task_chars)
-    base = AppConfig(replicas=2, threads=1)
-    out: dict[str, Any] = {"setup": {"replicas": 2, "engine": "cpu", "policy": base.policy,
-                                     "device_kv_tokens": base.device_kv_tokens, "workflow": "peer",
+    if args.engine == "sim":  # simulated GPUs: compute costs no CPU here, so more replicas fit
+        base = AppConfig(engine="sim", replicas=args.replicas, profile=args.profile, time_scale=args.time_scale)
+    else:
+        base = AppConfig(replicas=args.replicas, threads=1)
+    out: dict[str, Any] = {"setup": {"replicas": base.replicas, "engine": base.engine, "model": base.model_name(),
+                                     "time_scale": base.time_scale if base.engine == "sim" else None,
+                                     "device_kv_tokens": device_kv_tokens(base), "workflow": "peer",
                                      "applications": args.applications, "preamble_chars": args.preamble_chars,
                                      "clients": args.clients, "iterations": args.iterations,
-                                     "max_tokens": args.max_tokens}, "results": {}}
+                                     "max_tokens": args.max_tokens, "task_chars": args.task_chars},
+                           "results": {}, "ratios": {}}
     server = LocalServer(base, port=free_port(), num_cpus=2)
     try:
         server.start()
-        for routing in ("workflow", "default"):
-            server.deploy(AppConfig(**{**base.to_dict(), "routing": routing}))
-            server.wait_ready()
-            print(f"routing={routing}", file=sys.stderr)
-            result = run_load(apps, server.url, load)
-            summary = summarise(result, apps[0], load)
-            summary["workflow"] = "peer"
-            out["results"][routing] = summary
+        for policy in args.policies.split(","):
+            out["results"][policy] = {}
+            for routing in ("workflow", "default"):
+                server.deploy(AppConfig(**{**base.to_dict(), "routing": routing, "policy": policy}))
+                server.wait_ready()
+                print(f"policy={policy} routing={routing}", file=sys.stderr)
+                result = run_load(apps, server.url, load)
+                summary = summarise(result, apps[0], load)
+                summary["workflow"] = "peer"
+                out["results"][policy][routing] = summary
+            w, d = out["results"][policy]["workflow"], out["results"][policy]["default"]
+            out["ratios"][policy] = {
+                "gpu_hit_ratio": round(w["gpu_hit_ratio"] / d["gpu_hit_ratio"], 3) if d["gpu_hit_ratio"] else None,
+                "p50_latency_speedup": round(d["latency_s"]["p50"] / w["latency_s"]["p50"], 3),
+                "p99_latency_speedup": round(d["latency_s"]["p99"] / w["latency_s"]["p99"], 3),
+                "mean_latency_speedup": round(d["latency_s"]["mean"] / w["latency_s"]["mean"], 3),
+            }
     finally:
         server.stop()
-    w, d = out["results"]["workflow"], out["results"]["default"]
-    out["ratios"] = {
-        "gpu_hit_ratio": round(w["gpu_hit_ratio"] / d["gpu_hit_ratio"], 3) if d["gpu_hit_ratio"] else None,
-        "p50_latency_speedup": round(d["latency_s"]["p50"] / w["latency_s"]["p50"], 3),
-        "p99_latency_speedup": round(d["latency_s"]["p99"] / w["latency_s"]["p99"], 3),
-        "mean_latency_speedup": round(d["latency_s"]["mean"] / w["latency_s"]["mean"], 3),
-    }
     return out
 
 
@@ -164,12 +187,20 @@ def decision_latency(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small load (smoke test)")
+    parser.add_argument("--engine", choices=("cpu", "sim"), default="cpu",
+                        help="cpu: real compute (2 replicas on this machine); sim: simulated GPUs from --profile")
+    parser.add_argument("--replicas", type=int, default=None, help="default: 2 (cpu), 4 (sim)")
+    parser.add_argument("--profile", default="a10g-llama3.1-8b", help="--engine sim: GPU cost profile")
+    parser.add_argument("--time-scale", type=float, default=0.25,
+                        help="--engine sim: wall seconds per simulated second (latencies are reported in wall s)")
+    parser.add_argument("--policies", default="kvflow,lru",
+                        help="engine cache policies to compare the routings under (default kvflow,lru)")
     parser.add_argument("--applications", type=int, default=6)
     parser.add_argument("--clients", type=int, default=12)
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--task-chars", type=int, default=200)
-    parser.add_argument("--preamble-chars", type=int, default=1600)
+    parser.add_argument("--preamble-chars", type=int, default=2400)
     parser.add_argument("--router-clients", type=int, default=1000)
     parser.add_argument("--router-iterations", type=int, default=2)
     parser.add_argument("--think-s", type=float, default=2.0,
@@ -178,6 +209,8 @@ def main() -> int:
     parser.add_argument("--skip-router", action="store_true", help="only the end-to-end routing comparison")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.replicas is None:
+        args.replicas = 4 if args.engine == "sim" else 2
     if args.quick:
         args.applications, args.clients, args.iterations, args.router_clients = 2, 2, 2, 50
     report: dict[str, Any] = {}
@@ -186,6 +219,8 @@ def main() -> int:
     if not args.skip_router:
         report["router_decision_latency"] = decision_latency(args)
     print(json.dumps(report, indent=2))
+    if args.output == RESULTS and args.engine == "sim":
+        args.output = RESULTS.with_name("serve_routing_sim.json")
     if not args.quick:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(report, indent=2) + "\n")

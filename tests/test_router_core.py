@@ -9,7 +9,7 @@ import pytest
 
 from kvflow_ray.core.graph import SpecError, UnknownAgentError
 from kvflow_ray.engines.base import CacheEvent
-from kvflow_ray.serve.router_core import RouterCore, UnknownClientError, UnknownWorkflowError
+from kvflow_ray.serve.router_core import NoReplicaError, RouterCore, UnknownClientError, UnknownWorkflowError
 from kvflow_ray.serve.store import MemoryStore, RedisStore, Store
 
 PEER = {"name": "peer", "entry": "planner", "agents": {
@@ -116,7 +116,7 @@ def test_replica_loss_moves_calls_elsewhere(router: RouterCore) -> None:
     route = router.start_call("acme", "c2", "planner", workflow="peer", prefix_hash="h-planner")
     assert (route.replica, route.outcome) == ("r2", "cold")
     router.remove_replica("r2")
-    with pytest.raises(RuntimeError, match="no live replica"):
+    with pytest.raises(NoReplicaError, match="no live engine replica"):
         router.start_call("acme", "c3", "planner", workflow="peer")
 
 

@@ -33,8 +33,11 @@ def _serve_config(*argv: str) -> AppConfig:
 def test_app_config_rejects_what_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="unknown app config keys \\['replica'\\]"):
         AppConfig.from_dict({"replica": 3})
-    with pytest.raises(ValueError, match="kvflow-ray sim"):
-        AppConfig(engine="sim")
+    with pytest.raises(ValueError, match="unknown profile 'h200'"):
+        AppConfig(engine="sim", profile="h200")
+    with pytest.raises(ValueError, match="time_scale"):
+        AppConfig(engine="sim", time_scale=0)
+    assert AppConfig(engine="sim").model_name() == "sim-a10g-llama3.1-8b"
     with pytest.raises(ValueError, match="SGLang plugin"):
         AppConfig(engine="sglang")
     with pytest.raises(ValueError, match="routing"):

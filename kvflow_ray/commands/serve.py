@@ -29,7 +29,9 @@ from kvflow_ray.serve.config import ENGINES, ROUTINGS, AppConfig
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", choices=ENGINES, default=None, help="engine per replica (default cpu)")
+    parser.add_argument("--engine", choices=ENGINES, default=None,
+                        help="engine per replica: cpu (real compute, default), sim (GPU timing from a profile, "
+                             "made-up tokens; for exercising the stack at GPU speed)")
     parser.add_argument("--replicas", type=int, default=None, help="engine replicas (default 2)")
     parser.add_argument("--redis", default=None, help="redis://host:port/db for durable router state "
                         "(default: the embedded in-process store)")
@@ -37,7 +39,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="workflow: prefix-affinity routing by the workflow router (default); "
                              "default: Ray Serve's own request router (for comparison)")
     parser.add_argument("--policy", default=None, help="engine cache policy: lru, hicache, kvflow (default)")
-    parser.add_argument("--device-kv-tokens", type=int, default=None, help="device KV pool per replica (tokens)")
+    parser.add_argument("--device-kv-tokens", type=int, default=None,
+                        help="device KV pool per replica in tokens (default: cpu 12288; sim: the profile's GPU)")
+    parser.add_argument("--profile", default=None,
+                        help="--engine sim: the GPU cost profile each replica simulates (default a10g-llama3.1-8b)")
+    parser.add_argument("--time-scale", type=float, default=None,
+                        help="--engine sim: wall seconds per simulated second (default 1; 0.1 = 10x faster)")
     parser.add_argument("--api-key", action="append", default=None, metavar="KEY=TENANT",
                         help="accept bearer KEY for TENANT (repeatable); none = one open 'default' tenant")
     parser.add_argument("--config", type=Path, default=None,
@@ -57,7 +64,7 @@ def app_config(args: argparse.Namespace) -> AppConfig:
         if not isinstance(raw, dict):
             raise ValueError(f"--config {args.config}: expected a mapping of app args")
         data.update(raw)
-    for key in ("engine", "replicas", "redis", "routing", "policy", "device_kv_tokens"):
+    for key in ("engine", "replicas", "redis", "routing", "policy", "device_kv_tokens", "profile", "time_scale"):
         value = getattr(args, key, None)
         if value is not None:
             data[key] = value

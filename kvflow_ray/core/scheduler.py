@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvflow_ray.core.admission import AdmissionPolicy, FCFSAdmission, StatusAwareAdmission
 from kvflow_ray.core.cache import TieredCache
@@ -114,6 +114,11 @@ class Batch:
     decode: list[CacheRequest]
 
 
+# Policies an engine serving live requests can run: `infinite` has no finite pool and `belady` needs
+# the future (both are offline bounds for the simulator).
+ENGINE_POLICIES = ("lru", "hicache", "kvflow", "kvflow-noprefetch")
+
+
 class ReplicaScheduler:
     def __init__(self, cache: TieredCache, policy: PolicyConfig, book: StepBook, copier: Copier, *,
                  clock: Callable[[], float], horizon: int = 1, max_inflight: int = 4,
@@ -175,6 +180,25 @@ class ReplicaScheduler:
             req.private = 0
             self.cache.tree.unlock(req.locked)
             req.locked = None
+
+    # ------------------------------------------------------------------ reporting
+    def snapshot(self) -> dict[str, Any]:
+        """Occupancy and cumulative counters, as every engine reports them in `stats()` (the serving
+        layer's metrics read these keys)."""
+        s, c = self.stats, self.cache.counters
+        return {
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "prompt_tokens": {"gpu": s.gpu_tokens, "cpu": s.cpu_tokens, "miss": s.miss_tokens},
+            "loaded_tokens": s.loaded_tokens,
+            "prefetch": {"issued": s.prefetch_issued, "completed": s.prefetch_completed},
+            "prefetch_stall_s": s.stall_s,
+            "evicted_tokens": {"gpu": c.evicted_gpu_tokens, "cpu": c.evicted_cpu_tokens,
+                               "written_back": c.written_back_tokens, "dropped": c.dropped_tokens},
+            "cache_tokens": {"gpu": self.cache.tree.gpu_tokens, "cpu": self.cache.tree.cpu_tokens,
+                             "private": self.cache.private_tokens},
+            "capacity_tokens": {"gpu": self.cache.gpu_capacity, "cpu": self.cache.cpu_capacity},
+        }
 
     # ------------------------------------------------------------------ prefetch
     def plan_prefetch(self) -> None:

@@ -9,7 +9,7 @@ metrics and routing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -65,6 +65,40 @@ class CacheEvent:
     tier: str  # "gpu" | "cpu"
     prefix_hash: str
     tokens: int
+
+
+def request_tokens(request: GenerateRequest, *, model_name: str, encode: Callable[[str], list[int]],
+                   vocab_size: int, max_context: int, device_tokens: int) -> tuple[int, ...]:
+    """The prompt's token ids after every check an engine makes before queueing a request; raises
+    ValueError naming what is wrong (the request can never run), so nothing is queued."""
+    if request.model is not None and request.model != model_name:
+        raise ValueError(f"unknown model {request.model!r}: this engine serves {model_name!r}")
+    if (request.prompt is None) == (request.tokens is None):
+        raise ValueError("give exactly one of prompt (text) or tokens (ids)")
+    tokens = (tuple(encode(request.prompt)) if request.prompt is not None
+              else tuple(int(t) for t in request.tokens or ()))
+    if not tokens:
+        raise ValueError("the prompt is empty")
+    if request.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
+    if request.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {request.temperature}")
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})")
+    need = len(tokens) + request.max_tokens
+    if need > max_context:
+        raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) = {need} exceeds "
+                         f"the model's context of {max_context} tokens")
+    if need > device_tokens:
+        raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) = {need} exceeds "
+                         f"the device KV pool of {device_tokens} tokens")
+    fixed = request.fixed_prefix_tokens
+    if fixed is not None and not 0 <= fixed <= len(tokens):
+        raise ValueError(f"fixed_prefix_tokens={fixed} is outside the prompt (0..{len(tokens)})")
+    if (request.workflow is None) != (request.agent is None):
+        raise ValueError("workflow metadata needs both a workflow (client id) and an agent")
+    return tokens
 
 
 def prefix_hash(tokens: Sequence[int]) -> str:

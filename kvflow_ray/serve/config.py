@@ -7,15 +7,16 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-ENGINES = ("cpu", "sglang")
+ENGINES = ("cpu", "sim", "sglang")
 ROUTINGS = ("workflow", "default")
 
 
 @dataclass
 class AppConfig:
-    engine: str = "cpu"  # cpu (the embedded default) | sglang (arrives with the SGLang plugin)
+    engine: str = "cpu"  # cpu (the embedded default) | sim (GPU timing from a profile) | sglang (its own issue)
     replicas: int = 2
     redis: str | None = None  # redis://host:port/db; None = the embedded in-process store
     routing: str = "workflow"  # workflow: honour the router's choice; default: Ray Serve's own router
@@ -27,10 +28,12 @@ class AppConfig:
     max_ongoing_requests: int = 64  # per engine replica (the engine batches up to its max_running)
     replica_num_cpus: float = 0.5  # Ray CPUs reserved per engine replica
     replica_num_gpus: float = 0.0  # 1 for an engine that needs a GPU (sglang)
-    # engine settings (cpu): see CpuEngineConfig for what each means
+    # engine settings: see CpuEngineConfig (cpu) and engines/sim/serving.py (sim) for what each means
     policy: str = "kvflow"
-    model_path: str | None = None
-    device_kv_tokens: int = 12_288
+    model_path: str | None = None  # cpu: a local HF model directory (default: random weights)
+    profile: str = "a10g-llama3.1-8b"  # sim: the GPU cost profile each replica simulates
+    time_scale: float = 1.0  # sim: wall seconds per simulated second (0.1 = ten times faster)
+    device_kv_tokens: int | None = None  # None: the engine's default (cpu 12,288; sim: the profile's GPU)
     host_kv_tokens: int = 65_536
     link_gbps: float | None = 0.1
     max_running: int = 16
@@ -39,14 +42,18 @@ class AppConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.engine == "sim":
-            raise ValueError("engine 'sim' does not serve requests: the simulator runs whole scenarios offline "
-                             "(kvflow-ray sim); serve with engine cpu")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.engine == "sglang":
             raise ValueError("engine 'sglang' is not available yet (it arrives with the SGLang plugin); "
-                             "use cpu")
+                             "use cpu or sim")
+        if self.engine == "sim":
+            from kvflow_ray.engines.sim.profile import available_profiles
+
+            if self.profile not in available_profiles() and not Path(self.profile).is_file():
+                raise ValueError(f"unknown profile {self.profile!r} (available: {', '.join(available_profiles())})")
+            if self.time_scale <= 0:
+                raise ValueError(f"time_scale must be positive, got {self.time_scale}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.replicas < 1:
@@ -66,6 +73,12 @@ class AppConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def model_name(self) -> str:
+        """What `/v1/models` lists and requests may name."""
+        if self.engine == "sim":
+            return f"sim-{self.profile}"
+        return self.model_path or "kvflow-cpu-random"
 
     def engine_threads(self) -> int:
         return self.threads or max(1, (os.cpu_count() or 1) // self.replicas)

@@ -25,6 +25,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from kvflow_ray.core.graph import SpecError, UnknownAgentError, WorkflowSpec, parse_spec
 from kvflow_ray.engines.base import prefix_hash
+from kvflow_ray.engines.cpu.config import ModelConfig
 from kvflow_ray.engines.cpu.tokenizer import load_tokenizer
 from kvflow_ray.serve.config import AppConfig
 from kvflow_ray.serve.openai_api import (
@@ -39,7 +40,7 @@ from kvflow_ray.serve.openai_api import (
 )
 from kvflow_ray.serve.request_router import ROUTE_KWARG
 from kvflow_ray.serve.router_actor import get_router
-from kvflow_ray.serve.router_core import UnknownClientError, UnknownWorkflowError
+from kvflow_ray.serve.router_core import NoReplicaError, UnknownClientError, UnknownWorkflowError
 from kvflow_ray.serve.store import check_name
 
 logger = logging.getLogger("ray.serve")
@@ -55,6 +56,8 @@ def _error(exc: ApiError) -> JSONResponse:
 
 def _to_api_error(exc: BaseException) -> ApiError | None:
     """Request errors raised in the router (they arrive through Ray as instances of their cause)."""
+    if isinstance(exc, NoReplicaError):
+        return ApiError(503, str(exc), kind="service_unavailable", code="no_replica")
     if isinstance(exc, (UnknownClientError, UnknownWorkflowError)):
         return ApiError(404, str(exc), kind="not_found_error", code="not_found")
     if isinstance(exc, SpecError):
@@ -74,9 +77,15 @@ class Ingress:
         self.engine = engine
         self.router = get_router(self.config.redis, ttl_s=self.config.state_ttl_s,
                                  balance_threshold=self.config.balance_threshold)
-        self.tokenizer = load_tokenizer(self.config.model_path)
-        self.model_name = self.config.model_path or "kvflow-cpu-random"
-        self.max_context = 4096 if self.config.model_path is None else 1 << 30  # the engine checks its own
+        # the engines' own tokenizer and context (the engine checks a prompt against its pool too)
+        self.tokenizer = load_tokenizer(self.config.model_path if self.config.engine == "cpu" else None)
+        self.model_name = self.config.model_name()
+        if self.config.engine == "sim":
+            from kvflow_ray.engines.sim.serving import MAX_CONTEXT
+
+            self.max_context = MAX_CONTEXT
+        else:
+            self.max_context = ModelConfig().max_context if self.config.model_path is None else 1 << 30
         self.routed = self.config.routing == "workflow"
         self._templates: dict[tuple[str, str], tuple[float, WorkflowSpec, dict[str, tuple[int, ...]]]] = {}
 
@@ -238,10 +247,10 @@ class Ingress:
         logger.warning("replica %s died under a call of %s/%s; retrying elsewhere", call.replica, call.tenant,
                        call.client_id)
         await self._call_router("remove_replica", call.replica)
+        # the agent is still running (no deviation); the dead replica's load went with it
         route = await self._call_router("start_call", call.tenant, call.client_id, call.agent,
                                         workflow=call.workflow, prefix_hash=call.prefix_hash,
                                         prefix_tokens=call.prefix_tokens)
-        await self._call_router("end_call", call.tenant, call.client_id, call.agent, None)  # the first start
         call.replica, call.outcome = route["replica"], route["outcome"]
 
     async def _end_call(self, call: _Call | None) -> None:

@@ -41,12 +41,17 @@ def make_engine(config: AppConfig) -> Any:
         from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig
         from kvflow_ray.engines.cpu.engine import CpuEngine
 
+        sizes = {} if config.device_kv_tokens is None else {"device_kv_tokens": config.device_kv_tokens}
         engine_config = CpuEngineConfig(
             model=ModelConfig(path=config.model_path, seed=config.seed), policy=config.policy,
-            device_kv_tokens=config.device_kv_tokens, host_kv_tokens=config.host_kv_tokens,
-            link_gbps=config.link_gbps, max_running=config.max_running, horizon=config.horizon,
-            threads=config.engine_threads())
+            host_kv_tokens=config.host_kv_tokens, link_gbps=config.link_gbps, max_running=config.max_running,
+            horizon=config.horizon, threads=config.engine_threads(), **sizes)
         return CpuEngine(engine_config).start()
+    if config.engine == "sim":
+        from kvflow_ray.engines.sim.serving import SimEngine
+
+        return SimEngine(config.profile, policy=config.policy, horizon=config.horizon, time_scale=config.time_scale,
+                         device_kv_tokens=config.device_kv_tokens)
     raise ValueError(f"engine {config.engine!r} cannot run in an EngineReplica yet")
 
 

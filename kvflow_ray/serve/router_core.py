@@ -42,6 +42,10 @@ class UnknownWorkflowError(_NotFound):
     """A workflow template this tenant never registered."""
 
 
+class NoReplicaError(RuntimeError):
+    """No engine replica is registered (starting up, or all lost): the caller should retry later."""
+
+
 @dataclass
 class Route:
     replica: str
@@ -200,7 +204,7 @@ class RouterCore:
             self.deviations += 1
         state.start(agent)
         if not self.loads:
-            raise RuntimeError("no live replica to route to")
+            raise NoReplicaError("no live engine replica to route to (starting up or all lost); retry shortly")
         holders = self._holders(prefix_hash) if prefix_hash else {}
         decision = self.policy.route(holders, self.loads, prefix_tokens, home=record.get("home"))
         record["placement"][agent] = decision.replica

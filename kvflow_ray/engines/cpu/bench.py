@@ -16,9 +16,10 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from kvflow_ray.core.graph import WorkflowState
+from kvflow_ray.core.scheduler import ENGINE_POLICIES
 from kvflow_ray.engines.base import GenerateRequest, Hints
 from kvflow_ray.engines.cpu.config import CpuEngineConfig
-from kvflow_ray.engines.cpu.engine import ENGINE_POLICIES, CpuEngine, CpuRequest
+from kvflow_ray.engines.cpu.engine import CpuEngine, CpuRequest
 from kvflow_ray.engines.cpu.model import CpuModel
 from kvflow_ray.engines.sim.runner import summarise_run
 from kvflow_ray.engines.sim.simulator import IterationRecord, TokenSource, WorkflowClient

@@ -26,15 +26,13 @@ import torch
 from kvflow_ray.core.cache import TieredCache
 from kvflow_ray.core.policies import StepBook, make_eviction_policy
 from kvflow_ray.core.radix import RadixNode
-from kvflow_ray.core.scheduler import POLICIES, CacheRequest, ReplicaScheduler
-from kvflow_ray.engines.base import CacheEvent, GenerateRequest, GenerateResult, Hints, prefix_hash
+from kvflow_ray.core.scheduler import ENGINE_POLICIES, POLICIES, CacheRequest, ReplicaScheduler
+from kvflow_ray.engines.base import CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
 from kvflow_ray.engines.cpu.config import CpuEngineConfig
 from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream, KVPool
 from kvflow_ray.engines.cpu.model import CpuModel, sample
 from kvflow_ray.engines.cpu.tokenizer import load_tokenizer
-
-# Policies a real engine can run: `infinite` has no finite pool and `belady` needs the future.
-ENGINE_POLICIES = ("lru", "hicache", "kvflow", "kvflow-noprefetch")
+from kvflow_ray.engines.events import CacheEventLog
 
 
 @dataclass(eq=False)
@@ -87,7 +85,7 @@ class CpuEngine:
         self.h2d = CopyStream("h2d", config.link_gbps, self._copies)
         self.d2h = CopyStream("d2h", config.link_gbps, self._copies)
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._events: deque[CacheEvent] = deque(maxlen=10_000)  # bounded: a consumer that never drains loses the oldest
+        self.events = CacheEventLog()
         self._loop: threading.Thread | None = None
         self._stop = threading.Event()
         self._step_lock = threading.Lock()
@@ -153,30 +151,15 @@ class CpuEngine:
         self._wake.set()
 
     def cache_events(self) -> list[CacheEvent]:
-        out = []
-        while self._events:
-            out.append(self._events.popleft())
-        return out
+        return self.events.drain()
 
     def stats(self) -> dict[str, Any]:
-        s = self.scheduler.stats
-        c = self.cache.counters
         return {
             "policy": self.config.policy,
             "requests_done": self.requests_done,
             "requests_failed": self.requests_failed,
             "requests_rejected": self.requests_rejected,
-            "waiting": len(self.scheduler.waiting),
-            "running": len(self.scheduler.running),
-            "prompt_tokens": {"gpu": s.gpu_tokens, "cpu": s.cpu_tokens, "miss": s.miss_tokens},
-            "loaded_tokens": s.loaded_tokens,
-            "prefetch": {"issued": s.prefetch_issued, "completed": s.prefetch_completed},
-            "prefetch_stall_s": s.stall_s,
-            "evicted_tokens": {"gpu": c.evicted_gpu_tokens, "cpu": c.evicted_cpu_tokens,
-                               "written_back": c.written_back_tokens, "dropped": c.dropped_tokens},
-            "cache_tokens": {"gpu": self.cache.tree.gpu_tokens, "cpu": self.cache.tree.cpu_tokens,
-                             "private": self.cache.private_tokens},
-            "capacity_tokens": {"gpu": self.cache.gpu_capacity, "cpu": self.cache.cpu_capacity},
+            **self.scheduler.snapshot(),
             "pool_bytes": self.device.nbytes + (self.host.nbytes if self.host else 0),
             "compute_s": self.compute_s,
             "forward_steps": self.forward_steps,
@@ -257,33 +240,10 @@ class CpuEngine:
 
     # ------------------------------------------------------------------ inbox
     def _make_request(self, request: GenerateRequest) -> CpuRequest:
-        if request.model is not None and request.model != self.model_name:
-            raise ValueError(f"unknown model {request.model!r}: this engine serves {self.model_name!r}")
-        if (request.prompt is None) == (request.tokens is None):
-            raise ValueError("give exactly one of prompt (text) or tokens (ids)")
-        tokens = (tuple(self.tokenizer.encode(request.prompt)) if request.prompt is not None
-                  else tuple(int(t) for t in request.tokens or ()))
-        if not tokens:
-            raise ValueError("the prompt is empty")
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
-        if request.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {request.temperature}")
-        bad = next((t for t in tokens if not 0 <= t < self.model.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{self.model.vocab_size - 1})")
-        need = len(tokens) + request.max_tokens
-        if need > self.model.max_context:
-            raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) = {need} exceeds "
-                             f"the model's context of {self.model.max_context} tokens")
-        if need > self.cache.gpu_capacity:
-            raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) = {need} exceeds "
-                             f"the device KV pool of {self.cache.gpu_capacity} tokens")
+        tokens = request_tokens(request, model_name=self.model_name, encode=self.tokenizer.encode,
+                                vocab_size=self.model.vocab_size, max_context=self.model.max_context,
+                                device_tokens=self.cache.gpu_capacity)
         fixed = request.fixed_prefix_tokens
-        if fixed is not None and not 0 <= fixed <= len(tokens):
-            raise ValueError(f"fixed_prefix_tokens={fixed} is outside the prompt (0..{len(tokens)})")
-        if (request.workflow is None) != (request.agent is None):
-            raise ValueError("workflow metadata needs both a workflow (client id) and an agent")
         generator = None
         if request.temperature > 0:
             generator = torch.Generator().manual_seed(request.seed if request.seed is not None else 0)
@@ -331,7 +291,7 @@ class CpuEngine:
         def done() -> None:
             self.scheduler.load_done(nodes, prefetch, list(dst))
             for node in nodes:
-                self._event("stored", "gpu", node)
+                self.events.record("stored", "gpu", node)
 
         self._copy(self.h2d, CopyJob(self.host, src, self.device, torch.cat(dst), done))
 
@@ -343,7 +303,7 @@ class CpuEngine:
             dst = self.host.alloc(len(node.key))
 
             def done(node: RadixNode = node, dst: torch.Tensor = dst) -> None:
-                self._event("stored", "cpu", node)  # before offload_done, which may free the device copy
+                self.events.record("stored", "cpu", node)  # before offload_done, which may free the device copy
                 self.scheduler.offload_done(node, dst)
 
             self._copy(self.d2h, CopyJob(self.device, node.gpu_value, self.host, dst, done))  # type: ignore[arg-type]
@@ -369,22 +329,7 @@ class CpuEngine:
         pool = self.device if tier == "gpu" else self.host
         if value is not None and pool is not None:
             pool.free(value)  # type: ignore[arg-type]
-        self._event("removed", tier, node)
-
-    def _stored_events(self, last: RadixNode | None, end: int, adopted: list[tuple[int, int]]) -> None:
-        """A committed prompt (path ending at `last`, `end` tokens): report the nodes whose KV this
-        request computed, so a router learns what the replica now holds."""
-        if not adopted or last is None:
-            return
-        for node in reversed(last.path()):
-            start = end - len(node.key)
-            if any(lo <= start and end <= hi for lo, hi in adopted):
-                self._event("stored", "gpu", node)
-            end = start
-
-    def _event(self, kind: str, tier: str, node: RadixNode) -> None:
-        if node.parent is not None:
-            self._events.append(CacheEvent(kind, tier, prefix_hash(node.sequence()), len(node.key)))
+        self.events.on_free(node, tier)
 
     # ------------------------------------------------------------------ compute
     def _path_slots(self, node: RadixNode | None) -> torch.Tensor:
@@ -415,7 +360,7 @@ class CpuEngine:
         # see TieredCache.commit) stays in the request's own slots until it finishes
         covered = req.committed
         self._free_unadopted(req.own[:covered - req.base], req.base, adopted)
-        self._stored_events(req.locked, covered, adopted)
+        self.events.committed(req.locked, covered, adopted)
         req.ctx = torch.cat([self._path_slots(req.locked), req.own[covered - req.base:]])
         assert len(req.ctx) == prompt_len + req.max_new, (len(req.ctx), prompt_len, req.max_new)
         if self._emit(req, token) or finished:

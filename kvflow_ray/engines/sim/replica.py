@@ -15,6 +15,7 @@ from kvflow_ray.core.cache import TieredCache
 from kvflow_ray.core.policies import EvictionPolicy, StepBook
 from kvflow_ray.core.radix import RadixNode
 from kvflow_ray.core.scheduler import Batch, CacheRequest, PolicyConfig, ReplicaScheduler, ReplicaStats
+from kvflow_ray.engines.events import CacheEventLog
 from kvflow_ray.engines.sim.profile import Profile
 
 if TYPE_CHECKING:
@@ -25,13 +26,15 @@ class SimRequest(CacheRequest):
     rid: int = 0
     output_tokens: tuple[int, ...] = ()
     on_done: Callable[[SimRequest], None] | None = None
+    first_token_at: float = -1.0  # simulated time the prompt finished (its first output token)
 
 
 class SimReplica:
     def __init__(self, sim: Simulation, index: int, profile: Profile, policy: PolicyConfig,
                  eviction: EvictionPolicy, book: StepBook, *, horizon: int = 1, max_inflight: int = 4,
-                 gpu_capacity: int | None = None) -> None:
+                 gpu_capacity: int | None = None, events: CacheEventLog | None = None) -> None:
         self.sim = sim
+        self.events = events  # serving: what the router learns of this replica's cache (offline: None)
         self.index = index
         self.profile = profile
         self.policy = policy
@@ -83,6 +86,9 @@ class SimReplica:
 
         def done() -> None:
             self.scheduler.load_done(nodes, prefetch)
+            if self.events is not None:
+                for node in nodes:
+                    self.events.record("stored", "gpu", node)
             self.kick()
 
         self.sim.at(self.h2d_free_at, done)
@@ -93,6 +99,8 @@ class SimReplica:
             self.d2h_free_at = start + self.profile.d2h_time(len(node.key))
 
             def done(node: RadixNode = node) -> None:
+                if self.events is not None:
+                    self.events.record("stored", "cpu", node)  # before offload_done, which may free the device copy
                 self.scheduler.offload_done(node)
                 self.kick()
 
@@ -114,7 +122,14 @@ class SimReplica:
     def _step_done(self, batch: Batch) -> None:
         self.busy = False
         for req, n in batch.prefill:
-            if self.scheduler.prefill_done(req, n):
+            adopted: list[tuple[int, int]] = []
+            finished = self.scheduler.prefill_done(req, n, None, adopted)
+            if not req.prefilling:
+                assert isinstance(req, SimRequest)
+                req.first_token_at = self.sim.now
+                if self.events is not None:
+                    self.events.committed(req.locked, req.committed, adopted)
+            if finished:
                 self._finish(req)
         for req in batch.decode:
             if self.scheduler.decoded(req):

@@ -1,0 +1,41 @@
+"""What an engine tells the router about its cache: `CacheEvent`s as prefixes enter and leave a tier.
+One log for every engine (the CPU engine, the serving simulator), fed by the same tree hooks."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvflow_ray.core.radix import RadixNode
+from kvflow_ray.engines.base import CacheEvent, prefix_hash
+
+
+class CacheEventLog:
+    """Bounded: a consumer that never drains loses the oldest events, not memory."""
+
+    def __init__(self, maxlen: int = 10_000) -> None:
+        self._events: deque[CacheEvent] = deque(maxlen=maxlen)
+
+    def record(self, kind: str, tier: str, node: RadixNode) -> None:
+        if node.parent is not None:
+            self._events.append(CacheEvent(kind, tier, prefix_hash(node.sequence()), len(node.key)))
+
+    def on_free(self, node: RadixNode, tier: str) -> None:
+        """The tree dropped `node`'s copy in `tier` (its `on_free` hook)."""
+        self.record("removed", tier, node)
+
+    def committed(self, last: RadixNode | None, end: int, adopted: list[tuple[int, int]]) -> None:
+        """A committed prompt (path ending at `last`, `end` tokens): report the nodes whose KV the
+        request computed (the ranges the tree adopted), so a router learns what the replica holds."""
+        if not adopted or last is None:
+            return
+        for node in reversed(last.path()):
+            start = end - len(node.key)
+            if any(lo <= start and end <= hi for lo, hi in adopted):
+                self.record("stored", "gpu", node)
+            end = start
+
+    def drain(self) -> list[CacheEvent]:
+        out = []
+        while self._events:
+            out.append(self._events.popleft())
+        return out

@@ -1,0 +1,199 @@
+"""The simulator as a serving engine: a `SimReplica` (GPU cost profile, compute and copy streams,
+the shared `ReplicaScheduler`) run against the wall clock, behind the Engine protocol.
+
+It answers real requests, with GPU timing from a profile (e.g. `a10g-llama3.1-8b`) and made-up
+output tokens, so the whole serving stack (router, Ray Serve, metrics) can run at GPU-like speed and
+scale on machines without a GPU: a dozen simulated A10G replicas cost almost no CPU.
+`time_scale` stretches or shrinks simulated time (0.1: ten times faster than the profile's GPU).
+
+Threading: one clock thread runs every event (the replica's steps, copy completions, new requests,
+hints) in time order; other threads only enqueue.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvflow_ray.core.policies import StepBook, make_eviction_policy
+from kvflow_ray.core.scheduler import ENGINE_POLICIES, POLICIES
+from kvflow_ray.engines.base import CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
+from kvflow_ray.engines.cpu.tokenizer import ByteTokenizer
+from kvflow_ray.engines.events import CacheEventLog
+from kvflow_ray.engines.sim.profile import Profile, load_profile
+from kvflow_ray.engines.sim.replica import SimReplica, SimRequest
+
+MAX_CONTEXT = 131_072  # the profiles' models (Llama 3.1, Qwen 2.5) take 128k tokens
+
+
+@dataclass(eq=False)
+class ServedRequest(SimRequest):
+    result: GenerateResult | None = None
+    error: BaseException | None = None  # never set: a simulated step does not fail
+
+
+class WallClock:
+    """The simulator's event interface (`now`, `at`, `measuring`) on the wall clock: simulated time
+    is elapsed wall time divided by `time_scale`; each event runs when its time comes."""
+
+    measuring = True
+
+    def __init__(self, time_scale: float = 1.0) -> None:
+        if time_scale <= 0:
+            raise ValueError(f"time_scale must be positive, got {time_scale}")
+        self.time_scale = time_scale
+        self._t0 = time.monotonic()
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kvflow-sim-clock", daemon=True)
+        self._thread.start()
+
+    @property
+    def now(self) -> float:
+        return (time.monotonic() - self._t0) / self.time_scale
+
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        with self._cond:
+            heapq.heappush(self._events, (when, next(self._seq), fn))
+            self._cond.notify()
+
+    def soon(self, fn: Callable[[], None]) -> None:
+        self.at(self.now, fn)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and (not self._events or self._events[0][0] > self.now):
+                    wait = (self._events[0][0] - self.now) * self.time_scale if self._events else None
+                    self._cond.wait(wait)
+                if self._stop:
+                    return
+                _when, _seq, fn = heapq.heappop(self._events)
+            fn()  # outside the lock: events schedule more events
+
+
+class SimEngine:
+    """Engine protocol over a wall-clock `SimReplica`."""
+
+    def __init__(self, profile: str | Profile = "a10g-llama3.1-8b", *, policy: str = "kvflow", horizon: int = 1,
+                 time_scale: float = 1.0, device_kv_tokens: int | None = None, max_inflight: int = 4) -> None:
+        if policy not in ENGINE_POLICIES:
+            raise ValueError(f"policy {policy!r} cannot serve requests (choose one of {', '.join(ENGINE_POLICIES)})")
+        self.profile = load_profile(profile) if isinstance(profile, str) else profile
+        self.policy = policy
+        self.tokenizer = ByteTokenizer()
+        self.events = CacheEventLog()
+        self.book = StepBook(near_horizon=max(horizon, 2))
+        self.clock = WallClock(time_scale)
+        policy_config = POLICIES[policy]
+        self.replica = SimReplica(self.clock, 0, self.profile, policy_config,  # type: ignore[arg-type]
+                                  make_eviction_policy(policy_config.eviction, self.book), self.book,
+                                  horizon=horizon, max_inflight=max_inflight, gpu_capacity=device_kv_tokens,
+                                  events=self.events)
+        self.cache = self.replica.cache
+        self.scheduler = self.replica.scheduler
+        self.cache.tree.on_free = lambda node, tier, _value: self.events.on_free(node, tier)
+        self.requests_done = 0
+        self.requests_rejected = 0
+
+    @property
+    def model_name(self) -> str:
+        return f"sim-{self.profile.name}"
+
+    # ------------------------------------------------------------------ the Engine protocol
+    def submit(self, request: GenerateRequest, on_token: Callable[[int], None] | None = None,
+               on_done: Callable[[ServedRequest], None] | None = None) -> ServedRequest:
+        """Queue a request (any thread); ValueError, changing nothing, for one that can never run."""
+        try:
+            tokens = request_tokens(request, model_name=self.model_name, encode=self.tokenizer.encode,
+                                    vocab_size=self.tokenizer.vocab_size, max_context=MAX_CONTEXT,
+                                    device_tokens=self.cache.gpu_capacity)
+        except ValueError:
+            self.requests_rejected += 1
+            raise
+        # made-up output: printable bytes, a function of the prompt (and the seed), so replays agree
+        rng = random.Random(hash((tokens, request.seed or 0)))
+        output = tuple(rng.randrange(32, 127) for _ in range(request.max_tokens))
+        submitted = time.perf_counter()
+        fixed = request.fixed_prefix_tokens
+
+        def done(sim_req: SimRequest) -> None:
+            req = served
+            now = time.perf_counter()
+            ttft = (req.first_token_at - req.arrival) * self.clock.time_scale
+            req.result = GenerateResult(
+                tokens=list(output), text=self.tokenizer.decode(list(output)), prompt_tokens=len(tokens),
+                gpu_hit_tokens=req.gpu_hit, cpu_hit_tokens=req.cpu_hit, miss_tokens=req.miss,
+                stall_s=req.stall * self.clock.time_scale, ttft_s=ttft, latency_s=now - submitted,
+                finish_reason="length")
+            self.requests_done += 1
+            for token in output if on_token is not None else ():
+                on_token(token)
+            if on_done is not None:
+                on_done(req)
+
+        served = req = ServedRequest(workflow=request.workflow, agent=request.agent, tokens=tokens,
+                                     fixed_len=fixed if fixed is not None else -1, max_new=request.max_tokens,
+                                     output_tokens=output, on_done=done)
+
+        def arrive() -> None:
+            if req.fixed_len < 0:  # boundary from the agent's registered prompt, when the request starts with it
+                prompt = self.book.prompt((req.workflow, req.agent)) if req.workflow is not None else None
+                req.fixed_len = len(prompt) if prompt is not None and tokens[:len(prompt)] == prompt else 0
+            self.replica.submit(req)
+
+        self.clock.soon(arrive)
+        return req
+
+    def generate(self, request: GenerateRequest) -> GenerateResult:
+        finished = threading.Event()
+        req = self.submit(request, on_done=lambda _r: finished.set())
+        finished.wait()
+        assert req.result is not None
+        return req.result
+
+    def stream(self, request: GenerateRequest) -> Iterator[int | GenerateResult]:
+        result = self.generate(request)  # tokens appear when the simulated request finishes
+        yield from result.tokens
+        yield result
+
+    def apply_hints(self, hints: Hints) -> None:
+        def apply() -> None:
+            for tag, tokens in hints.prompts.items():
+                self.book.register_prompt(tag, tokens)
+            for workflow, steps in hints.steps.items():
+                self.book.set_steps(workflow, steps)
+            for workflow in hints.retire:
+                self.book.retire(workflow)
+                self.cache.retire_workflow(workflow)
+            self.replica.on_hints()
+            self.replica.kick()
+
+        self.clock.soon(apply)
+
+    def cache_events(self) -> list[CacheEvent]:
+        return self.events.drain()
+
+    def stats(self) -> dict[str, Any]:
+        return {"policy": self.policy, "profile": self.profile.name, "requests_done": self.requests_done,
+                "requests_failed": 0, "requests_rejected": self.requests_rejected, **self.scheduler.snapshot()}
+
+    def start(self) -> SimEngine:
+        return self  # the clock thread runs from construction
+
+    def close(self) -> None:
+        self.clock.close()

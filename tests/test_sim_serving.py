@@ -1,0 +1,91 @@
+"""The simulator as a serving engine: a SimReplica on the wall clock behind the Engine protocol. Real
+requests get GPU timing from a profile; the cache decisions are the shared core's (device hits on
+repeats, write-back to the host tier, prefetch on hints), and cache events report them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvflow_ray.engines.base import GenerateRequest, Hints, prefix_hash
+from kvflow_ray.engines.sim.serving import SimEngine, WallClock
+
+FAST = 0.02  # simulated seconds pass 50x faster than wall seconds
+
+
+def test_the_wall_clock_runs_events_in_time_order() -> None:
+    clock = WallClock(time_scale=0.01)
+    seen: list[str] = []
+    done = threading.Event()
+    now = clock.now
+    clock.at(now + 2.0, lambda: (seen.append("late"), done.set()))
+    clock.at(now + 1.0, lambda: seen.append("early"))
+    clock.soon(lambda: seen.append("now"))
+    assert done.wait(5)
+    assert seen == ["now", "early", "late"] and clock.now >= now + 2.0
+    clock.close()
+    with pytest.raises(ValueError, match="time_scale"):
+        WallClock(0)
+
+
+def _request(tokens: list[int], **kw: object) -> GenerateRequest:
+    return GenerateRequest(tokens=tokens, max_tokens=8, **kw)  # type: ignore[arg-type]
+
+
+def test_repeats_hit_the_device_and_timing_follows_the_profile() -> None:
+    engine = SimEngine("a10g-llama3.1-8b", time_scale=FAST)
+    try:
+        fixed = [i % 256 for i in range(3000)]
+        first = engine.generate(_request(fixed + [1, 2], workflow="wf", agent="a", fixed_prefix_tokens=3000))
+        second = engine.generate(_request(fixed + [3, 4], workflow="wf", agent="a", fixed_prefix_tokens=3000))
+        assert (first.miss_tokens, first.gpu_hit_tokens) == (3002, 0)
+        assert second.gpu_hit_tokens == 3000 and second.miss_tokens == 2
+        assert len(first.tokens) == 8 and first.text and first.finish_reason == "length"
+        assert second.ttft_s < first.ttft_s  # a 3,000-token prefill saved
+        events = engine.cache_events()
+        assert ("stored", "gpu", prefix_hash(fixed), 3000) in {(e.kind, e.tier, e.prefix_hash, e.tokens)
+                                                               for e in events}
+        stats = engine.stats()
+        assert stats["requests_done"] == 2 and stats["prompt_tokens"]["gpu"] == 3000
+    finally:
+        engine.close()
+
+
+def test_bad_requests_are_value_errors_and_change_nothing() -> None:
+    engine = SimEngine("a10g-llama3.1-8b", time_scale=FAST, device_kv_tokens=1000)
+    try:
+        with pytest.raises(ValueError, match="device KV pool"):
+            engine.submit(_request(list(range(200)) * 5))
+        with pytest.raises(ValueError, match="unknown model"):
+            engine.submit(GenerateRequest(prompt="hi", model="gpt-9"))
+        with pytest.raises(ValueError, match="both a workflow"):
+            engine.submit(_request([1, 2, 3], workflow="wf"))
+        assert engine.stats()["requests_rejected"] == 3
+        assert engine.generate(GenerateRequest(prompt="still serving", max_tokens=3)).tokens
+    finally:
+        engine.close()
+
+
+def test_evicted_prompts_are_written_back_and_prefetched_on_hints() -> None:
+    engine = SimEngine("a10g-llama3.1-8b", time_scale=FAST, device_kv_tokens=2000)
+    try:
+        fixed = [7] + [i % 256 for i in range(1199)]
+        engine.apply_hints(Hints(prompts={("wf", "a"): tuple(fixed)}, steps={"wf": {"a": 0}}))
+        engine.generate(_request(fixed + [9], workflow="wf", agent="a"))  # boundary from the registered prompt
+        engine.apply_hints(Hints(steps={"wf": {"a": 5}}))  # far away now
+        engine.generate(_request([8] + [i % 200 for i in range(1500)]))  # pushes the prompt to the host
+        stats = engine.stats()
+        assert stats["evicted_tokens"]["written_back"] >= 1200 and stats["cache_tokens"]["cpu"] >= 1200
+        engine.apply_hints(Hints(steps={"wf": {"a": 1}}))  # next: prefetch it back
+        deadline = time.monotonic() + 10
+        while engine.stats()["prefetch"]["completed"] == 0:
+            assert time.monotonic() < deadline, engine.stats()
+            time.sleep(0.01)
+        again = engine.generate(_request(fixed + [10], workflow="wf", agent="a"))
+        assert again.gpu_hit_tokens >= 1200 and again.miss_tokens <= 1
+        kinds = {(e.kind, e.tier) for e in engine.cache_events()}
+        assert {("stored", "cpu"), ("removed", "gpu")} <= kinds
+    finally:
+        engine.close()
