@@ -38,8 +38,8 @@ def test_repeats_hit_the_device_and_timing_follows_the_profile() -> None:
     engine = SimEngine("a10g-llama3.1-8b", time_scale=FAST)
     try:
         fixed = [i % 256 for i in range(3000)]
-        first = engine.generate(_request(fixed + [1, 2], workflow="wf", agent="a", fixed_prefix_tokens=3000))
-        second = engine.generate(_request(fixed + [3, 4], workflow="wf", agent="a", fixed_prefix_tokens=3000))
+        first = engine.generate(_request([*fixed, 1, 2], workflow="wf", agent="a", fixed_prefix_tokens=3000))
+        second = engine.generate(_request([*fixed, 3, 4], workflow="wf", agent="a", fixed_prefix_tokens=3000))
         assert (first.miss_tokens, first.gpu_hit_tokens) == (3002, 0)
         assert second.gpu_hit_tokens == 3000 and second.miss_tokens == 2
         assert len(first.tokens) == 8 and first.text and first.finish_reason == "length"
@@ -73,7 +73,7 @@ def test_evicted_prompts_are_written_back_and_prefetched_on_hints() -> None:
     try:
         fixed = [7] + [i % 256 for i in range(1199)]
         engine.apply_hints(Hints(prompts={("wf", "a"): tuple(fixed)}, steps={"wf": {"a": 0}}))
-        engine.generate(_request(fixed + [9], workflow="wf", agent="a"))  # boundary from the registered prompt
+        engine.generate(_request([*fixed, 9], workflow="wf", agent="a"))  # boundary from the registered prompt
         engine.apply_hints(Hints(steps={"wf": {"a": 5}}))  # far away now
         engine.generate(_request([8] + [i % 200 for i in range(1500)]))  # pushes the prompt to the host
         stats = engine.stats()
@@ -83,7 +83,7 @@ def test_evicted_prompts_are_written_back_and_prefetched_on_hints() -> None:
         while engine.stats()["prefetch"]["completed"] == 0:
             assert time.monotonic() < deadline, engine.stats()
             time.sleep(0.01)
-        again = engine.generate(_request(fixed + [10], workflow="wf", agent="a"))
+        again = engine.generate(_request([*fixed, 10], workflow="wf", agent="a"))
         assert again.gpu_hit_tokens >= 1200 and again.miss_tokens <= 1
         kinds = {(e.kind, e.tier) for e in engine.cache_events()}
         assert {("stored", "cpu"), ("removed", "gpu")} <= kinds

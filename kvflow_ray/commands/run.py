@@ -56,8 +56,9 @@ def format_summary(s: dict) -> str:
         f"  agent-call latency mean {call['mean']} s   p50 {call['p50']} s   p99 {call['p99']} s",
         f"  prompt tokens from device {pct(s['gpu_hit_ratio'])}, from host {pct(s['cpu_hit_ratio'])}, "
         f"cached (usage) {pct(s['cached_ratio'])}",
-        f"  routed to the prefix holder after warm-up: {pct(s['affinity_ratio_after_warmup'])}   "
-        f"decisions {s['router_decisions']}   prefetch {s['prefetch']}",
+        f"  routed to the prefix holder after warm-up: {pct(s['affinity_ratio_after_warmup'])}   router decisions "
+        + ", ".join(f"{k} {v}" for k, v in s["router_decisions"].items())
+        + "   prefetches " + ", ".join(f"{k} {v}" for k, v in s["prefetch"].items()),
     ]
     if s["first_error"]:
         lines.append(f"  first error: {s['first_error']}")
@@ -77,19 +78,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvflow-ray run: {exc}", file=sys.stderr)
         return 2
     load = LoadConfig(clients=args.clients, iterations=args.iterations, max_tokens=args.max_tokens, api_key=args.key)
-    server = None
-    if args.url is None:
-        from kvflow_ray.serve.app import LocalServer
+    from kvflow_ray.serve.app import LocalServer, stdout_to_stderr
 
-        print(f"starting the embedded server ({config.replicas} {config.engine} replicas) ...", file=sys.stderr)
-        server = LocalServer(config, port=args.port).start()
-    try:
-        workflows = ([workflow] if args.applications == 1
-                     else application_variants(workflow, args.applications, args.preamble_chars))
-        result = run_load(workflows, args.url or server.url, load)  # type: ignore[union-attr]
-    finally:
-        if server is not None:
-            server.stop()
+    workflows = ([workflow] if args.applications == 1
+                 else application_variants(workflow, args.applications, args.preamble_chars))
+    with stdout_to_stderr():  # stdout carries the report only
+        server = None
+        if args.url is None:
+            print(f"starting the embedded server ({config.replicas} {config.engine} replicas) ...", file=sys.stderr)
+            server = LocalServer(config, port=args.port).start()
+        try:
+            result = run_load(workflows, args.url or server.url, load)  # type: ignore[union-attr]
+        finally:
+            if server is not None:
+                server.stop()
     summary = summarise(result, workflow, load)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return 1 if summary["errors"] else 0

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvflow-ray serve: {exc}", file=sys.stderr)
         return 2
-    from kvflow_ray.serve.app import LocalServer
+    from kvflow_ray.serve.app import LocalServer, stdout_to_stderr
 
     server = LocalServer(config, host=args.host, port=args.port)
     print(f"starting {config.replicas} {config.engine} replica(s), routing={config.routing}, "
@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        server.start()
+        with stdout_to_stderr():  # stdout: the one JSON line below, for scripts that start the server
+            server.start()
         print(json.dumps({"url": server.url, "openai_base_url": server.url + "/v1", "replicas": config.replicas}),
               flush=True)
         print("serving; Ctrl-C to stop", file=sys.stderr)
@@ -107,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        server.stop()
+        with stdout_to_stderr():
+            server.stop()
     return 0
 

@@ -8,9 +8,12 @@ starts local Ray, deploys the app and stops it all again: what `kvflow-ray serve
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 from kvflow_ray.serve.config import AppConfig
@@ -42,6 +45,21 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
     return ingress.bind(replica.bind(config.to_dict()), config.to_dict())
 
 
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to stdout (file descriptor 1, so Ray's own log forwarding too) to stderr
+    meanwhile: a command's stdout then carries only its result, e.g. `--json`."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 class LocalServer:
     """Local Ray + the app on 127.0.0.1:`port`, as a context manager."""
 
@@ -60,7 +78,8 @@ class LocalServer:
         from ray import serve
 
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        if not ray.is_initialized():
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
             ray.init(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False,
                      configure_logging=False)
         serve.start(http_options={"host": self.host, "port": self.port})
@@ -101,12 +120,13 @@ class LocalServer:
 
         from kvflow_ray.serve.router_actor import stop_router
 
-        if ray.is_initialized():
-            try:
-                serve.shutdown()
-                stop_router()
-            finally:
-                ray.shutdown()
+        if not ray.is_initialized():
+            return
+        if getattr(self, "_owns_ray", False):
+            ray.shutdown()  # the local cluster we started, Serve and the router with it
+            return
+        serve.delete(APP_NAME)  # someone else's cluster: remove only what we deployed
+        stop_router()
 
     def __enter__(self) -> LocalServer:
         return self.start()

@@ -1,0 +1,54 @@
+"""The serving stack on simulated GPUs: `engine: sim` replicas (A10G timing from the profile, made-up
+tokens) behind the same ingress, router and Ray Serve request router; real Ray, real HTTP."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from kvflow_ray.client import Workflow  # noqa: E402
+from kvflow_ray.client.loadgen import LoadConfig, application_variants, run_load, summarise  # noqa: E402
+from kvflow_ray.serve.app import LocalServer  # noqa: E402
+from kvflow_ray.serve.config import AppConfig  # noqa: E402
+
+pytestmark = pytest.mark.slow
+PEER = Workflow.from_yaml(Path(__file__).resolve().parents[1] / "workflows" / "peer.yaml")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LocalServer]:
+    config = AppConfig(engine="sim", replicas=3, time_scale=0.05)
+    local = LocalServer(config, port=_free_port(), num_cpus=2)
+    local.start(timeout_s=240)
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+def test_simulated_gpu_replicas_serve_workflows_with_affinity(server: LocalServer) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["sim-a10g-llama3.1-8b"]
+    apps = application_variants(PEER, 3, preamble_chars=3000)
+    load = LoadConfig(clients=6, iterations=3, max_tokens=8)
+    result = run_load(apps, server.url, load, progress=False)
+    summary = summarise(result, apps[0], load)
+    assert summary["errors"] == 0, summary["first_error"]
+    assert len(summary["replicas"]) == 3  # the applications spread over the replicas
+    assert summary["affinity_ratio_after_warmup"] >= 0.9
+    assert summary["gpu_hit_ratio"] > 0.6  # each application's preamble is computed about once per replica
+    for call in result.calls:
+        assert call.prompt_tokens > 3000 and call.cached_tokens <= call.prompt_tokens
