@@ -246,7 +246,8 @@ def summarise(result: LoadResult, workflow: Workflow, config: LoadConfig) -> dic
         "cached_ratio": _ratio(sum(c.cached_tokens for c in ok), sum(c.prompt_tokens for c in ok) or math.nan),
         "affinity_ratio_after_warmup": _ratio(sum(c.route == "affinity" for c in routed), len(routed) or math.nan),
         "router_decisions": {k: int(v) for k, v in decisions.items()},
-        "prefetch": {o: int(_delta(result, "kvflow_prefetch_total", outcome=o)) for o in ("issued", "completed")},
+        "prefetch": {o: int(_delta(result, "kvflow_prefetch_total", outcome=o))
+                     for o in ("issued", "completed", "used", "wasted")},
         "prefetch_stall_s": round(_delta(result, "kvflow_prefetch_stall_seconds_sum"), 4),
         "replicas": dict(Counter(c.replica for c in ok)),
     }

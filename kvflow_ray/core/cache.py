@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvflow_ray.core.policies import EvictionPolicy
-from kvflow_ray.core.radix import GpuState, Match, RadixNode, RadixTree, Tag
+from kvflow_ray.core.radix import GpuState, Match, PrefetchOp, RadixNode, RadixTree, Tag
 
 NodeFilter = Callable[[RadixNode], bool]
 
@@ -26,6 +26,8 @@ class EvictionCounters:
     written_back_tokens: int = 0  # device -> host copies started by eviction
     dropped_tokens: int = 0  # KV that left both tiers (recompute on next use)
     evicted_cpu_tokens: int = 0  # host copies freed to make room on the host
+    prefetch_used: int = 0  # prefetches a request's prefix used (at least one of their nodes)
+    prefetch_wasted: int = 0  # prefetches whose nodes all left the device before any request used them
 
 
 class TieredCache:
@@ -168,7 +170,27 @@ class TieredCache:
                     heapq.heappush(heap, (pri(up), up.id, up))
         return self.free_tokens >= n, writebacks
 
+    def prefetched(self, nodes: Sequence[RadixNode]) -> None:
+        """`nodes` are being loaded by one prefetch: remember it, to tell used from wasted."""
+        op = PrefetchOp(on_device=len(nodes))
+        for node in nodes:
+            node.prefetch = op
+
+    def use_prefetched(self, nodes: Sequence[RadixNode]) -> None:
+        """A request's prefix includes `nodes` (on the device or loading): their prefetches paid off."""
+        for node in nodes:
+            op = node.prefetch
+            if op is not None and not op.used:
+                op.used = True
+                self.counters.prefetch_used += 1
+
     def _drop_gpu(self, node: RadixNode) -> None:
+        op = node.prefetch
+        if op is not None:
+            node.prefetch = None
+            op.on_device -= 1
+            if op.on_device == 0 and not op.used:
+                self.counters.prefetch_wasted += 1
         self.counters.evicted_gpu_tokens += len(node.key)
         if not node.cpu:
             self.counters.dropped_tokens += len(node.key)

@@ -42,6 +42,15 @@ _ids = itertools.count()
 
 
 @dataclass(eq=False)
+class PrefetchOp:
+    """One prefetch (a load of an agent's prompt nodes ahead of its call). Used once a request's
+    prefix includes any of its nodes; wasted if all its nodes leave the device before that."""
+
+    on_device: int  # its nodes still holding the device copy it loaded
+    used: bool = False
+
+
+@dataclass(eq=False)
 class RadixNode:
     key: tuple[int, ...]
     parent: RadixNode | None
@@ -61,6 +70,7 @@ class RadixNode:
     loaded_at: float = 0.0  # engine clock when its latest host -> device load landed (stall accounting)
     # cached min-distance for the eviction policy: (policy version, value)
     prio_cache: tuple[int, float] = (-1, 0.0)
+    prefetch: PrefetchOp | None = None  # the prefetch that brought its device copy, until used or evicted
 
     @property
     def tier(self) -> Tier:

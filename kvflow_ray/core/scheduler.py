@@ -191,7 +191,8 @@ class ReplicaScheduler:
             "running": len(self.running),
             "prompt_tokens": {"gpu": s.gpu_tokens, "cpu": s.cpu_tokens, "miss": s.miss_tokens},
             "loaded_tokens": s.loaded_tokens,
-            "prefetch": {"issued": s.prefetch_issued, "completed": s.prefetch_completed},
+            "prefetch": {"issued": s.prefetch_issued, "completed": s.prefetch_completed,
+                         "used": c.prefetch_used, "wasted": c.prefetch_wasted},
             "prefetch_stall_s": s.stall_s,
             "evicted_tokens": {"gpu": c.evicted_gpu_tokens, "cpu": c.evicted_cpu_tokens,
                                "written_back": c.written_back_tokens, "dropped": c.dropped_tokens},
@@ -218,6 +219,7 @@ class ReplicaScheduler:
             if op.nodes:
                 self.prefetch_inflight += 1
                 self.stats.prefetch_issued += 1
+                self.cache.prefetched(op.nodes)
                 self._load(op.nodes, op.tokens, prefetch=True)
 
     # ------------------------------------------------------------------ copies
@@ -323,6 +325,7 @@ class ReplicaScheduler:
                 self.queued_reserved -= req.reserved
                 req.reserved = 0
             req.locked = match.last
+            self.cache.use_prefetched(match.path)
             if host:
                 self._load(host, self.cache.start_load(host), prefetch=False)
             self.cache.alloc(private)

@@ -63,7 +63,7 @@ class ReplicaMetrics:
         self._advance(self.evicted.labels(self.replica, "gpu", "dropped"), "gpu_drop",
                       evicted["gpu"] - evicted["written_back"])
         self._advance(self.evicted.labels(self.replica, "cpu", "capacity"), "cpu", evicted["cpu"])
-        for outcome in ("issued", "completed"):
+        for outcome in ("issued", "completed", "used", "wasted"):
             self._advance(self.prefetch.labels(self.replica, outcome), outcome, stats["prefetch"][outcome])
 
     def _advance(self, counter: Any, key: str, value: float) -> None:
