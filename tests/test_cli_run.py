@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,19 +17,14 @@ pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
-def test_run_starts_the_embedded_default_and_reports() -> None:
+def test_run_starts_the_embedded_default_and_reports(free_port: Callable[[], int]) -> None:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run(
         [sys.executable, "-m", "kvflow_ray.cli", "run", str(ROOT / "workflows" / "peer.yaml"), "--clients", "3",
-         "--iterations", "2", "--max-tokens", "4", "--port", str(_free_port()), "--json"],
+         "--iterations", "2", "--max-tokens", "4", "--port", str(free_port()), "--json"],
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)

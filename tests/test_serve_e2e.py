@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,32 +29,20 @@ from kvflow_ray.serve.config import AppConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PEER = Workflow.from_yaml(Path(__file__).resolve().parents[1] / "workflows" / "peer.yaml")
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 KEYS = {"key-acme": "acme", "key-beta": "beta"}
 ORDER = ["planner", "executor", "expresser", "reviewer"]
 
 
 @pytest.fixture(scope="module")
-def server(redis_url: str) -> Iterator[LocalServer]:
+def server(redis_url: str, free_port: Callable[[], int]) -> Iterator[LocalServer]:
     import redis
 
     redis.Redis.from_url(redis_url).flushdb()
     # A small device pool (prompts + a few requests) so that eviction, the host tier and prefetch all run.
     config = AppConfig(replicas=2, redis=redis_url, api_keys=KEYS, device_kv_tokens=1536, host_kv_tokens=16384,
                        max_running=8, threads=1)
-    local = LocalServer(config, port=_free_port(), num_cpus=2)
-    local.start(timeout_s=240)
-    try:
+    with LocalServer(config, port=free_port(), num_cpus=2) as local:
         yield local
-    finally:
-        local.stop()
 
 
 class _Response:

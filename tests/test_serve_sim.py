@@ -3,8 +3,7 @@ tokens) behind the same ingress, router and Ray Serve request router; real Ray, 
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,21 +19,12 @@ pytestmark = pytest.mark.slow
 PEER = Workflow.from_yaml(Path(__file__).resolve().parents[1] / "workflows" / "peer.yaml")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LocalServer]:
+def server(free_port: Callable[[], int]) -> Iterator[LocalServer]:
     config = AppConfig(engine="sim", replicas=3, time_scale=0.05)
-    local = LocalServer(config, port=_free_port(), num_cpus=2)
-    local.start(timeout_s=240)
-    try:
+    with LocalServer(config, port=free_port(), num_cpus=2) as local:
         yield local
-    finally:
-        local.stop()
 
 
 def test_simulated_gpu_replicas_serve_workflows_with_affinity(server: LocalServer) -> None:

@@ -68,21 +68,27 @@ def test_bad_requests_are_value_errors_and_change_nothing() -> None:
         engine.close()
 
 
+def _prefetch_after_eviction(engine: SimEngine, fixed: list[int]) -> None:
+    """Agent a's prompt runs, goes to the host (a long plain request needs the room while a is far
+    away), then comes back by prefetch when a is next; returns once the prefetch landed."""
+    engine.apply_hints(Hints(prompts={("wf", "a"): tuple(fixed)}, steps={"wf": {"a": 0}}))
+    engine.generate(_request([*fixed, 9], workflow="wf", agent="a"))  # boundary from the registered prompt
+    engine.apply_hints(Hints(steps={"wf": {"a": 5}}))  # far away now
+    engine.generate(_request([8] + [i % 200 for i in range(1500)]))  # pushes the prompt to the host
+    stats = engine.stats()
+    assert stats["evicted_tokens"]["written_back"] >= 1200 and stats["cache_tokens"]["cpu"] >= 1200
+    engine.apply_hints(Hints(steps={"wf": {"a": 1}}))  # next: prefetch it back
+    deadline = time.monotonic() + 10
+    while engine.stats()["prefetch"]["completed"] == 0:
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.01)
+
+
 def test_evicted_prompts_are_written_back_and_prefetched_on_hints() -> None:
     engine = SimEngine("a10g-llama3.1-8b", time_scale=FAST, device_kv_tokens=2000)
     try:
         fixed = [7] + [i % 256 for i in range(1199)]
-        engine.apply_hints(Hints(prompts={("wf", "a"): tuple(fixed)}, steps={"wf": {"a": 0}}))
-        engine.generate(_request([*fixed, 9], workflow="wf", agent="a"))  # boundary from the registered prompt
-        engine.apply_hints(Hints(steps={"wf": {"a": 5}}))  # far away now
-        engine.generate(_request([8] + [i % 200 for i in range(1500)]))  # pushes the prompt to the host
-        stats = engine.stats()
-        assert stats["evicted_tokens"]["written_back"] >= 1200 and stats["cache_tokens"]["cpu"] >= 1200
-        engine.apply_hints(Hints(steps={"wf": {"a": 1}}))  # next: prefetch it back
-        deadline = time.monotonic() + 10
-        while engine.stats()["prefetch"]["completed"] == 0:
-            assert time.monotonic() < deadline, engine.stats()
-            time.sleep(0.01)
+        _prefetch_after_eviction(engine, fixed)
         again = engine.generate(_request([*fixed, 10], workflow="wf", agent="a"))
         assert again.gpu_hit_tokens >= 1200 and again.miss_tokens <= 1
         assert engine.stats()["prefetch"]["used"] == 1 and engine.stats()["prefetch"]["wasted"] == 0
@@ -95,16 +101,7 @@ def test_evicted_prompts_are_written_back_and_prefetched_on_hints() -> None:
 def test_a_prefetch_evicted_before_its_agent_runs_counts_as_wasted() -> None:
     engine = SimEngine("a10g-llama3.1-8b", time_scale=FAST, device_kv_tokens=2000)
     try:
-        fixed = [5] + [i % 256 for i in range(1199)]
-        engine.apply_hints(Hints(prompts={("wf", "a"): tuple(fixed)}, steps={"wf": {"a": 0}}))
-        engine.generate(_request([*fixed, 9], workflow="wf", agent="a"))
-        engine.apply_hints(Hints(steps={"wf": {"a": 5}}))
-        engine.generate(_request([6] + [i % 200 for i in range(1500)]))  # the prompt goes to the host
-        engine.apply_hints(Hints(steps={"wf": {"a": 1}}))  # prefetched back ...
-        deadline = time.monotonic() + 10
-        while engine.stats()["prefetch"]["completed"] == 0:
-            assert time.monotonic() < deadline, engine.stats()
-            time.sleep(0.01)
+        _prefetch_after_eviction(engine, [5] + [i % 256 for i in range(1199)])
         engine.apply_hints(Hints(retire=["wf"]))  # ... but the workflow ends instead
         engine.generate(_request([4] + [i % 190 for i in range(1700)]))  # needs the room: the prompt goes
         prefetch = engine.stats()["prefetch"]

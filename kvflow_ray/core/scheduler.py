@@ -10,7 +10,7 @@ policies this calls, never in an engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -18,7 +18,7 @@ from kvflow_ray.core.admission import AdmissionPolicy, FCFSAdmission, StatusAwar
 from kvflow_ray.core.cache import TieredCache
 from kvflow_ray.core.policies import StepBook
 from kvflow_ray.core.prefetch import NoPrefetch, PrefetchPolicy, StepsAheadPrefetch, plan_prefetch
-from kvflow_ray.core.radix import GpuState, RadixNode
+from kvflow_ray.core.radix import GpuState, RadixNode, Tag
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,11 @@ class ReplicaScheduler:
                              "lower max_tokens or enlarge the device pool")
 
     def submit(self, req: CacheRequest) -> None:
+        """Queue a request. `fixed_len` < 0: the boundary of the agent's registered prompt when the
+        request starts with it, else none (DESIGN.md §3)."""
+        if req.fixed_len < 0:
+            prompt = self.book.prompt((req.workflow, req.agent)) if req.workflow is not None else None
+            req.fixed_len = len(prompt) if prompt is not None and req.tokens[:len(prompt)] == tuple(prompt) else 0
         self.check(req)
         req.arrival = self.clock()
         # split: a prefix that ends inside a node (a preamble shared by other agents) counts too
@@ -180,6 +185,19 @@ class ReplicaScheduler:
             req.private = 0
             self.cache.tree.unlock(req.locked)
             req.locked = None
+
+    def apply_hints(self, steps: Mapping[str, Mapping[str, float]], prompts: Mapping[Tag, Sequence[int]],
+                    retire: Iterable[str]) -> None:
+        """What the workflow layer says: agents' fixed prompts, new steps-to-execution, finished
+        workflow instances (their prompts lose their tags); then plan prefetches."""
+        for tag, tokens in prompts.items():
+            self.book.register_prompt(tag, tokens)
+        for workflow, agent_steps in steps.items():
+            self.book.set_steps(workflow, agent_steps)
+        for workflow in retire:
+            self.book.retire(workflow)
+            self.cache.retire_workflow(workflow)
+        self.plan_prefetch()
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self) -> dict[str, Any]:

@@ -264,23 +264,13 @@ class CpuEngine:
                 self._apply(item)
 
     def _admit_request(self, req: CpuRequest) -> None:
-        if req.fixed_len < 0:  # boundary from the agent's registered prompt, when the request starts with it
-            prompt = self.book.prompt((req.workflow, req.agent)) if req.workflow is not None else None
-            req.fixed_len = len(prompt) if prompt is not None and req.tokens[:len(prompt)] == prompt else 0
         try:
             self.scheduler.submit(req)
         except ValueError as exc:
             self._fail(req, exc)
 
     def _apply(self, hints: Hints) -> None:
-        for tag, tokens in hints.prompts.items():
-            self.book.register_prompt(tag, tokens)
-        for workflow, steps in hints.steps.items():
-            self.book.set_steps(workflow, steps)
-        for workflow in hints.retire:
-            self.book.retire(workflow)
-            self.cache.retire_workflow(workflow)
-        self.scheduler.plan_prefetch()
+        self.scheduler.apply_hints(hints.steps, hints.prompts, hints.retire)
 
     # ------------------------------------------------------------------ copies (the Copier protocol)
     def load(self, nodes: list[RadixNode], tokens: int, prefetch: bool) -> None:

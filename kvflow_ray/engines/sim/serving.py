@@ -150,13 +150,7 @@ class SimEngine:
                                      fixed_len=fixed if fixed is not None else -1, max_new=request.max_tokens,
                                      output_tokens=output, on_done=done)
 
-        def arrive() -> None:
-            if req.fixed_len < 0:  # boundary from the agent's registered prompt, when the request starts with it
-                prompt = self.book.prompt((req.workflow, req.agent)) if req.workflow is not None else None
-                req.fixed_len = len(prompt) if prompt is not None and tokens[:len(prompt)] == prompt else 0
-            self.replica.submit(req)
-
-        self.clock.soon(arrive)
+        self.clock.soon(lambda: self.replica.submit(req))
         return req
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
@@ -173,14 +167,7 @@ class SimEngine:
 
     def apply_hints(self, hints: Hints) -> None:
         def apply() -> None:
-            for tag, tokens in hints.prompts.items():
-                self.book.register_prompt(tag, tokens)
-            for workflow, steps in hints.steps.items():
-                self.book.set_steps(workflow, steps)
-            for workflow in hints.retire:
-                self.book.retire(workflow)
-                self.cache.retire_workflow(workflow)
-            self.replica.on_hints()
+            self.scheduler.apply_hints(hints.steps, hints.prompts, hints.retire)
             self.replica.kick()
 
         self.clock.soon(apply)
