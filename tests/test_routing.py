@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvflow_ray.core.routing import PrefixAffinityRouter
@@ -43,6 +43,7 @@ def test_dead_holders_are_ignored_and_no_replica_is_an_error() -> None:
 @given(st.dictionaries(st.sampled_from("abcde"), st.integers(0, 50), min_size=1),
        st.dictionaries(st.sampled_from("abcdef"), st.sampled_from(["gpu", "cpu"])),
        st.integers(1, 10_000))
+@example(loads={"a": 5, "b": 0, "c": 1}, holders={"a": "gpu", "c": "cpu"}, tokens=1)  # a busy device holder
 def test_decisions_are_live_and_bounded(loads: dict[str, int], holders: dict[str, str], tokens: int) -> None:
     d = ROUTER.route(holders, loads, tokens)
     assert d.replica in loads

@@ -51,8 +51,11 @@ class PrefixAffinityRouter:
         live_holders = {r: t for r, t in holders.items() if r in loads}
         least = min(loads.values())
         if live_holders:
-            best = min(live_holders, key=lambda r: (TIER_RANK.get(live_holders[r], 2), loads[r], r))
-            if loads[best] - least <= self.balance_threshold:
+            # the best tier among the holders within the threshold (a device holder that is too busy
+            # does not hide a host holder that is not)
+            within = [r for r in live_holders if loads[r] - least <= self.balance_threshold]
+            if within:
+                best = min(within, key=lambda r: (TIER_RANK.get(live_holders[r], 2), loads[r], r))
                 return RouteDecision(best, "affinity", live_holders[best])
         elif home in loads and loads[home] - least <= self.balance_threshold:
             return RouteDecision(home, "cold", None)
