@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvflow_ray.core.graph import SpecError, UnknownAgentError
-from kvflow_ray.engines.base import CacheEvent
+from kvflow_ray.engines.base import CacheEvent, Hints
 from kvflow_ray.serve.router_core import NoReplicaError, RouterCore, UnknownClientError, UnknownWorkflowError
 from kvflow_ray.serve.store import MemoryStore, RedisStore, Store
 
@@ -95,17 +95,24 @@ def test_hints_carry_steps_and_deviations_are_served_and_counted(router: RouterC
         router.start_call("acme", "c1", "ghost")
 
 
+def _steps(hints: list[tuple[str, Hints]], key: str) -> dict[str, float]:
+    """The instance's steps-to-execution: the least value any replica was told (replicas an agent will
+    not be routed to hear it one step past the prefetch horizon)."""
+    told = [h.steps[key] for _replica, h in hints]
+    return {agent: min(steps[agent] for steps in told) for agent in told[0]}
+
+
 def test_a_restarted_router_resumes_from_the_store(router: RouterCore) -> None:
     route = router.start_call("acme", "c1", "planner", workflow="peer")
     router.end_call("acme", "c1", "planner", route.replica)
     router.start_call("acme", "c1", "executor")
-    before = router.start_call("acme", "c2", "planner", workflow="peer").hints[0][1].steps
+    before = _steps(router.start_call("acme", "c2", "planner", workflow="peer").hints, "acme/c2")
     restarted = RouterCore(router.store)  # a new actor: nothing in memory but the store
     restarted.add_replica("r1")
     hints = restarted.end_call("acme", "c1", "executor")
     steps = hints[0][1].steps["acme/c1"]
     assert steps == {"planner": 3, "executor": 4, "expresser": 1, "reviewer": 2}
-    assert restarted.start_call("acme", "c2", "planner").hints[0][1].steps == before
+    assert _steps(restarted.start_call("acme", "c2", "planner").hints, "acme/c2") == before
     assert restarted.active_clients() == {"acme": 2}
 
 
@@ -163,3 +170,19 @@ def test_a_cold_agent_goes_to_its_workflows_home_replica(router: RouterCore) -> 
     router.loads[first.replica] += 10  # far busier than the other replica: the cheapest one instead
     router.end_call("acme", "c1", "executor", route.replica)
     assert router.start_call("acme", "c1", "expresser", prefix_hash="x", prefix_tokens=100).replica == other
+
+
+def test_prefetch_is_hinted_only_where_the_next_agent_will_run(router: RouterCore) -> None:
+    """Every replica hears the steps (for eviction); only the replica the next agent will be routed
+    to hears it within the prefetch horizon, so only that one loads its prompt ahead."""
+    router.cache_events("r2", [CacheEvent("stored", "cpu", "h-executor", 20)])  # r2 has it on the host
+    router.cache_events("r1", [CacheEvent("stored", "cpu", "h-executor", 20)])  # so has r1 ...
+    router.loads["r1"] = 3  # ... but r1 is busy: the executor would go to r2
+    route = router.start_call("acme", "c1", "executor", workflow="peer", prefix_hash="h-executor",
+                              prefix_tokens=20)
+    assert route.replica == "r2"
+    router.end_call("acme", "c1", "executor", "r2")
+    hints = dict(router.start_call("acme", "c1", "planner").hints)  # the executor is next again (E = 1)
+    assert hints["r2"].steps["acme/c1"]["executor"] == 1
+    assert hints["r1"].steps["acme/c1"]["executor"] == 2  # kept by priority there, not prefetched
+    assert hints["r1"].steps["acme/c1"]["planner"] == hints["r2"].steps["acme/c1"]["planner"] == 0

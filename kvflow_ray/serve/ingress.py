@@ -76,7 +76,8 @@ class Ingress:
         self.config = AppConfig.from_dict(config)
         self.engine = engine
         self.router = get_router(self.config.redis, ttl_s=self.config.state_ttl_s,
-                                 balance_threshold=self.config.balance_threshold)
+                                 balance_threshold=self.config.balance_threshold,
+                                 prefetch_horizon=self.config.horizon)
         # the engines' own tokenizer and context (the engine checks a prompt against its pool too)
         self.tokenizer = load_tokenizer(self.config.model_path if self.config.engine == "cpu" else None)
         self.model_name = self.config.model_name()

@@ -65,7 +65,8 @@ class EngineReplica:
         self.tokenizer = self.engine.tokenizer
         self.metrics = ReplicaMetrics(self.name)
         self.router = get_router(self.config.redis, ttl_s=self.config.state_ttl_s,
-                                 balance_threshold=self.config.balance_threshold)
+                                 balance_threshold=self.config.balance_threshold,
+                                 prefetch_horizon=self.config.horizon)
         self._prefix_cache: dict[str, tuple[int, ...]] = {}  # agent prompt text -> its token ids
         self._stop = threading.Event()
         self._events_lock = threading.Lock()  # one drain of the engine's events at a time, in order

@@ -40,9 +40,11 @@ def _hints(pairs: list[tuple[str, Hints]]) -> list[tuple[str, dict[str, Any]]]:
 
 @ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0, max_concurrency=10_000)
 class WorkflowRouterActor:
-    def __init__(self, store_url: str | None = None, ttl_s: float = 3600.0, balance_threshold: int = 2) -> None:
+    def __init__(self, store_url: str | None = None, ttl_s: float = 3600.0, balance_threshold: int = 2,
+                 prefetch_horizon: int = 1) -> None:
         self.instance = uuid.uuid4().hex  # changes on every (re)start
-        self.core = RouterCore(open_store(store_url, ttl_s), PrefixAffinityRouter(balance_threshold=balance_threshold))
+        self.core = RouterCore(open_store(store_url, ttl_s), PrefixAffinityRouter(balance_threshold=balance_threshold),
+                               prefetch_horizon=prefetch_horizon)
         self.metrics = RouterMetrics()
         self.expositions: dict[str, bytes] = {}  # replica -> its latest metrics
         self._wakeups: dict[str, asyncio.Event] = {}
@@ -158,13 +160,14 @@ class WorkflowRouterActor:
 
 
 def get_router(store_url: str | None = None, *, create: bool = True, ttl_s: float = 3600.0,
-               balance_threshold: int = 2) -> Any:
+               balance_threshold: int = 2, prefetch_horizon: int = 1) -> Any:
     """The deployment's router actor, created on first use (named, so every process finds the same
     one; the first creator's settings win)."""
     if not create:
         return ray.get_actor(ROUTER_NAME, namespace=ROUTER_NAMESPACE)
     return WorkflowRouterActor.options(name=ROUTER_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True,
-                                       lifetime="detached").remote(store_url, ttl_s, balance_threshold)
+                                       lifetime="detached").remote(store_url, ttl_s, balance_threshold,
+                                                                             prefetch_horizon)
 
 
 def stop_router() -> None:

@@ -75,9 +75,10 @@ def workflow_key(tenant: str, client_id: str) -> str:
 
 
 class RouterCore:
-    def __init__(self, store: Store, policy: PrefixAffinityRouter | None = None) -> None:
+    def __init__(self, store: Store, policy: PrefixAffinityRouter | None = None, prefetch_horizon: int = 1) -> None:
         self.store = store
         self.policy = policy or PrefixAffinityRouter()
+        self.prefetch_horizon = prefetch_horizon  # the engines prefetch agents this many steps ahead
         self.loads: dict[str, int] = {}  # live replicas -> requests queued or running there
         self.decisions: Counter[str] = Counter()
         self.deviations = 0
@@ -209,6 +210,8 @@ class RouterCore:
         decision = self.policy.route(holders, self.loads, prefix_tokens, home=record.get("home"))
         record["placement"][agent] = decision.replica
         record["home"] = decision.replica
+        if prefix_hash:  # where this agent's prompt lives next time: for prefetch hints (below)
+            record.setdefault("prefixes", {})[agent] = [prefix_hash, prefix_tokens]
         if prefix_hash and decision.tier is None:
             # The chosen replica will hold the prefix once this call's prefill runs: say so now, so
             # calls for the same prefix that arrive before its cache event follow it there instead
@@ -219,7 +222,7 @@ class RouterCore:
         self.decisions[decision.outcome] += 1
         key = workflow_key(tenant, client_id)
         route = Route(decision.replica, decision.outcome, key, spec.agents[agent].prompt, deviation,
-                      self._hints(key, state, spec))
+                      self._hints(key, state, spec, record))
         self._record_latency(time.perf_counter() - started)
         return route
 
@@ -232,7 +235,7 @@ class RouterCore:
             raise UnknownAgentError(agent, spec.name, spec.agents)
         state.finish(agent)
         self._save_client(tenant, client_id, spec, state, record)
-        return self._hints(workflow_key(tenant, client_id), state, spec)
+        return self._hints(workflow_key(tenant, client_id), state, spec, record)
 
     def finish_client(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:
         """`POST /v1/clients/{id}/finish`: the workflow instance is over; its prompts are retired."""
@@ -271,20 +274,49 @@ class RouterCore:
                 self._locations[prefix_hash] = holders
         return holders
 
-    def _hints(self, key: str, state: WorkflowState, spec: WorkflowSpec) -> list[tuple[str, Hints]]:
-        # Every replica may hold some of this client's prefixes (shared templates), so every live
-        # replica gets the new steps; hints are a few numbers per agent. A replica learns the
-        # agents' prompts (for prefetch) the first time it hears of the instance.
+    def _hints(self, key: str, state: WorkflowState, spec: WorkflowSpec,
+               record: dict[str, Any]) -> list[tuple[str, Hints]]:
+        """New steps-to-execution of one workflow instance for every live replica (any of them may
+        hold some of its prefixes: shared templates, so eviction everywhere needs them). Prefetch
+        is for the replica an upcoming agent will be routed to: elsewhere, agents within the
+        prefetch horizon are reported one step beyond it, so other replicas keep their prompts
+        by priority but do not load them. A replica learns the agents' prompts (for prefetch) the
+        first time it hears of the instance."""
         steps_now = state.steps_to_execution()
+        targets = self._prefetch_targets(steps_now, record)
         prompts = {agent: a.prompt for agent, a in spec.agents.items() if a.prompt}
-        for replica in self.loads:
+        out = []
+        for replica in sorted(self.loads):
+            steps = dict(steps_now)
+            for agent, target in targets.items():
+                if target != replica:
+                    steps[agent] = max(steps[agent], self.prefetch_horizon + 1)
             batch = self._outbox.setdefault(replica, HintBatch())
-            batch.steps[key] = dict(steps_now)
+            batch.steps[key] = steps
             if prompts and (replica, key) not in self._told:
                 self._told.add((replica, key))
                 batch.prompts[key] = prompts
-        steps = Hints(steps={key: steps_now})
-        return [(replica, steps) for replica in sorted(self.loads)]
+            out.append((replica, Hints(steps={key: steps})))
+        return out
+
+    def _prefetch_targets(self, steps: dict[str, float], record: dict[str, Any]) -> dict[str, str]:
+        """Where each agent about to run (0 < E <= horizon) would be routed now: the same decision
+        `start_call` makes, from where its prompt was seen last and the workflow's home. Agents
+        never called yet, with no home to go to, have no target (every replica may prefetch)."""
+        targets: dict[str, str] = {}
+        if not self.loads:
+            return targets
+        prefixes = record.get("prefixes", {})
+        home = record.get("home")
+        for agent, e in steps.items():
+            if not 0 < e <= self.prefetch_horizon:
+                continue
+            prefix_hash, tokens = prefixes.get(agent, (None, 0))
+            if prefix_hash is None and home not in self.loads:
+                continue
+            holders = self._holders(prefix_hash) if prefix_hash else {}
+            targets[agent] = self.policy.route(holders, self.loads, tokens, home=home).replica
+        return targets
 
     def _record_latency(self, seconds: float) -> None:
         self.decision_seconds.append(seconds)
