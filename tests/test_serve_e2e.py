@@ -215,6 +215,23 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server: LocalSe
     assert _http(server, "GET", "/health", key=None).json()["status"] == "ok"
 
 
+def test_a_workflow_spec_can_come_inline_with_the_first_call(server: LocalServer) -> None:
+    inline = {**PEER.spec.to_dict(), "name": "peer-inline"}
+    body = {"max_tokens": 4, "messages": [{"role": "system", "content": PEER.spec.agents["planner"].prompt},
+                                          {"role": "user", "content": "inline"}],
+            "kvflow": {"client_id": "inline-1", "agent": "planner", "workflow_spec": inline}}
+    first = _http(server, "POST", "/v1/chat/completions", json_body=body)
+    assert first.status_code == 200, first.text
+    assert _http(server, "GET", "/v1/workflows/peer-inline").json()["name"] == "peer-inline"  # registered
+    follow = {**body, "kvflow": {"client_id": "inline-1", "agent": "executor"}}  # the client is known now
+    assert _http(server, "POST", "/v1/chat/completions", json_body=follow).status_code == 200
+    clash = {**body, "kvflow": {**body["kvflow"], "client_id": "inline-2", "workflow": "other"}}
+    assert "differs from the inline spec" in _error(_http(server, "POST", "/v1/chat/completions", json_body=clash), 400)
+    broken = {**body, "kvflow": {**body["kvflow"], "client_id": "inline-3", "workflow_spec": {"name": "x"}}}
+    assert "agents" in _error(_http(server, "POST", "/v1/chat/completions", json_body=broken), 400)
+    _http(server, "POST", "/v1/clients/inline-1/finish").raise_for_status()
+
+
 # ---------------------------------------------------------------------------------------------- tenancy
 def test_tenants_cannot_see_finish_or_steer_each_other(server: LocalServer) -> None:
     acme, beta = _sdk(server, "key-acme"), _sdk(server, "key-beta")

@@ -117,3 +117,17 @@ def test_the_load_generator_walks_each_example_workflow(name: str, calls: int | 
 def test_percentile_is_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
     assert percentile(values, 50) == 50 and percentile(values, 99) == 99 and percentile(values, 100) == 100
+
+
+def test_router_errors_map_to_http_statuses() -> None:
+    from kvflow_ray.core.graph import SpecError, UnknownAgentError
+    from kvflow_ray.serve.ingress import _to_api_error
+    from kvflow_ray.serve.router_core import NoReplicaError, UnknownClientError, UnknownWorkflowError
+
+    cases = [(NoReplicaError("no live engine replica"), 503), (UnknownClientError("unknown client 'c'"), 404),
+             (UnknownWorkflowError("unknown workflow 'w'"), 404), (SpecError("agents", "is empty"), 400),
+             (UnknownAgentError("ghost", "peer", ["planner"]), 400), (ValueError("bad"), 400)]
+    for exc, status in cases:
+        error = _to_api_error(exc)
+        assert error is not None and error.status == status and str(exc) in error.message
+    assert _to_api_error(RuntimeError("a bug")) is None  # not a request error: a 500, logged
