@@ -34,3 +34,25 @@ def test_run_starts_the_embedded_default_and_reports(free_port: Callable[[], int
     assert 0 < report["gpu_hit_ratio"] <= 1 and 0 < report["affinity_ratio_after_warmup"] <= 1
     assert sum(report["router_decisions"].values()) == report["calls"]
     assert "starting the embedded server" in done.stderr
+
+
+@pytest.mark.slow
+def test_serve_prints_its_url_serves_and_stops_on_sigterm(free_port: Callable[[], int]) -> None:
+    import signal
+    import urllib.request
+
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "kvflow_ray.cli", "serve", "--port", str(free_port()),
+                             "--replicas", "1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]  # printed once the app is healthy
+        info = json.loads(line)
+        with urllib.request.urlopen(info["url"] + "/health", timeout=10) as response:
+            assert json.loads(response.read())["status"] == "ok"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -19,7 +19,7 @@ import argparse
 import json
 import signal
 import sys
-import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = app_config(args)
@@ -96,15 +100,16 @@ def run(args: argparse.Namespace) -> int:
     server = LocalServer(config, host=args.host, port=args.port)
     print(f"starting {config.replicas} {config.engine} replica(s), routing={config.routing}, "
           f"store={'redis' if config.redis else 'embedded'} ...", file=sys.stderr)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         with stdout_to_stderr():  # stdout: the one JSON line below, for scripts that start the server
             server.start()
+        # after Ray's start, which installs its own SIGTERM handler: a TERM stops us as Ctrl-C does
+        signal.signal(signal.SIGTERM, _interrupt)
         print(json.dumps({"url": server.url, "openai_base_url": server.url + "/v1", "replicas": config.replicas}),
               flush=True)
         print("serving; Ctrl-C to stop", file=sys.stderr)
-        stop.wait()
+        while True:
+            time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
