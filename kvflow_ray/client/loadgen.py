@@ -114,7 +114,6 @@ class _Client:
         self.run = workflow.client(base_url=base_url, api_key=config.api_key, model=config.model,
                                    register=register, timeout=config.timeout_s,
                                    client_id=f"{workflow.name}-{index}-{uuid.uuid4().hex[:8]}")
-        self.entry = set(workflow.spec.start_agents())
         self.last_output = ""
 
     def call(self, agent: str, iteration: int) -> None:
@@ -144,24 +143,36 @@ class _Client:
 
     def go(self) -> None:
         """All iterations of this client, then `finish`."""
-        spec = self.workflow.spec
-        with self.run, ThreadPoolExecutor(max_workers=max(1, len(spec.agents))) as pool:
+        stages = iteration_stages(self.workflow)
+        with self.run, ThreadPoolExecutor(max_workers=max(1, len(self.workflow.spec.agents))) as pool:
             for iteration in range(self.config.iterations):
                 started = time.perf_counter()
-                state = WorkflowState(spec, running=[])
-                ready = sorted(self.entry)
-                while ready:
-                    for agent in ready:
-                        state.start(agent)
-                    list(pool.map(lambda a, it=iteration: self.call(a, it), ready))
-                    following: list[str] = []
-                    for agent in ready:
-                        state.finish(agent)
-                        following += [v for v in spec.successors(agent)
-                                      if v not in following and v not in state.running and state.ready(v)]
-                    ready = [v for v in following if v not in self.entry]  # back at the entry: next iteration
+                for stage in stages:
+                    list(pool.map(lambda a, it=iteration: self.call(a, it), stage))
                 with self.lock:
                     self.result.iterations.append(time.perf_counter() - started)
+
+
+def iteration_stages(workflow: Workflow) -> list[list[str]]:
+    """One iteration's walk of the step graph, as stages of agents that become ready together (they
+    run concurrently): the entry agents, then every successor that becomes ready, until the walk
+    returns to the entry (a loop) or drains (a DAG). The walk depends on the graph alone."""
+    spec = workflow.spec
+    entry = set(spec.start_agents())
+    state = WorkflowState(spec, running=[])
+    stages: list[list[str]] = []
+    ready = sorted(entry)
+    while ready:
+        stages.append(ready)
+        for agent in ready:
+            state.start(agent)
+        following: list[str] = []
+        for agent in ready:
+            state.finish(agent)
+            following += [v for v in spec.successors(agent)
+                          if v not in following and v not in state.running and state.ready(v)]
+        ready = [v for v in following if v not in entry]  # back at the entry: the iteration is over
+    return stages
 
 
 def run_load(workflow: Workflow | Sequence[Workflow], base_url: str, config: LoadConfig, *,
@@ -195,22 +206,7 @@ def run_load(workflow: Workflow | Sequence[Workflow], base_url: str, config: Loa
 
 
 def _calls_per_iteration(workflow: Workflow) -> int:
-    """Agent calls one iteration makes (the walk of `_Client.go`, without a server)."""
-    spec = workflow.spec
-    entry = set(spec.start_agents())
-    state = WorkflowState(spec, running=[])
-    ready, calls = sorted(entry), 0
-    while ready:
-        calls += len(ready)
-        for agent in ready:
-            state.start(agent)
-        following: list[str] = []
-        for agent in ready:
-            state.finish(agent)
-            following += [v for v in spec.successors(agent)
-                          if v not in following and v not in state.running and state.ready(v)]
-        ready = [v for v in following if v not in entry]
-    return calls
+    return sum(len(stage) for stage in iteration_stages(workflow))
 
 
 def _delta(result: LoadResult, name: str, **labels: str) -> float:

@@ -24,14 +24,13 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from kvflow_ray.core.graph import SpecError, UnknownAgentError, WorkflowSpec, parse_spec
-from kvflow_ray.engines.base import prefix_hash
+from kvflow_ray.engines.base import GenerateResult, prefix_hash
 from kvflow_ray.engines.cpu.config import ModelConfig
 from kvflow_ray.engines.cpu.tokenizer import load_tokenizer
 from kvflow_ray.serve.config import AppConfig
 from kvflow_ray.serve.openai_api import (
     ApiError,
     ParsedRequest,
-    agent_prefix,
     fixed_boundary,
     parse_request,
     response_body,
@@ -88,7 +87,7 @@ class Ingress:
         else:
             self.max_context = ModelConfig().max_context if self.config.model_path is None else 1 << 30
         self.routed = self.config.routing == "workflow"
-        self._templates: dict[tuple[str, str], tuple[float, WorkflowSpec, dict[str, tuple[int, ...]]]] = {}
+        self._templates: dict[tuple[str, str], tuple[float, WorkflowSpec]] = {}  # -> (fetched at, spec)
 
     # ------------------------------------------------------------------ plumbing
     async def _call_router(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -130,22 +129,19 @@ class Ingress:
                 api_error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
             return _error(api_error)
 
-    async def _template(self, tenant: str, name: str) -> tuple[WorkflowSpec, dict[str, tuple[int, ...]]]:
-        """The template (cached briefly) and its agents' fixed prompts as token ids."""
+    async def _template(self, tenant: str, name: str) -> WorkflowSpec:
+        """The template, cached briefly."""
         cached = self._templates.get((tenant, name))
         if cached is not None and time.monotonic() - cached[0] < TEMPLATE_CACHE_S:
-            return cached[1], cached[2]
+            return cached[1]
         spec = parse_spec(await self._call_router("get_template", tenant, name))
-        return self._remember(tenant, spec)
+        self._remember(tenant, spec)
+        return spec
 
-    def _remember(self, tenant: str, spec: WorkflowSpec) -> tuple[WorkflowSpec, dict[str, tuple[int, ...]]]:
-        render, encode = self.tokenizer.apply_chat_template, self.tokenizer.encode
-        prefixes = {agent: tuple(agent_prefix(render, encode, a.prompt)) for agent, a in spec.agents.items()
-                    if a.prompt}
+    def _remember(self, tenant: str, spec: WorkflowSpec) -> None:
         if len(self._templates) > 10_000:
             self._templates.clear()
-        self._templates[(tenant, spec.name)] = (time.monotonic(), spec, prefixes)
-        return spec, prefixes
+        self._templates[(tenant, spec.name)] = (time.monotonic(), spec)
 
     # ------------------------------------------------------------------ completions
     async def completion(self, request: Request, *, chat: bool) -> Response:
@@ -173,7 +169,7 @@ class Ingress:
         finally:
             await self._end_call(call)
         result = outcome["result"]
-        body = response_body(_Result(result), chat=chat, model=self.model_name)
+        body = response_body(GenerateResult(**result), chat=chat, model=self.model_name)
         headers = {"x-kvflow-replica": outcome["replica"], "x-kvflow-route": call.outcome if call else "plain"}
         return JSONResponse(body, headers=headers)
 
@@ -193,7 +189,7 @@ class Ingress:
             self._remember(tenant, spec)
         if workflow is None:
             workflow = await self._call_router("client_workflow", tenant, meta.client_id)
-        spec, prefixes = await self._template(tenant, workflow)
+        spec = await self._template(tenant, workflow)
         if meta.agent not in spec.agents:
             raise UnknownAgentError(meta.agent, spec.name, spec.agents)
         boundary = meta.fixed_prefix_tokens
@@ -201,22 +197,22 @@ class Ingress:
             raise ApiError(400, f"'kvflow.fixed_prefix_tokens' ({boundary}) is longer than the prompt "
                                 f"({len(tokens)} tokens)", "kvflow.fixed_prefix_tokens")
         if boundary is None:
-            boundary = self._boundary(parsed, tokens, text, spec.agents[meta.agent].prompt,
-                                      prefixes.get(meta.agent))
+            boundary = self._boundary(parsed, tokens, text, spec.agents[meta.agent].prompt)
+        fixed_hash = prefix_hash(tokens[:boundary]) if boundary else None
         route = await self._call_router("start_call", tenant, meta.client_id, meta.agent, workflow=workflow,
-                                        prefix_hash=prefix_hash(tokens[:boundary]) if boundary else None,
-                                        prefix_tokens=boundary)
+                                        prefix_hash=fixed_hash, prefix_tokens=boundary)
         engine_request.update(workflow=route["workflow_key"], agent=meta.agent, fixed_prefix_tokens=boundary)
         return _Call(tenant, meta.client_id, meta.agent, workflow, route["replica"], route["outcome"],
-                     prefix_hash(tokens[:boundary]) if boundary else None, boundary)
+                     fixed_hash, boundary)
 
-    def _boundary(self, parsed: ParsedRequest, tokens: list[int], text: str, prompt: str | None,
-                  prefix: tuple[int, ...] | None) -> int:
-        """Where the agent's fixed prompt ends (DESIGN.md §3); 0 when the request does not start with it."""
+    def _boundary(self, parsed: ParsedRequest, tokens: list[int], text: str, prompt: str | None) -> int:
+        """Where the agent's fixed prompt ends (DESIGN.md §3); 0 when the request does not start with it.
+        `text` / `tokens`: the request as rendered and encoded already."""
         if not prompt:
             return 0
         if parsed.chat:
-            n = fixed_boundary(self.tokenizer.apply_chat_template, self.tokenizer.encode, parsed.messages, prompt)
+            n = fixed_boundary(self.tokenizer.apply_chat_template, self.tokenizer.encode, parsed.messages, prompt,
+                               full=text, full_ids=tokens)
             return n or 0
         if text.startswith(prompt):
             head = self.tokenizer.encode(prompt)
@@ -226,9 +222,8 @@ class Ingress:
     async def _run(self, call: _Call | None, engine_request: dict[str, Any]) -> dict[str, Any]:
         """One engine call; a replica that dies under it is dropped and the call retried once."""
         for attempt in (1, 2):
-            kwargs = {ROUTE_KWARG: call.replica} if call is not None and self.routed else {}
             try:
-                outcome = await self.engine.generate.remote(engine_request, **kwargs)
+                outcome = await self.engine.generate.remote(engine_request, **self._route_kwargs(call))
             except DEAD:
                 if attempt == 2:
                     raise
@@ -241,6 +236,10 @@ class Ingress:
                                if outcome["status"] < 500 else "server_error")
             return outcome
         raise AssertionError("unreachable")
+
+    def _route_kwargs(self, call: _Call | None) -> dict[str, str]:
+        """The router's choice for `WorkflowRequestRouter` (under Serve's default router: nothing)."""
+        return {ROUTE_KWARG: call.replica} if call is not None and self.routed else {}
 
     async def _reroute(self, call: _Call | None) -> None:
         if call is None:
@@ -264,8 +263,8 @@ class Ingress:
         request_id = f"{'chatcmpl' if parsed.chat else 'cmpl'}-{uuid.uuid4().hex}"
         first = True
         try:
-            kwargs = {ROUTE_KWARG: call.replica} if call is not None and self.routed else {}
-            async for item in self.engine.options(stream=True).stream.remote(engine_request, **kwargs):
+            stream = self.engine.options(stream=True).stream
+            async for item in stream.remote(engine_request, **self._route_kwargs(call)):
                 if "error" in item:
                     body = ApiError(item["status"], item["error"]).body()
                     yield f"data: {json.dumps(body)}\n\n"
@@ -305,7 +304,7 @@ class Ingress:
     async def get_workflow(self, request: Request, name: str) -> Response:
         tenant = self._tenant(request)
         check_name("workflow", name)
-        spec, _ = await self._template(tenant, name)
+        spec = await self._template(tenant, name)
         return JSONResponse({"object": "workflow", **spec.to_dict()})
 
     async def finish_client(self, request: Request, client_id: str) -> Response:
@@ -374,13 +373,6 @@ class _Call:
         self.replica, self.outcome = replica, outcome
         self.prefix_hash, self.prefix_tokens = prefix_hash, prefix_tokens
         self.served_by: str | None = None
-
-
-class _Result:
-    """A GenerateResult as the replica sent it (a dict), seen through attributes for `response_body`."""
-
-    def __init__(self, data: dict[str, Any]) -> None:
-        self.__dict__.update(data)
 
 
 # Bound here, at import, not in `build_app`: Serve pickles the FastAPI app by reference, so every

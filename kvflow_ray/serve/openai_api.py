@@ -145,22 +145,27 @@ def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
 
 
 def fixed_boundary(render: Callable[[list[dict[str, str]]], str], encode: Callable[[str], list[int]],
-                   messages: Sequence[dict[str, str]], agent_prompt: str | None) -> int | None:
+                   messages: Sequence[dict[str, str]], agent_prompt: str | None, *, full: str | None = None,
+                   full_ids: Sequence[int] | None = None) -> int | None:
     """Tokens of the rendered chat that belong to the agent's fixed prompt: when the first message's
     content begins with `agent_prompt`, the boundary is where that text ends after the chat
     template is applied (DESIGN.md §3). None when it does not apply, or when the tokenizer does
-    not split the text at that point the same way on its own (then the boundary is not exact)."""
+    not split the text at that point the same way on its own (then the boundary is not exact).
+    `full` / `full_ids`: the whole chat rendered and encoded, when the caller has them already."""
     if not agent_prompt or not messages or not messages[0]["content"].startswith(agent_prompt):
         return None
-    full = render(list(messages))
+    if full is None:
+        full = render(list(messages))
     marker = f"\x00kvflow-boundary-{uuid.uuid4().hex}\x00"
     first = {**messages[0], "content": agent_prompt + marker}
     rendered = render([first, *messages[1:]])
     head = rendered[:rendered.index(marker)]
     if not full.startswith(head):
         return None
-    head_ids, full_ids = encode(head), encode(full)
-    return len(head_ids) if full_ids[:len(head_ids)] == head_ids else None
+    head_ids = encode(head)
+    if full_ids is None:
+        full_ids = encode(full)
+    return len(head_ids) if list(full_ids[:len(head_ids)]) == head_ids else None
 
 
 def agent_prefix(render: Callable[[list[dict[str, str]]], str], encode: Callable[[str], list[int]],

@@ -116,12 +116,6 @@ class EngineReplica:
                 yield {"text": text[len(sent):]}
                 sent = text
 
-    def replica_name(self) -> str:
-        return self.name
-
-    def stats(self) -> dict[str, Any]:
-        return {"replica": self.name, **self.engine.stats()}
-
     def __del__(self) -> None:
         self._stop.set()
         close = getattr(getattr(self, "engine", None), "close", None)

@@ -54,12 +54,10 @@ class WorkflowRouterActor:
 
     # ------------------------------------------------------------------ replicas
     async def add_replica(self, name: str) -> None:
-        self.core.add_replica(name)
-        self.core.store.heartbeat(name, {"load": self.core.loads[name]})
+        await self.report(name)
 
     async def remove_replica(self, name: str) -> None:
-        self.core.remove_replica(name)
-        self.expositions.pop(name, None)
+        self._forget(name)
 
     async def replicas(self) -> dict[str, int]:
         return dict(self.core.loads)
@@ -67,22 +65,19 @@ class WorkflowRouterActor:
     async def report(self, name: str, exposition: bytes | None = None) -> None:
         """A replica's periodic report: its heartbeat (which also re-registers it with a restarted
         router) and its metrics, which `/metrics` serves merged with the router's."""
-        if name not in self.core.loads:
-            self.core.add_replica(name)
+        self.core.add_replica(name)  # idempotent
         self.core.store.heartbeat(name, {"load": self.core.loads[name]})
         if exposition is not None:
             self.expositions[name] = exposition
         self._prune()
 
     async def cache_events(self, replica: str, events: list[tuple[str, str, str, int]]) -> None:
-        if replica not in self.core.loads:
-            self.core.add_replica(replica)
+        self.core.add_replica(replica)  # idempotent: a restarted router learns of it here too
         self.core.cache_events(replica, [CacheEvent(*e) for e in events])
 
     async def pull_hints(self, replica: str, timeout_s: float = 1.0) -> dict[str, Any] | None:
         """Long poll: the replica's pending hints, waiting up to `timeout_s` for some to arrive."""
-        if replica not in self.core.loads:
-            self.core.add_replica(replica)
+        self.core.add_replica(replica)  # idempotent
         batch = self.core.take_hints(replica)
         if batch is None:
             wakeup = self._wakeups.setdefault(replica, asyncio.Event())
@@ -155,8 +150,11 @@ class WorkflowRouterActor:
         self._pruned_at = now
         alive = self.core.store.replicas(STALE_REPLICA_S)
         for name in [r for r in self.core.loads if r not in alive]:
-            self.core.remove_replica(name)
-            self.expositions.pop(name, None)
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        self.core.remove_replica(name)
+        self.expositions.pop(name, None)
 
 
 def get_router(store_url: str | None = None, *, create: bool = True, ttl_s: float = 3600.0,

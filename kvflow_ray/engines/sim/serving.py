@@ -131,8 +131,8 @@ class SimEngine:
         submitted = time.perf_counter()
         fixed = request.fixed_prefix_tokens
 
-        def done(sim_req: SimRequest) -> None:
-            req = served
+        def done(req: SimRequest) -> None:
+            assert isinstance(req, ServedRequest)
             now = time.perf_counter()
             ttft = (req.first_token_at - req.arrival) * self.clock.time_scale
             req.result = GenerateResult(
@@ -146,9 +146,9 @@ class SimEngine:
             if on_done is not None:
                 on_done(req)
 
-        served = req = ServedRequest(workflow=request.workflow, agent=request.agent, tokens=tokens,
-                                     fixed_len=fixed if fixed is not None else -1, max_new=request.max_tokens,
-                                     output_tokens=output, on_done=done)
+        req = ServedRequest(workflow=request.workflow, agent=request.agent, tokens=tokens,
+                            fixed_len=fixed if fixed is not None else -1, max_new=request.max_tokens,
+                            output_tokens=output, on_done=done)
 
         self.clock.soon(lambda: self.replica.submit(req))
         return req
