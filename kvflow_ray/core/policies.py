@@ -62,6 +62,27 @@ class StepBook:
     def live(self, workflow: str) -> bool:
         return workflow in self._steps
 
+    def apply(self, steps: Mapping[str, Mapping[str, float]], prompts: Mapping[Tag, Sequence[int]],
+              retire: Iterable[str]) -> None:
+        """One batch of hints from the workflow layer, in the order every engine applies them:
+        prompts, then new steps-to-execution, then retired instances."""
+        for tag, tokens in prompts.items():
+            self.register_prompt(tag, tokens)
+        for workflow, agent_steps in steps.items():
+            self.set_steps(workflow, agent_steps)
+        for workflow in retire:
+            self.retire(workflow)
+
+    def fixed_length(self, tag: Tag, tokens: Sequence[int], explicit: int | None = None) -> int:
+        """Where a request's fixed prompt ends (DESIGN.md §3): the explicit boundary when given, else
+        the agent's registered prompt when the request starts with it, else nothing fixed."""
+        if explicit is not None:
+            return min(max(explicit, 0), len(tokens))
+        prompt = self.prompt(tag)
+        if prompt is not None and tuple(tokens[:len(prompt)]) == prompt:
+            return len(prompt)
+        return 0
+
     def register_prompt(self, tag: Tag, tokens: Sequence[int]) -> None:
         self._prompts.setdefault(tag[0], {})[tag[1]] = tuple(tokens)
 
@@ -96,17 +117,27 @@ class _DistancePolicy:
     def version(self) -> int:
         raise NotImplementedError
 
+    def tags_distance(self, tags: Iterable[Tag]) -> float:
+        """A node's distance from its tags: the nearest user; untagged = +inf (evicted first)."""
+        return min((self.distance(t) for t in tags), default=INF)
+
     def node_distance(self, node: RadixNode) -> float:
         v = self.version()
         cached_v, cached = node.prio_cache
         if cached_v == v:
             return cached
-        d = min((self.distance(t) for t in node.tags), default=INF)
+        d = self.tags_distance(node.tags)
         node.prio_cache = (v, d)
         return d
 
+    @staticmethod
+    def rank(distance: float, last_access: float) -> tuple[float, float]:
+        """The eviction sort key (smallest goes first): farthest first, then least recently used.
+        Other trees (SGLang's, through the plugin) rank their own nodes with this same key."""
+        return (-distance, last_access)
+
     def priority(self, node: RadixNode) -> tuple[float, ...]:
-        return (-self.node_distance(node), node.last_access)
+        return self.rank(self.node_distance(node), node.last_access)
 
 
 class KVFlowPolicy(_DistancePolicy):

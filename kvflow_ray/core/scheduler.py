@@ -158,8 +158,8 @@ class ReplicaScheduler:
         """Queue a request. `fixed_len` < 0: the boundary of the agent's registered prompt when the
         request starts with it, else none (DESIGN.md §3)."""
         if req.fixed_len < 0:
-            prompt = self.book.prompt((req.workflow, req.agent)) if req.workflow is not None else None
-            req.fixed_len = len(prompt) if prompt is not None and req.tokens[:len(prompt)] == tuple(prompt) else 0
+            req.fixed_len = (self.book.fixed_length((req.workflow, req.agent), req.tokens)
+                             if req.workflow is not None and req.agent is not None else 0)
         self.check(req)
         req.arrival = self.clock()
         # split: a prefix that ends inside a node (a preamble shared by other agents) counts too
@@ -190,12 +190,9 @@ class ReplicaScheduler:
                     retire: Iterable[str]) -> None:
         """What the workflow layer says: agents' fixed prompts, new steps-to-execution, finished
         workflow instances (their prompts lose their tags); then plan prefetches."""
-        for tag, tokens in prompts.items():
-            self.book.register_prompt(tag, tokens)
-        for workflow, agent_steps in steps.items():
-            self.book.set_steps(workflow, agent_steps)
+        retire = list(retire)
+        self.book.apply(steps, prompts, retire)
         for workflow in retire:
-            self.book.retire(workflow)
             self.cache.retire_workflow(workflow)
         self.plan_prefetch()
 
