@@ -1,0 +1,299 @@
+"""The SGLang side of the plugin: the eviction strategy, the hooks and the admission gate. Each
+translates SGLang objects into calls on `state.PluginState`, where the decisions are made. Imports
+sglang (0.5.23) and is only imported inside an SGLang process (or a test that installed it).
+
+Works on both of SGLang's Python trees: `UnifiedRadixCache` with the Python tree core (the default
+tree; nodes are addressed by id) and the legacy `RadixCache` (nodes are objects). Prefetch needs
+HiCache, which only the unified tree has.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+from sglang.srt.managers.schedule_policy import PrefillAdder
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+from sglang.srt.mem_cache.evict_policy import EvictionStrategy
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from kvflow_ray.engines.sglang import protocol
+from kvflow_ray.engines.sglang.state import logger, monotonic, path_to_root, state
+
+# ---------------------------------------------------------------------------------------- eviction
+
+
+class KVFlowStrategy(EvictionStrategy):
+    """`--radix-eviction-policy kvflow`: SGLang evicts the node with the smallest priority first,
+    so the key is `KVFlowPolicy.rank`: farthest steps-to-execution first (untagged dynamic suffixes
+    and retired workflows at +inf), then least recently used. `--radix-eviction-policy-config` JSON
+    is passed here as keywords: `horizon`, `max_inflight`, `prefetch`."""
+
+    def __init__(self, horizon: int = 1, max_inflight: int = 4, prefetch: bool = True) -> None:
+        self.state = state()
+        self.state.configure(horizon=horizon, max_inflight=max_inflight, prefetch=prefetch)
+
+    def get_priority(self, node: Any) -> tuple[float, float]:
+        return self.state.priority(node)
+
+
+def uses_kvflow(cache: Any) -> bool:
+    """Whether this tree cache evicts with the kvflow strategy (the plugin stays out of the others)."""
+    core = getattr(cache, "tree_core", None)
+    strategy = getattr(core if core is not None else cache, "eviction_strategy", None)
+    return isinstance(strategy, KVFlowStrategy)
+
+
+def select_python_core(original: Any, params: Any) -> str:
+    """AROUND `select_tree_core_backend`: SGLang's default Rust tree core knows only its built-in
+    eviction policies, so a kvflow cache gets the Python core."""
+    if getattr(params, "eviction_policy", None) == protocol.PLUGIN_NAME:
+        chosen = params.tree_core_backend or None
+        if chosen not in (None, "python"):
+            logger.warning("kvflow: tree core %r cannot run the kvflow eviction policy; using 'python'", chosen)
+        else:
+            logger.info("kvflow: --radix-eviction-policy kvflow runs on the Python tree core")
+        params.tree_core_backend = "python"
+    return original(params)
+
+
+# ------------------------------------------------------------------------------------------- tags
+
+
+def _node(cache: Any, handle: Any) -> Any:
+    """A tree node from what a cache API returned (the unified tree returns node ids)."""
+    if isinstance(handle, int):
+        return cache.tree_core.node_by_id(handle)
+    return handle
+
+
+def attached(cache: Any, node: Any) -> bool:
+    """Whether `node` is still in the tree (eviction detaches a node without a host copy, but the
+    Python object keeps its fields)."""
+    core = getattr(cache, "tree_core", None)
+    if core is not None:
+        try:
+            return core.node_by_id(node.id) is node
+        except KeyError:
+            return False
+    parent = node.parent
+    return parent is not None and any(child is node for child in parent.children.values())
+
+
+def after_split_unified(result: Any, core: Any, key: Any, child: Any, split_len: int) -> None:
+    """AFTER `UnifiedTreeCore._split_node`: it copies only the fields SGLang knows."""
+    state().copy_tags(child, result[0])
+
+
+def after_split_legacy(result: Any, cache: Any, key: Any, child: Any, split_len: int) -> None:
+    """AFTER `RadixCache._split_node` (returns the new parent)."""
+    state().copy_tags(child, result)
+
+
+def stamp_fixed_prefix(cache: Any, tokens: Sequence[int], fixed_len: int, tag: protocol.Tag, *,
+                       extra_key: Any = None, cache_salt: Any = None) -> list[Any]:
+    """Tag the cached nodes of `tokens[:fixed_len]` (an agent's fixed prompt) with `tag`.
+
+    The look-up splits the node the boundary falls in, so the dynamic rest stays untagged (that is
+    what sends suffixes first); the boundary is rounded down to a page. Returns the tagged path."""
+    page = max(int(getattr(cache, "page_size", 1)), 1)
+    n = min(fixed_len, len(tokens)) // page * page
+    if n <= 0:
+        return []
+    key = RadixKey(array("q", tokens[:n]), extra_key, cache_salt=cache_salt)
+    match = cache.match_prefix(MatchPrefixParams(key=key))
+    last = match.best_match_node if getattr(match, "best_match_node", None) is not None else match.last_device_node
+    last = _node(cache, last)
+    path = list(path_to_root(last))
+    st = state()
+    st.tag(path, tag)
+    if path and sum(len(node.key) for node in path) == n:
+        st.watch_boundary(path[0], tokens[:n])
+    return path
+
+
+def after_checkpoint(result: Any, cache: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER `checkpoint(req, up_to=...)` (both trees): the request's KV is now in the tree; tag its
+    fixed prompt with the request's (client id, agent) from `custom_params["kvflow"]`."""
+    if not uses_kvflow(cache):
+        return
+    st = state()
+    try:
+        parsed = protocol.parse_request_params(getattr(req.sampling_params, "custom_params", None))
+    except ValueError as exc:  # a bad request must not take the scheduler down: serve it untagged
+        st.warn_once(f"bad-params:{exc}", f"kvflow: request {req.rid} served untagged: {exc}")
+        return
+    if parsed is None:
+        return
+    tag, explicit = parsed
+    prompt = req.origin_input_ids
+    up_to = kwargs.get("up_to", len(prompt))
+    fixed = min(st.book.fixed_length(tag, prompt, explicit), up_to)
+    stamp_fixed_prefix(cache, prompt, fixed, tag, extra_key=getattr(req, "extra_key", None),
+                       cache_salt=getattr(req, "cache_salt", None))
+
+
+# -------------------------------------------------------------------------------------- admission
+
+
+class KVFlowPrefillAdder(PrefillAdder):
+    """Status-aware admission (DESIGN.md §3). A request whose cached prefix is still being copied in
+    by a prefetch is passed over and stays queued; the requests behind it are still considered, so
+    compute runs while the copy finishes. SGLang's batch can only wait on loads it queued itself,
+    and a prefetched node publishes its device indices before the copy ends, so the request is held
+    even when nothing else is ready: the scheduler then polls until the copy lands (its stall)."""
+
+    def add_one_req(self, req: Any, has_chunked_req: bool, truncation_align_size: int | None) -> Any:
+        st = state()
+        last = _node(self.tree_cache, req.last_node) if req.last_node is not None else None
+        now = monotonic()
+        if last is not None and st.request_loading(last):
+            st.held(req.rid, now)
+            return self.budget_state()  # not NO_TOKEN/OTHER: those end the pass for everyone
+        device, host = req.prefix_len, getattr(req, "host_hit_length", 0)
+        before = len(self.can_run_list)
+        result = super().add_one_req(req, has_chunked_req, truncation_align_size)
+        if len(self.can_run_list) > before and last is not None:
+            stall = st.admitted(req.rid, last, len(req.origin_input_ids), device, host, now)
+            _observe_stall(stall)
+        return result
+
+
+def prefill_adder_class(scheduler: Any) -> type:
+    """REPLACE `Scheduler.get_prefill_adder_class`."""
+    return KVFlowPrefillAdder if uses_kvflow(scheduler.tree_cache) else PrefillAdder
+
+
+# --------------------------------------------------------------------------------- scheduler loop
+
+
+def scheduler_apply_hints(scheduler: Any, payload: str) -> None:
+    """`Scheduler.kvflow_apply_hints`, reached through `Engine.collective_rpc` on every rank."""
+    state().apply_hints(payload)
+
+
+def before_next_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE `Scheduler.get_next_batch_to_run`, once per scheduler iteration: settle finished
+    prefetches, start new ones, publish status."""
+    cache = scheduler.tree_cache
+    if not uses_kvflow(cache):
+        return
+    st = state()
+    ongoing = getattr(cache, "ongoing_load_back", None)
+    def is_attached(node: Any) -> bool:
+        return attached(cache, node)
+
+    st.reap(set(ongoing) if ongoing is not None else set(), is_attached)
+    if st.prefetch_enabled and getattr(cache, "cache_controller", None) is not None:
+        start_prefetches(cache, scheduler)
+    st.check_boundaries(is_attached)
+    directory = _status_dir()
+    if directory and getattr(scheduler, "tp_rank", 0) == 0:
+        st.write_status(directory, st.snapshot(len(scheduler.waiting_queue), _running(scheduler),
+                                               _cache_tokens(cache)), monotonic())
+    _export_metrics(st, len(scheduler.waiting_queue))
+
+
+def start_prefetches(cache: Any, scheduler: Any) -> int:
+    """Load host-tier fixed prompts of the agents about to run, nearest first, within the budget:
+    free device tokens plus tokens evictable without touching anything needed as soon, minus what
+    queued requests still need (core.prefetch's rule). Returns the number of loads started."""
+    st = state()
+    started = 0
+    for tag, steps, tokens in st.prefetch_candidates():
+        if len(st.loading) >= st.prefetcher.max_inflight or not cache.has_free_load_back_slot():
+            break
+        page = max(int(cache.page_size), 1)
+        n = len(tokens) // page * page
+        if n <= 0:
+            continue
+        match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens[:n]))))
+        if match.host_hit_length <= 0:
+            continue  # on the device already, or not cached anywhere
+        anchor = _node(cache, match.best_match_node)
+        nodes = [node for node in path_to_root(anchor) if node.evicted]
+        need = sum(len(node.key) for node in nodes)
+        reserved = sum(max(len(r.origin_input_ids) - r.prefix_len, 0) + r.sampling_params.max_new_tokens
+                       for r in scheduler.waiting_queue)
+        budget = (cache.token_to_kv_pool_allocator.available_size()
+                  + st.farther_evictable(cache.tree_core.root_node, steps) - reserved)
+        if need > budget or not cache.load_back(anchor.id, mem_quota=budget):
+            break  # nearest first, strictly: a farther agent never has a larger budget
+        cache.ready_to_load_host_cache()  # start the copy now, overlapped with the running batch
+        st.loading_started(tag, anchor, nodes, need, monotonic())
+        started += 1
+    return started
+
+
+def _running(scheduler: Any) -> int:
+    batch = getattr(scheduler, "running_batch", None)
+    return len(batch.reqs) if batch is not None and getattr(batch, "reqs", None) is not None else 0
+
+
+def _cache_tokens(cache: Any) -> dict[str, int]:
+    tokens = {"gpu": int(cache.evictable_size()) + int(cache.protected_size())}
+    controller = getattr(cache, "cache_controller", None)
+    host = getattr(controller, "mem_pool_host", None)
+    if host is not None and hasattr(host, "size") and hasattr(host, "available_size"):
+        tokens["cpu"] = int(host.size - host.available_size())
+    return tokens
+
+
+def _status_dir() -> str | None:
+    import os
+
+    return os.environ.get(protocol.STATUS_DIR_ENV) or None
+
+
+# ---------------------------------------------------------------------------------------- metrics
+# Created lazily in the scheduler process: SGLang runs prometheus_client in multiprocess mode, set
+# up only after plugins load (a metric built earlier would keep single-process storage). Without
+# --enable-metrics there is no PROMETHEUS_MULTIPROC_DIR and nothing is exported.
+
+_metrics: dict[str, Any] | None = None
+_exported: dict[str, float] = {}
+
+
+def _metric_objects() -> dict[str, Any] | None:
+    global _metrics
+    import os
+
+    if _metrics is None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import Counter, Gauge, Histogram
+
+        _metrics = {
+            "prompt": Counter("kvflow_prompt_tokens_total", "Prompt tokens by where their KV came from",
+                              ["tier"]),
+            "prefetch": Counter("kvflow_prefetch_total", "Prefetches by outcome", ["outcome"]),
+            "stall": Histogram("kvflow_prefetch_stall_seconds",
+                               "Time a request waited for its KV to finish loading",
+                               buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)),
+            "queue": Gauge("kvflow_queue_length", "Requests waiting for admission", multiprocess_mode="livesum"),
+        }
+    return _metrics
+
+
+def _observe_stall(stall: float) -> None:
+    metrics = _metric_objects()
+    if metrics is not None and stall > 0:
+        metrics["stall"].observe(stall)
+
+
+def _export_metrics(st: Any, waiting: int) -> None:
+    """Counters advance by what the plugin's own counters moved since the last export."""
+    metrics = _metric_objects()
+    if metrics is None:
+        return
+    metrics["queue"].set(waiting)
+    for tier, value in st.counters.prompt_tokens.items():
+        _advance(metrics["prompt"].labels(tier=tier), f"prompt:{tier}", value)
+    for outcome, value in st.counters.prefetch.items():
+        _advance(metrics["prefetch"].labels(outcome=outcome), f"prefetch:{outcome}", value)
+
+
+def _advance(counter: Any, key: str, value: float) -> None:
+    delta = value - _exported.get(key, 0)
+    if delta > 0:
+        counter.inc(delta)
+        _exported[key] = value

@@ -1,0 +1,107 @@
+"""The contract between the SGLang plugin (inside SGLang's scheduler process) and whoever drives an
+SGLang engine with it (the kvflow-ray engine adapter, the GPU smoke script). Pure Python: no sglang,
+no torch, so both sides and the tests import it anywhere.
+
+- **Per request**: `sampling_params["custom_params"]["kvflow"] = request_params(...)`, a *flat* dict
+  (SGLang's msgpack IPC rejects nested values in `custom_params`).
+- **Control** (hints without a request): `sglang.Engine.collective_rpc(RPC_APPLY_HINTS,
+  payload=encode_hints(...))` runs `Scheduler.kvflow_apply_hints(payload)` on every scheduler rank,
+  on the scheduler thread, between batches.
+- **Status out**: when `STATUS_DIR_ENV` is set, scheduler rank 0 keeps `<dir>/stats.json` (the keys
+  of `core.scheduler.ReplicaScheduler.snapshot()` it can fill, replaced atomically at most once per
+  `STATUS_INTERVAL_S`) and appends cache events, one JSON object per line, to `<dir>/events.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+PLUGIN_NAME = "kvflow"  # entry-point name; also the `--radix-eviction-policy` name
+CUSTOM_PARAMS_KEY = "kvflow"
+RPC_APPLY_HINTS = "kvflow_apply_hints"
+STATUS_DIR_ENV = "KVFLOW_SGLANG_STATUS_DIR"
+STATUS_INTERVAL_S = 1.0
+TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+SGLANG_VERSION = "0.5.23"  # the plugin hooks internals of exactly this version
+
+Tag = tuple[str, str]  # (workflow instance = client id, agent)
+
+
+def request_params(client_id: str, agent: str, fixed_prefix_tokens: int | None = None) -> dict[str, Any]:
+    """`custom_params["kvflow"]` for one request."""
+    params: dict[str, Any] = {"client_id": str(client_id), "agent": str(agent)}
+    if fixed_prefix_tokens is not None:
+        params["fixed_prefix_tokens"] = int(fixed_prefix_tokens)
+    return params
+
+
+def parse_request_params(custom_params: Mapping[str, Any] | None) -> tuple[Tag, int | None] | None:
+    """The (client id, agent) tag and the explicit fixed-prefix length of a request, or None for a
+    plain request. Raises ValueError naming the bad field."""
+    if not custom_params or CUSTOM_PARAMS_KEY not in custom_params:
+        return None
+    params = custom_params[CUSTOM_PARAMS_KEY]
+    if not isinstance(params, Mapping):
+        raise ValueError(f"custom_params.{CUSTOM_PARAMS_KEY} must be an object, got {type(params).__name__}")
+    unknown = set(params) - {"client_id", "agent", "fixed_prefix_tokens"}
+    if unknown:
+        raise ValueError(f"custom_params.{CUSTOM_PARAMS_KEY}: unknown key(s) {sorted(unknown)}")
+    for key in ("client_id", "agent"):
+        if not isinstance(params.get(key), str) or not params[key]:
+            raise ValueError(f"custom_params.{CUSTOM_PARAMS_KEY}.{key} must be a non-empty string")
+    fixed = params.get("fixed_prefix_tokens")
+    if fixed is not None and (isinstance(fixed, bool) or not isinstance(fixed, int) or fixed < 0):
+        raise ValueError(f"custom_params.{CUSTOM_PARAMS_KEY}.fixed_prefix_tokens must be an integer >= 0")
+    return (params["client_id"], params["agent"]), fixed
+
+
+def encode_hints(steps: Mapping[str, Mapping[str, float]] | None = None,
+                 prompts: Mapping[Tag, Sequence[int]] | None = None,
+                 retire: Iterable[str] = ()) -> str:
+    """JSON for `kvflow_apply_hints`: the fields of `engines.base.Hints` (an infinite
+    steps-to-execution travels as null)."""
+    return json.dumps({
+        "steps": {wf: {a: (None if math.isinf(e) else e) for a, e in agents.items()}
+                  for wf, agents in (steps or {}).items()},
+        "prompts": [[wf, agent, [int(t) for t in tokens]] for (wf, agent), tokens in (prompts or {}).items()],
+        "retire": list(retire),
+    }, separators=(",", ":"))
+
+
+def decode_hints(payload: str) -> tuple[dict[str, dict[str, float]], dict[Tag, tuple[int, ...]], list[str]]:
+    """Inverse of `encode_hints`; raises ValueError on a malformed payload."""
+    try:
+        data = json.loads(payload)
+        steps = {str(wf): {str(a): (math.inf if e is None else float(e)) for a, e in agents.items()}
+                 for wf, agents in data.get("steps", {}).items()}
+        prompts = {(str(wf), str(agent)): tuple(int(t) for t in tokens)
+                   for wf, agent, tokens in data.get("prompts", [])}
+        retire = [str(wf) for wf in data.get("retire", [])]
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"malformed kvflow hints payload: {exc}") from exc
+    return steps, prompts, retire
+
+
+# How each policy of the comparison maps onto SGLang server arguments. Every policy runs on the
+# Python tree core, so the comparison measures the policy and not Rust vs Python tree code.
+HICACHE_ARGS: dict[str, Any] = {
+    "enable_hierarchical_cache": True,
+    "hicache_ratio": 2.0,
+    # evicted device KV is written to the host tier on eviction (DESIGN.md §3: "eviction from GPU
+    # writes back to CPU when the node has no CPU copy")
+    "hicache_write_policy": "write_back",
+}
+POLICY_SERVER_ARGS: dict[str, dict[str, Any]] = {
+    "lru": {"radix_eviction_policy": "lru"},
+    "hicache": {"radix_eviction_policy": "lru", **HICACHE_ARGS},
+    "kvflow": {"radix_eviction_policy": "kvflow", **HICACHE_ARGS},
+}
+
+
+def server_args_for_policy(policy: str) -> dict[str, Any]:
+    if policy not in POLICY_SERVER_ARGS:
+        raise ValueError(f"policy {policy!r} is not available on SGLang (known: {', '.join(POLICY_SERVER_ARGS)})")
+    return dict(POLICY_SERVER_ARGS[policy])

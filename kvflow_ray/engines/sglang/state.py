@@ -1,0 +1,304 @@
+"""What the plugin knows inside one SGLang scheduler process, and every decision it makes there.
+
+SGLang builds the eviction strategy, the prefill adder and the tree cache itself, with no handle to
+share between them, so the plugin keeps one `PluginState` per process (`state()`); the hooks in
+`hooks.py` only translate SGLang objects into calls on it. The decisions are `kvflow_ray.core`'s:
+`StepBook` (steps-to-execution, fixed prompts, boundaries), `KVFlowPolicy` (distance and rank of a
+node), `StepsAheadPrefetch` (which agents to load for, nearest first). Nothing here imports sglang
+or torch; it works on any tree node with `parent`, `id`, `evicted` and `last_access_time`.
+
+Plugin data lives on SGLang's tree nodes as two attributes (`TAGS_ATTR`, `PRIO_ATTR`), copied onto
+the new parent when SGLang splits a node.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvflow_ray.core.policies import INF, KVFlowPolicy, StepBook
+from kvflow_ray.core.prefetch import StepsAheadPrefetch
+from kvflow_ray.engines.base import prefix_hash
+from kvflow_ray.engines.sglang import protocol
+
+logger = logging.getLogger("kvflow_ray.sglang")
+
+TAGS_ATTR = "kvflow_tags"  # frozenset of (client id, agent): whose fixed prompt the node lies in
+PRIO_ATTR = "kvflow_prio"  # (StepBook version, distance) cached between hint updates
+
+Tag = protocol.Tag
+
+
+def node_tags(node: Any) -> frozenset[Tag]:
+    return getattr(node, TAGS_ATTR, frozenset())
+
+
+def path_to_root(node: Any) -> Iterator[Any]:
+    """`node` and its ancestors, root excluded (the root has no parent)."""
+    while node is not None and node.parent is not None:
+        yield node
+        node = node.parent
+
+
+@dataclass
+class Prefetch:
+    """One host -> device load the plugin started for an agent about to run."""
+
+    tag: Tag
+    anchor: Any  # deepest node loaded (SGLang tracks the load under its id)
+    nodes: list[Any]  # the nodes that were host-only and are now loading
+    tokens: int
+    started: float
+
+
+@dataclass
+class Boundary:
+    """The last node of a fixed prompt, watched so the router hears when it changes tier."""
+
+    node: Any
+    prefix_hash: str
+    tokens: int
+    on_device: bool = True
+    on_host: bool = False
+
+
+@dataclass
+class Counters:
+    prompt_tokens: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "cpu": 0, "miss": 0})
+    prefetch: dict[str, int] = field(default_factory=lambda: {"issued": 0, "completed": 0, "used": 0, "wasted": 0})
+    loaded_tokens: int = 0
+    stall_s: float = 0.0
+    held: int = 0  # admission passes that skipped a request whose prefix was loading
+
+
+class PluginState:
+    def __init__(self) -> None:
+        self.book = StepBook()
+        self.policy = KVFlowPolicy(self.book)
+        self.prefetcher = StepsAheadPrefetch()
+        self.active = False  # the kvflow strategy was built in this process
+        self.prefetch_enabled = True
+        self.loading: dict[int, Prefetch] = {}  # anchor node id -> load in flight
+        self.loading_ids: set[int] = set()  # ids of every node in a load in flight
+        self.prefetched: dict[int, Any] = {}  # loaded for an agent, not yet used by a request
+        self.held_since: dict[str, float] = {}  # request id -> first time the gate held it back
+        self.boundaries: dict[int, Boundary] = {}
+        self.counters = Counters()
+        self.events: list[dict[str, Any]] = []  # cache events not yet written out
+        self._status_at = 0.0
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ configuration
+    def configure(self, *, horizon: int = 1, max_inflight: int = 4, prefetch: bool = True) -> None:
+        """`--radix-eviction-policy-config '{"horizon": 1, "max_inflight": 4, "prefetch": true}'`."""
+        self.prefetcher = StepsAheadPrefetch(horizon, max_inflight)
+        self.book.near_horizon = max(self.book.near_horizon, horizon)
+        self.prefetch_enabled = prefetch
+        self.active = True
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+    # ------------------------------------------------------------------ hints (control path)
+    def apply_hints(self, payload: str) -> None:
+        steps, prompts, retire = protocol.decode_hints(payload)
+        self.book.apply(steps, prompts, retire)
+
+    # ------------------------------------------------------------------ eviction
+    def node_distance(self, node: Any) -> float:
+        version = self.book.version
+        cached = getattr(node, PRIO_ATTR, None)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        distance = self.policy.tags_distance(node_tags(node))
+        setattr(node, PRIO_ATTR, (version, distance))
+        return distance
+
+    def priority(self, node: Any) -> tuple[float, float]:
+        return self.policy.rank(self.node_distance(node), node.last_access_time)
+
+    # ------------------------------------------------------------------ tags
+    @staticmethod
+    def tag(nodes: Iterable[Any], tag: Tag) -> int:
+        """Add `tag` to each node; returns how many nodes gained it."""
+        added = 0
+        for node in nodes:
+            tags = node_tags(node)
+            if tag not in tags:
+                setattr(node, TAGS_ATTR, tags | {tag})
+                setattr(node, PRIO_ATTR, None)
+                added += 1
+        return added
+
+    @staticmethod
+    def copy_tags(child: Any, new_parent: Any) -> None:
+        """SGLang split `child`; `new_parent` holds its first part, so it lies in the same fixed prompts."""
+        tags = node_tags(child)
+        if tags:
+            setattr(new_parent, TAGS_ATTR, tags | node_tags(new_parent))
+            setattr(new_parent, PRIO_ATTR, None)
+
+    def watch_boundary(self, node: Any, tokens: Sequence[int]) -> None:
+        """`node` ends a fixed prompt (`tokens`): report it stored now, and its tier changes later."""
+        if node.id in self.boundaries:
+            return
+        boundary = Boundary(node, prefix_hash(tokens), len(tokens))
+        self.boundaries[node.id] = boundary
+        self.events.append({"kind": "stored", "tier": "gpu", "prefix_hash": boundary.prefix_hash,
+                            "tokens": boundary.tokens})
+
+    def check_boundaries(self, attached: Callable[[Any], bool]) -> None:
+        """Emit tier changes of watched fixed prompts (device evictions, host copies, reloads);
+        `attached(node)` says whether the tree still holds the node (an evicted node without a host
+        copy is removed from the tree, but the Python object keeps its fields)."""
+        for node_id, b in list(self.boundaries.items()):
+            detached = not attached(b.node)
+            on_device = not detached and not b.node.evicted
+            on_host = not detached and bool(getattr(b.node, "backuped", False))
+            for tier, was, now in (("gpu", b.on_device, on_device), ("cpu", b.on_host, on_host)):
+                if was != now:
+                    self.events.append({"kind": "stored" if now else "removed", "tier": tier,
+                                        "prefix_hash": b.prefix_hash, "tokens": b.tokens})
+            b.on_device, b.on_host = on_device, on_host
+            if not on_device and not on_host:
+                del self.boundaries[node_id]
+
+    # ------------------------------------------------------------------ admission
+    def request_loading(self, last_node: Any) -> bool:
+        """Whether the cached prefix ending at `last_node` includes KV still being copied in."""
+        if not self.loading_ids:
+            return False
+        return any(node.id in self.loading_ids for node in path_to_root(last_node))
+
+    def held(self, rid: str, now: float) -> None:
+        self.held_since.setdefault(rid, now)
+        self.counters.held += 1
+
+    def admitted(self, rid: str, last_node: Any, prompt: int, device: int, host: int, now: float) -> float:
+        """A request entered a batch: count its prompt tokens by tier and any prefetch it used;
+        returns how long the gate held it back (its prefetch stall)."""
+        stall = now - self.held_since.pop(rid, now)
+        self.counters.stall_s += stall
+        pt = self.counters.prompt_tokens
+        pt["gpu"] += device
+        pt["cpu"] += host
+        pt["miss"] += max(prompt - device - host, 0)
+        if self.prefetched:
+            for node in path_to_root(last_node):
+                if self.prefetched.pop(node.id, None) is not None:
+                    self.counters.prefetch["used"] += 1
+                    break
+        return stall
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch_candidates(self) -> list[tuple[Tag, float, tuple[int, ...]]]:
+        """Agents whose fixed prompt should be on the device soon, nearest first (core policy)."""
+        out = []
+        for tag, steps in self.prefetcher.choose(self.book, len(self.loading)):
+            tokens = self.book.prompt(tag)
+            if tokens:
+                out.append((tag, steps, tokens))
+        return out
+
+    def loading_started(self, tag: Tag, anchor: Any, nodes: list[Any], tokens: int, now: float) -> None:
+        self.loading[anchor.id] = Prefetch(tag, anchor, nodes, tokens, now)
+        self.loading_ids.update(node.id for node in nodes)
+        self.counters.prefetch["issued"] += 1
+        self.counters.loaded_tokens += tokens
+
+    def reap(self, still_loading: set[int], attached: Callable[[Any], bool]) -> list[Prefetch]:
+        """Loads whose anchor SGLang no longer tracks have landed."""
+        done = [p for anchor_id, p in self.loading.items() if anchor_id not in still_loading]
+        for p in done:
+            del self.loading[p.anchor.id]
+            self.loading_ids.difference_update(node.id for node in p.nodes)
+            self.counters.prefetch["completed"] += 1
+            self.prefetched[p.anchor.id] = p.anchor
+        # a prefetched prompt that left the device before any request used it was wasted
+        for node_id, node in list(self.prefetched.items()):
+            if node.evicted or not attached(node):
+                del self.prefetched[node_id]
+                self.counters.prefetch["wasted"] += 1
+        return done
+
+    def farther_evictable(self, root: Any, steps: float) -> int:
+        """Device tokens that eviction may take without touching a prompt needed by step `steps`
+        (core.prefetch's budget rule: never evict something nearer for a load)."""
+        total, stack = 0, list(getattr(root, "children", {}).values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if not node.evicted and self.node_distance(node) > steps and _unlocked(node):
+                total += len(node.key)
+        return total
+
+    # ------------------------------------------------------------------ status out
+    def snapshot(self, waiting: int, running: int, cache_tokens: dict[str, int]) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "waiting": waiting,
+            "running": running,
+            "prompt_tokens": dict(c.prompt_tokens),
+            "loaded_tokens": c.loaded_tokens,
+            "prefetch": dict(c.prefetch),
+            "prefetch_stall_s": c.stall_s,
+            "cache_tokens": cache_tokens,
+            "held": c.held,
+        }
+
+    def write_status(self, directory: str, snapshot: dict[str, Any], now: float, force: bool = False) -> None:
+        """`stats.json` (atomic replace) and `events.jsonl` (appended), at most once per interval."""
+        if not force and now - self._status_at < protocol.STATUS_INTERVAL_S:
+            return
+        self._status_at = now
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".stats.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(snapshot, f)
+        os.replace(tmp, os.path.join(directory, "stats.json"))
+        if self.events:
+            with open(os.path.join(directory, "events.jsonl"), "a") as f:
+                f.writelines(json.dumps(e) + "\n" for e in self.events)
+            self.events.clear()
+
+
+def _unlocked(node: Any) -> bool:
+    lock_ref = getattr(node, "lock_ref", None)
+    if lock_ref is None:  # the unified tree keeps locks per component
+        data = getattr(node, "component_data", None)
+        if not data:
+            return True
+        return all(getattr(d, "lock_ref", 0) == 0 for d in data.values())
+    return lock_ref == 0
+
+
+_STATE: PluginState | None = None
+
+
+def state() -> PluginState:
+    """The plugin's state in this process (SGLang runs one scheduler per process)."""
+    global _STATE
+    if _STATE is None:
+        _STATE = PluginState()
+    return _STATE
+
+
+def reset_state() -> PluginState:
+    """A fresh state (tests build several caches in one process)."""
+    global _STATE
+    _STATE = PluginState()
+    return _STATE
+
+
+def monotonic() -> float:
+    return time.monotonic()
+
+
+__all__ = ["INF", "PRIO_ATTR", "TAGS_ATTR", "PluginState", "node_tags", "path_to_root", "reset_state", "state"]
