@@ -17,8 +17,18 @@ if [ -n "$MISSING" ]; then
     $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $MISSING >/dev/null
 fi
 
+# The real SGLang 0.5.23 for the plugin tests (tests/sglang), CPU-only; never touches torch/transformers.
+bash scripts/install-sglang-cpu.sh
+
 echo "== ruff"
 python3 -m ruff check kvflow_ray tests benchmarks workflows
 
 echo "== pytest"
 python3 -m pytest -q "$@"
+
+# The SGLang plugin tests run in their own process: they put a torchvision stand-in in sys.modules
+# (tests/sglang/conftest.py), which must not leak into the suite above. With arguments, only those run.
+if [ "$#" -eq 0 ]; then
+    echo "== pytest tests/sglang"
+    python3 -m pytest -q tests/sglang
+fi

@@ -20,6 +20,34 @@ settings.register_profile("dev", deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
+# ---------------------------------------------------------------------------------------------- SGLang plugin tests
+# tests/sglang runs against the real SGLang (scripts/install-sglang-cpu.sh) with a torchvision stand-in in
+# sys.modules (tests/sglang/conftest.py). The stand-in must not leak into this suite (transformers probes
+# torchvision), so that directory is its own pytest process: collected only when the arguments point inside it.
+SGLANG_TESTS = Path(__file__).parent / "sglang"
+
+
+def _targets_sglang_tests(config: pytest.Config) -> bool:
+    sglang_tests = SGLANG_TESTS.resolve()
+    for arg in config.args:  # the paths and node ids given (or testpaths when none are)
+        target = Path(config.invocation_params.dir, arg.split("::")[0]).resolve()
+        if target.is_relative_to(sglang_tests):
+            return True
+    return False
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if collection_path == SGLANG_TESTS and not _targets_sglang_tests(config):
+        return True
+    return None  # pytest's own rules decide
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if _targets_sglang_tests(config):
+        return None
+    return "SGLang plugin tests run separately: pytest tests/sglang (scripts/test.sh runs both)"
+
+
 # ---------------------------------------------------------------------------------------------- real services
 def _free_port() -> int:
     with socket.socket() as s:
