@@ -186,12 +186,19 @@ def before_next_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
 
     st.reap(set(ongoing) if ongoing is not None else set(), is_attached)
     if st.prefetch_enabled and getattr(cache, "cache_controller", None) is not None:
-        start_prefetches(cache, scheduler)
+        try:
+            start_prefetches(cache, scheduler)
+        except Exception:  # prefetch is an optimisation: never let it take the scheduler down
+            logger.exception("kvflow: prefetch failed; prefetch is off for the rest of this process")
+            st.prefetch_enabled = False
     st.check_boundaries(is_attached)
     directory = _status_dir()
     if directory and getattr(scheduler, "tp_rank", 0) == 0:
-        st.write_status(directory, st.snapshot(len(scheduler.waiting_queue), _running(scheduler),
-                                               _cache_tokens(cache)), monotonic())
+        try:
+            st.write_status(directory, st.snapshot(len(scheduler.waiting_queue), _running(scheduler),
+                                                   _cache_tokens(cache)), monotonic())
+        except OSError as exc:
+            st.warn_once(f"status:{exc}", f"kvflow: cannot write status to {directory}: {exc}")
     _export_metrics(st, len(scheduler.waiting_queue))
 
 

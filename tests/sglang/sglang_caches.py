@@ -1,0 +1,121 @@
+"""Real SGLang 0.5.23 caches on CPU for the plugin tests, and the request path that fills them.
+
+Nothing here re-implements SGLang: the trees, pools, allocator and `Req` are SGLang's own; a request
+is served the way SGLang's scheduler finishes one (KV slots allocated, the request's token table
+written, then `checkpoint` into the tree, duplicates freed, lock released; see
+`sglang.test.mem_cache_utils.finish_req`). SGLang must be importable (the conftest installs the
+torchvision stand-in first).
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.test.mem_cache_utils import finish_req
+
+from kvflow_ray.engines.sglang import protocol
+
+TREES = ("unified", "legacy")
+_rids = itertools.count()
+
+
+@dataclass
+class CacheRig:
+    """One SGLang tree cache with real CPU pools."""
+
+    tree: str
+    cache: Any
+    req_pool: ReqToTokenPool
+    allocator: TokenToKVPoolAllocator
+
+    # ------------------------------------------------------------------ requests
+    def serve(self, tokens: Sequence[int], client_id: str | None = None, agent: str | None = None,
+              fixed: int | None = None) -> Req:
+        """One finished request whose whole prompt stays cached, with `custom_params.kvflow`."""
+        custom = ({protocol.CUSTOM_PARAMS_KEY: protocol.request_params(client_id, agent, fixed)}
+                  if client_id is not None else None)
+        req = Req(rid=f"r{next(_rids)}", origin_input_text="", origin_input_ids=array("q", tokens),
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1, custom_params=custom))
+        self.req_pool.alloc([req])
+        req.output_ids = array("q")
+        req.kv.kv_committed_len = len(tokens)
+        req.kv.kv_allocated_len = len(tokens)
+        req.kv.cache_protected_len = 0
+        req.lock = None
+        req.extra_key = None
+        indices = self.allocator.alloc(len(tokens))
+        assert indices is not None, "the test pool is too small for this request"
+        self.req_pool.write((req.kv.req_pool_idx, slice(0, len(tokens))), indices)
+        req.last_node = self.cache.root_node_handle() if self.tree == "unified" else self.cache.root_node
+        finish_req(self.cache, req, len(tokens))
+        self.req_pool.free(req)
+        return req
+
+    def insert(self, tokens: Sequence[int]) -> Any:
+        """A bare tree insert (SGLang unit-test style), values from the real allocator."""
+        value = self.allocator.alloc(len(tokens))
+        return self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=value))
+
+    # ------------------------------------------------------------------ inspection
+    def match(self, tokens: Sequence[int]) -> Any:
+        return self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+
+    def matched(self, tokens: Sequence[int]) -> int:
+        return self.match(tokens).device_prefix_len
+
+    def node(self, handle: Any) -> Any:
+        return self.cache.tree_core.node_by_id(handle) if isinstance(handle, int) else handle
+
+    def evict(self, n: int) -> int:
+        return self.cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted
+
+    def evictable(self) -> int:
+        return self.cache.evictable_size()
+
+    def protected(self) -> int:
+        return self.cache.protected_size()
+
+    def lock(self, handle: Any) -> Any:
+        return self.cache.inc_lock_ref(handle)
+
+    def unlock(self, handle: Any, locked: Any) -> None:
+        if self.tree == "unified":
+            self.cache.dec_lock_ref(handle, locked.to_dec_params())
+        else:
+            self.cache.dec_lock_ref(handle)
+
+
+def build(tree: str, policy: str, *, kv_tokens: int = 4096, page_size: int = 1) -> CacheRig:
+    """A cache of SGLang's unified tree (Python tree core) or its legacy `RadixCache`."""
+    req_pool = ReqToTokenPool(size=8, max_context_len=kv_tokens, device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(size=kv_tokens, page_size=page_size, dtype=torch.bfloat16, head_num=1, head_dim=8,
+                          layer_num=1, device="cpu", enable_memory_saver=False)
+    allocator = TokenToKVPoolAllocator(size=kv_tokens, dtype=torch.bfloat16, device="cpu", kvcache=kv,
+                                       need_sort=False)
+    if tree == "unified":
+        # no tree_core_backend given: the plugin's hook must pick the Python core for kvflow
+        cache = UnifiedRadixCache(CacheInitParams(
+            disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, page_size=page_size,
+            tree_components=(ComponentType.FULL,), eviction_policy=policy,
+            tree_core_backend=None if policy == "kvflow" else "python"))
+    elif tree == "legacy":
+        cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=req_pool,
+                                           token_to_kv_pool_allocator=allocator, page_size=page_size,
+                                           eviction_policy=policy))
+    else:
+        raise ValueError(tree)
+    return CacheRig(tree, cache, req_pool, allocator)

@@ -1,0 +1,226 @@
+"""KVFlow eviction order inside SGLang's own trees (DESIGN.md §3), with the plugin registered.
+
+Every cache here is SGLang 0.5.23's (the unified tree on its Python core, and the legacy
+`RadixCache`) with real CPU pools; requests go through SGLang's `Req` and `checkpoint`, which is
+where the plugin tags fixed prompts. Steps-to-execution come from `kvflow_ray.core.graph` and reach
+the plugin through the same control path the router uses (`Scheduler.kvflow_apply_hints`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sglang_caches as sc
+from sglang.srt.managers.scheduler import Scheduler
+
+from kvflow_ray.core.graph import WorkflowState, parse_spec
+from kvflow_ray.engines.sglang import protocol
+from kvflow_ray.engines.sglang.state import TAGS_ATTR, reset_state
+
+FIXED, DYNAMIC, PREAMBLE = 40, 8, 24
+
+
+def prompt(agent_index: int, preamble: bool = False) -> list[int]:
+    head = list(range(10_000, 10_000 + PREAMBLE)) if preamble else []
+    return head + [1000 * (agent_index + 1) + j for j in range(FIXED)]
+
+
+def suffix(agent_index: int, call: int = 0) -> list[int]:
+    return [500_000 + 1000 * agent_index + 100 * call + j for j in range(DYNAMIC)]
+
+
+def hints(steps: dict[str, dict[str, float]], prompts: dict[tuple[str, str], list[int]] | None = None,
+          retire: tuple[str, ...] = ()) -> None:
+    """What the router sends, through the scheduler method `collective_rpc` calls."""
+    getattr(Scheduler, protocol.RPC_APPLY_HINTS)(None, protocol.encode_hints(steps, prompts or {}, retire))
+
+
+def eviction_order(rig: sc.CacheRig, calls: dict[str, list[int]], fixed: dict[str, list[int]]) -> list[str]:
+    """Evict a few tokens at a time and record when each agent's cached call shrinks, as
+    '<agent>/dynamic' (its suffix went) and '<agent>/fixed' (its own fixed prompt went)."""
+    order: list[str] = []
+    while rig.evictable() > 0:
+        assert rig.evict(4) > 0
+        for agent, tokens in calls.items():
+            matched = rig.matched(tokens)
+            if matched < len(tokens) and f"{agent}/dynamic" not in order:
+                order.append(f"{agent}/dynamic")
+            if matched < len(fixed[agent]) and f"{agent}/fixed" not in order:
+                order.append(f"{agent}/fixed")
+    return order
+
+
+def steps_of(spec: dict, running: list[str], finished: tuple[str, ...] = ()) -> dict[str, float]:
+    state = WorkflowState(parse_spec(spec), running=running)
+    for agent in finished:
+        state.finish(agent)
+    return state.steps_to_execution()
+
+
+SEQUENTIAL = {"name": "seq", "agents": {"planner": {}, "searcher": {"after": ["planner"]},
+                                         "executor": {"after": ["searcher"]}, "expresser": {"after": ["executor"]}}}
+
+
+@pytest.fixture(params=sc.TREES)
+def rig(request: pytest.FixtureRequest, sglang_plugin: None) -> sc.CacheRig:
+    reset_state()
+    return sc.build(request.param, "kvflow")
+
+
+def serve_agents(rig: sc.CacheRig, client: str, agents: list[str], preamble: bool = False,
+                 serve_order: list[str] | None = None) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    fixed = {a: prompt(i, preamble) for i, a in enumerate(agents)}
+    calls = {a: fixed[a] + suffix(i) for i, a in enumerate(agents)}
+    for agent in serve_order or agents:
+        rig.serve(calls[agent], client, agent, fixed=len(fixed[agent]))
+    return fixed, calls
+
+
+def test_sequential_workflow_evicts_suffixes_then_farthest_agent_first(rig: sc.CacheRig) -> None:
+    agents = ["planner", "searcher", "executor", "expresser"]
+    steps = steps_of(SEQUENTIAL, running=["planner"])
+    assert steps == {"planner": 0, "searcher": 1, "executor": 2, "expresser": 3}
+    hints({"c1": steps})
+    # served newest-last in the order LRU would keep best: expresser ran most recently
+    fixed, calls = serve_agents(rig, "c1", agents)
+    order = eviction_order(rig, calls, fixed)
+    dynamic = [e for e in order if e.endswith("/dynamic")]
+    assert order[:4] == dynamic, "dynamic suffixes go before any fixed prompt"
+    assert [e for e in order if e.endswith("/fixed")] == [
+        "expresser/fixed", "executor/fixed", "searcher/fixed", "planner/fixed"]
+
+
+def test_barrier_and_branch_steps_order_eviction(rig: sc.CacheRig) -> None:
+    """Barrier: Executor1 at 1, Executor2 at 2, Expresser (join: all) at 3. With `join: any`
+    Expresser is at 2 and ties with Executor2, so the least recently used of the two goes first."""
+    spec = {"name": "fan", "agents": {
+        "planner": {}, "executor1": {"after": ["planner"]}, "helper": {"after": ["planner"]},
+        "executor2": {"after": ["helper"]}, "expresser": {"after": ["executor1", "executor2"]}}}
+    steps = steps_of(spec, running=["planner"])
+    assert (steps["executor1"], steps["executor2"], steps["expresser"]) == (1, 2, 3)
+    agents = ["executor1", "executor2", "expresser"]
+    hints({"c1": {a: steps[a] for a in agents}})
+    fixed, calls = serve_agents(rig, "c1", agents, serve_order=["expresser", "executor2", "executor1"])
+    fixed_order = [e for e in eviction_order(rig, calls, fixed) if e.endswith("/fixed")]
+    assert fixed_order == ["expresser/fixed", "executor2/fixed", "executor1/fixed"]
+
+    spec["agents"]["expresser"]["join"] = "any"
+    steps = steps_of(spec, running=["planner"])
+    assert steps["expresser"] == 2
+    reset_state()
+    rig2 = sc.build(rig.tree, "kvflow")
+    hints({"c2": {a: steps[a] for a in agents}})
+    # executor2 served first, so it is the least recently used of the two at distance 2
+    fixed, calls = serve_agents(rig2, "c2", agents, serve_order=["executor2", "expresser", "executor1"])
+    fixed_order = [e for e in eviction_order(rig2, calls, fixed) if e.endswith("/fixed")]
+    assert fixed_order == ["executor2/fixed", "expresser/fixed", "executor1/fixed"]
+
+
+def test_loop_and_barrier_memory(rig: sc.CacheRig) -> None:
+    """Loop Planner → Executor → Expresser → Reviewer → Planner with Executor running: Expresser 1,
+    Reviewer 2, Planner 3, so Planner's prompt (the agent that ran longest ago, which LRU would keep
+    least) is the first fixed prompt to go and Expresser's the last."""
+    spec = {"name": "loop", "entry": "planner", "agents": {
+        "planner": {"after": ["reviewer"]}, "executor": {"after": ["planner"]},
+        "expresser": {"after": ["executor"]}, "reviewer": {"after": ["expresser"]}}}
+    steps = steps_of(spec, running=["executor"])
+    assert (steps["expresser"], steps["reviewer"], steps["planner"]) == (1, 2, 3)
+    agents = ["planner", "expresser", "reviewer"]
+    hints({"c1": {a: steps[a] for a in agents}})
+    # LRU order would evict expresser's prompt first (served longest ago); kvflow keeps it
+    fixed, calls = serve_agents(rig, "c1", agents, serve_order=["expresser", "reviewer", "planner"])
+    fixed_order = [e for e in eviction_order(rig, calls, fixed) if e.endswith("/fixed")]
+    assert fixed_order == ["planner/fixed", "reviewer/fixed", "expresser/fixed"]
+
+
+def test_shared_preamble_kept_while_any_near_agent_uses_it(rig: sc.CacheRig) -> None:
+    """Two instances of one template share a preamble node (min over its users). Instance c1's
+    agent is about to run, c2's are far: c2's prompts go, the preamble stays; once c1 retires,
+    the preamble goes like everything else of a finished workflow."""
+    hints({"c1": {"writer": 0}, "c2": {"writer": 5, "editor": 6}})
+    preamble = list(range(10_000, 10_000 + PREAMBLE))
+    c1_writer = prompt(0, preamble=True)
+    c2_writer = preamble + [70_000 + j for j in range(FIXED)]
+    c2_editor = preamble + [80_000 + j for j in range(FIXED)]
+    rig.serve(c1_writer + suffix(0), "c1", "writer", fixed=len(c1_writer))
+    rig.serve(c2_writer + suffix(1), "c2", "writer", fixed=len(c2_writer))
+    rig.serve(c2_editor + suffix(2), "c2", "editor", fixed=len(c2_editor))
+    shared = rig.node(rig.match(preamble).last_device_node)
+    assert getattr(shared, TAGS_ATTR) == {("c1", "writer"), ("c2", "writer"), ("c2", "editor")}
+
+    freed = rig.evict(3 * DYNAMIC + 2 * FIXED)  # everything but c1's prompt and the preamble
+    assert freed >= 3 * DYNAMIC + 2 * FIXED
+    assert rig.matched(c1_writer) == len(c1_writer)
+    assert rig.matched(c2_writer) == PREAMBLE and rig.matched(c2_editor) == PREAMBLE
+
+    hints({}, retire=("c1",))  # c1 finished: its nodes rank as untagged (+inf) now
+    rig.serve(c2_editor + suffix(3), "c2", "editor", fixed=len(c2_editor))  # c2 live again, far away
+    rig.evict(FIXED)
+    assert rig.matched(c1_writer) == PREAMBLE, "the retired workflow's prompt goes before a live one"
+    assert rig.matched(c2_editor) >= len(c2_editor)
+
+
+def test_plain_requests_are_untagged_and_go_first(rig: sc.CacheRig) -> None:
+    hints({"c1": {"a": 4}})
+    agent_call = prompt(0) + suffix(0)
+    rig.serve(agent_call, "c1", "a", fixed=FIXED)
+    plain = [900_000 + j for j in range(FIXED)]
+    rig.serve(plain)  # newer than the agent's call; LRU would evict the agent's prompt first
+    assert not getattr(rig.node(rig.match(plain).last_device_node), TAGS_ATTR, None)
+    rig.evict(DYNAMIC + FIXED)
+    assert rig.matched(plain) == 0
+    assert rig.matched(agent_call) == FIXED
+
+
+# ------------------------------------------------------------------------------- lru is unchanged
+
+LRU_SCENARIO = """
+import json, sys
+sys.path[:0] = {paths!r}
+import conftest  # the torchvision stand-in, nothing else
+{register}
+import sglang_caches as sc
+out = {{}}
+for tree in sc.TREES:
+    rig = sc.build(tree, "lru")
+    calls = [[1000 * (i + 1) + j for j in range(40)] + [5000 + 100 * i + j for j in range(8)] for i in range(4)]
+    for i, call in enumerate(calls):
+        rig.serve(call, "c1", f"agent{{i}}", fixed=40)
+    rig.serve(calls[0][:20] + [7, 7, 7])  # a split inside agent0's prompt
+    trace = []
+    while rig.evictable() > 0:
+        rig.evict(5)
+        trace.append([rig.matched(call) for call in calls])
+    out[tree] = trace
+print(json.dumps(out))
+"""
+
+
+def _lru_trace(register: bool) -> dict[str, list[list[int]]]:
+    here = Path(__file__).parent
+    code = LRU_SCENARIO.format(
+        paths=[str(here), str(here.parent.parent)],
+        register=("from kvflow_ray.engines.sglang import plugin\nplugin.register()\n"
+                  "from sglang.srt.plugins.hook_registry import HookRegistry\nHookRegistry.apply_hooks()"
+                  if register else ""))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_lru_behaviour_is_unchanged_when_kvflow_is_not_selected() -> None:
+    """The same requests on `lru` caches, in a process with the plugin's hooks installed and in one
+    without the plugin at all, evict exactly the same tokens at every step."""
+    with_plugin, without = _lru_trace(register=True), _lru_trace(register=False)
+    assert with_plugin == without
+    for tree in sc.TREES:
+        trace = with_plugin[tree]
+        assert len(trace) >= 4 and trace[-1] == [0, 0, 0, 0]
+        # plain LRU: the last request touched agent0's call (it split it), so agent1's is the least
+        # recently used and shrinks first, though under kvflow it would be as near as the others
+        first_change = next(step for step in trace if step != [48, 48, 48, 48])
+        assert first_change[1] < 48 and first_change[0] == first_change[2] == first_change[3] == 48
