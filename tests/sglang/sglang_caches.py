@@ -20,6 +20,7 @@ from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.common import evict_from_tree_cache
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
@@ -57,6 +58,8 @@ class CacheRig:
         req.kv.cache_protected_len = 0
         req.lock = None
         req.extra_key = None
+        if self.allocator.available_size() < len(tokens):  # SGLang's own path under memory pressure
+            evict_from_tree_cache(self.cache, len(tokens))
         indices = self.allocator.alloc(len(tokens))
         assert indices is not None, "the test pool is too small for this request"
         self.req_pool.write((req.kv.req_pool_idx, slice(0, len(tokens))), indices)

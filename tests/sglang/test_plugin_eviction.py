@@ -224,3 +224,45 @@ def test_lru_behaviour_is_unchanged_when_kvflow_is_not_selected() -> None:
         # recently used and shrinks first, though under kvflow it would be as near as the others
         first_change = next(step for step in trace if step != [48, 48, 48, 48])
         assert first_change[1] < 48 and first_change[0] == first_change[2] == first_change[3] == 48
+
+
+# ------------------------------------------------------------------------------- under pressure
+
+LOOP = {"name": "loop4", "entry": "planner", "agents": {
+    "planner": {"after": ["reviewer"]}, "executor": {"after": ["planner"]},
+    "expresser": {"after": ["executor"]}, "reviewer": {"after": ["expresser"]}}}
+
+
+def run_loop(tree: str, policy: str, iterations: int = 3) -> list[int]:
+    """A 4-agent loop whose prompts do not all fit: the 152-token pool holds the running call (48
+    tokens) and two of the other fixed prompts (80), not all three (120). Before each
+    call the workflow layer sends the new steps-to-execution (as the router does); SGLang evicts on
+    its own allocation path (`evict_from_tree_cache`). Returns the cached prefix of every call."""
+    reset_state()
+    rig = sc.build(tree, policy, kv_tokens=3 * (FIXED + DYNAMIC) + DYNAMIC)
+    spec = parse_spec(LOOP)
+    agents = ["planner", "executor", "expresser", "reviewer"]
+    state = WorkflowState(spec, running=[])
+    hits = []
+    for it in range(iterations):
+        for i, agent in enumerate(agents):
+            state.start(agent)
+            hints({"c1": state.steps_to_execution()})
+            call = prompt(i) + suffix(i, it)
+            hits.append(rig.matched(call))
+            rig.serve(call, "c1", agent, fixed=FIXED)
+            state.finish(agent)
+    return hits
+
+
+@pytest.mark.parametrize("tree", sc.TREES)
+def test_under_memory_pressure_kvflow_keeps_the_next_agents_prompt(sglang_plugin: None, tree: str) -> None:
+    """A loop is LRU's worst case: the agent that ran longest ago runs next, so LRU evicts exactly
+    the prompt about to be needed. KVFlow evicts the agent that just ran (it is the farthest)."""
+    kvflow, lru = run_loop(tree, "kvflow"), run_loop(tree, "lru")
+    warm = slice(4, None)  # the first iteration is cold for both
+    assert all(hit == 0 for hit in lru[warm]), lru
+    kvflow_hits = [hit for hit in kvflow[warm] if hit >= FIXED]
+    # Besides the running call, the pool holds two of the other three prompts, so even the offline
+    # optimum (Belady) finds at most every other call's prompt cached: kvflow reaches it
+    assert len(kvflow_hits) >= len(kvflow[warm]) // 2, kvflow
