@@ -68,4 +68,5 @@ def test_plugin_metrics_are_exported_through_sglangs_multiprocess_registry(tmp_p
     assert samples[("kvflow_prefetch_stall_seconds_count", ())] == 1
     assert samples[("kvflow_prefetch_stall_seconds_sum", ())] > 0
     assert samples[("kvflow_queue_length", ())] == 0
+    assert samples[("kvflow_cache_tokens", (("tier", "gpu"),))] == 100  # the prompt (the admitted call has not run)
     assert ("kvflow_prefetch_total", (("outcome", "issued"),)) in samples

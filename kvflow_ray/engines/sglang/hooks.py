@@ -199,7 +199,7 @@ def before_next_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
                                                    _cache_tokens(cache)), monotonic())
         except OSError as exc:
             st.warn_once(f"status:{exc}", f"kvflow: cannot write status to {directory}: {exc}")
-    _export_metrics(st, len(scheduler.waiting_queue))
+    _export_metrics(st, len(scheduler.waiting_queue), _cache_tokens(cache))
 
 
 def start_prefetches(cache: Any, scheduler: Any) -> int:
@@ -277,6 +277,8 @@ def _metric_objects() -> dict[str, Any] | None:
                                "Time a request waited for its KV to finish loading",
                                buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)),
             "queue": Gauge("kvflow_queue_length", "Requests waiting for admission", multiprocess_mode="livesum"),
+            # every TP rank holds the same tree: report one rank's value, not their sum
+            "cache": Gauge("kvflow_cache_tokens", "Tokens cached per tier", ["tier"], multiprocess_mode="livemax"),
         }
     return _metrics
 
@@ -287,12 +289,14 @@ def _observe_stall(stall: float) -> None:
         metrics["stall"].observe(stall)
 
 
-def _export_metrics(st: Any, waiting: int) -> None:
+def _export_metrics(st: Any, waiting: int, cache_tokens: dict[str, int]) -> None:
     """Counters advance by what the plugin's own counters moved since the last export."""
     metrics = _metric_objects()
     if metrics is None:
         return
     metrics["queue"].set(waiting)
+    for tier, tokens in cache_tokens.items():
+        metrics["cache"].labels(tier=tier).set(tokens)
     for tier, value in st.counters.prompt_tokens.items():
         _advance(metrics["prompt"].labels(tier=tier), f"prompt:{tier}", value)
     for outcome, value in st.counters.prefetch.items():
