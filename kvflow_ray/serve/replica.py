@@ -52,6 +52,11 @@ def make_engine(config: AppConfig) -> Any:
 
         return SimEngine(config.profile, policy=config.policy, horizon=config.horizon, time_scale=config.time_scale,
                          device_kv_tokens=config.device_kv_tokens)
+    if config.engine == "sglang":
+        from kvflow_ray.engines.sglang.engine import SglangEngine
+
+        # one in-process SGLang engine on this replica's GPU (Ray sets CUDA_VISIBLE_DEVICES for the actor)
+        return SglangEngine(**config.sglang_engine_kwargs())
     raise ValueError(f"engine {config.engine!r} cannot run in an EngineReplica yet")
 
 
