@@ -31,7 +31,11 @@ from kvflow_ray.serve.config import ENGINES, ROUTINGS, AppConfig
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=ENGINES, default=None,
                         help="engine per replica: cpu (real compute, default), sim (GPU timing from a profile, "
-                             "made-up tokens; for exercising the stack at GPU speed)")
+                             "made-up tokens; for exercising the stack at GPU speed), sglang (SGLang 0.5.23 with "
+                             "the kvflow plugin, one GPU per replica; needs --model-path; docs/sglang.md)")
+    parser.add_argument("--model-path", default=None,
+                        help="model directory (or hub id): required for --engine sglang; for cpu, a local HF "
+                             "model instead of the seeded random one")
     parser.add_argument("--replicas", type=int, default=None, help="engine replicas (default 2)")
     parser.add_argument("--redis", default=None, help="redis://host:port/db for durable router state "
                         "(default: the embedded in-process store)")
@@ -64,7 +68,8 @@ def app_config(args: argparse.Namespace) -> AppConfig:
         if not isinstance(raw, dict):
             raise ValueError(f"--config {args.config}: expected a mapping of app args")
         data.update(raw)
-    for key in ("engine", "replicas", "redis", "routing", "policy", "device_kv_tokens", "profile", "time_scale"):
+    for key in ("engine", "replicas", "redis", "routing", "policy", "model_path", "device_kv_tokens", "profile",
+                "time_scale"):
         value = getattr(args, key, None)
         if value is not None:
             data[key] = value

@@ -78,7 +78,7 @@ class Ingress:
                                  balance_threshold=self.config.balance_threshold,
                                  prefetch_horizon=self.config.horizon)
         # the engines' own tokenizer and context (the engine checks a prompt against its pool too)
-        self.tokenizer = load_tokenizer(self.config.model_path if self.config.engine == "cpu" else None)
+        self.tokenizer = load_tokenizer(self.config.tokenizer_path())
         self.model_name = self.config.model_name()
         if self.config.engine == "sim":
             from kvflow_ray.engines.sim.serving import MAX_CONTEXT
