@@ -9,6 +9,8 @@ metrics and routing.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -123,3 +125,40 @@ class Engine(Protocol):
     def cache_events(self) -> list[CacheEvent]:
         """Events since the last call (drained)."""
         ...
+
+
+class BackgroundEngine:
+    """`generate` and `stream` for an engine that runs requests in the background behind
+    `submit(request, on_token=, on_done=)`, whose returned handle gets `result` (and `error` when it
+    failed). An engine that may run without its own thread overrides `_block_until` to step itself."""
+
+    def submit(self, request: GenerateRequest, on_token: Callable[[int], None] | None = None,
+               on_done: Callable[[Any], None] | None = None) -> Any:
+        raise NotImplementedError
+
+    def _block_until(self, ready: Callable[[], bool], wait: Callable[[], object]) -> None:
+        """Return once `ready()`; `wait()` blocks until it is."""
+        wait()
+
+    def generate(self, request: GenerateRequest) -> GenerateResult:
+        done = threading.Event()
+        req = self.submit(request, on_done=lambda _r: done.set())
+        self._block_until(done.is_set, done.wait)
+        if getattr(req, "error", None) is not None:
+            raise req.error
+        assert req.result is not None
+        return req.result
+
+    def stream(self, request: GenerateRequest) -> Iterator[int | GenerateResult]:
+        tokens: queue.Queue[int | None] = queue.Queue()
+        req = self.submit(request, on_token=tokens.put, on_done=lambda _r: tokens.put(None))
+        while True:
+            self._block_until(lambda: not tokens.empty(), lambda: None)
+            item = tokens.get()
+            if item is None:
+                break
+            yield item
+        if getattr(req, "error", None) is not None:
+            raise req.error
+        assert req.result is not None
+        yield req.result

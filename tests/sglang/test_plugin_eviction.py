@@ -54,11 +54,8 @@ def eviction_order(rig: sc.CacheRig, calls: dict[str, list[int]], fixed: dict[st
     return order
 
 
-def steps_of(spec: dict, running: list[str], finished: tuple[str, ...] = ()) -> dict[str, float]:
-    state = WorkflowState(parse_spec(spec), running=running)
-    for agent in finished:
-        state.finish(agent)
-    return state.steps_to_execution()
+def steps_of(spec: dict, running: list[str]) -> dict[str, float]:
+    return WorkflowState(parse_spec(spec), running=running).steps_to_execution()
 
 
 SEQUENTIAL = {"name": "seq", "agents": {"planner": {}, "searcher": {"after": ["planner"]},
@@ -94,6 +91,17 @@ def test_sequential_workflow_evicts_suffixes_then_farthest_agent_first(rig: sc.C
         "expresser/fixed", "executor/fixed", "searcher/fixed", "planner/fixed"]
 
 
+def fixed_eviction_order(tree: str, client: str, steps: dict[str, float], serve_order: list[str]) -> list[str]:
+    """On a fresh kvflow cache: send `steps`, serve one call per agent in `serve_order` (later =
+    more recently used), evict everything; the order in which the agents' fixed prompts went."""
+    reset_state()
+    rig = sc.build(tree, "kvflow")
+    hints({client: steps})
+    agents = sorted(serve_order)
+    fixed, calls = serve_agents(rig, client, agents, serve_order=serve_order)
+    return [e.removesuffix("/fixed") for e in eviction_order(rig, calls, fixed) if e.endswith("/fixed")]
+
+
 def test_barrier_and_branch_steps_order_eviction(rig: sc.CacheRig) -> None:
     """Barrier: Executor1 at 1, Executor2 at 2, Expresser (join: all) at 3. With `join: any`
     Expresser is at 2 and ties with Executor2, so the least recently used of the two goes first."""
@@ -103,38 +111,44 @@ def test_barrier_and_branch_steps_order_eviction(rig: sc.CacheRig) -> None:
     steps = steps_of(spec, running=["planner"])
     assert (steps["executor1"], steps["executor2"], steps["expresser"]) == (1, 2, 3)
     agents = ["executor1", "executor2", "expresser"]
-    hints({"c1": {a: steps[a] for a in agents}})
-    fixed, calls = serve_agents(rig, "c1", agents, serve_order=["expresser", "executor2", "executor1"])
-    fixed_order = [e for e in eviction_order(rig, calls, fixed) if e.endswith("/fixed")]
-    assert fixed_order == ["expresser/fixed", "executor2/fixed", "executor1/fixed"]
+    assert fixed_eviction_order(rig.tree, "c1", {a: steps[a] for a in agents},
+                                ["expresser", "executor2", "executor1"]) == ["expresser", "executor2", "executor1"]
 
     spec["agents"]["expresser"]["join"] = "any"
     steps = steps_of(spec, running=["planner"])
     assert steps["expresser"] == 2
-    reset_state()
-    rig2 = sc.build(rig.tree, "kvflow")
-    hints({"c2": {a: steps[a] for a in agents}})
     # executor2 served first, so it is the least recently used of the two at distance 2
-    fixed, calls = serve_agents(rig2, "c2", agents, serve_order=["executor2", "expresser", "executor1"])
-    fixed_order = [e for e in eviction_order(rig2, calls, fixed) if e.endswith("/fixed")]
-    assert fixed_order == ["executor2/fixed", "expresser/fixed", "executor1/fixed"]
+    assert fixed_eviction_order(rig.tree, "c2", {a: steps[a] for a in agents},
+                                ["executor2", "expresser", "executor1"]) == ["executor2", "expresser", "executor1"]
 
 
-def test_loop_and_barrier_memory(rig: sc.CacheRig) -> None:
+def test_loop_orders_eviction_against_recency(rig: sc.CacheRig) -> None:
     """Loop Planner → Executor → Expresser → Reviewer → Planner with Executor running: Expresser 1,
-    Reviewer 2, Planner 3, so Planner's prompt (the agent that ran longest ago, which LRU would keep
-    least) is the first fixed prompt to go and Expresser's the last."""
+    Reviewer 2, Planner 3. Planner's prompt, used most recently (LRU would keep it longest), is the
+    first fixed prompt to go; Expresser's, used longest ago, the last."""
     spec = {"name": "loop", "entry": "planner", "agents": {
         "planner": {"after": ["reviewer"]}, "executor": {"after": ["planner"]},
         "expresser": {"after": ["executor"]}, "reviewer": {"after": ["expresser"]}}}
     steps = steps_of(spec, running=["executor"])
     assert (steps["expresser"], steps["reviewer"], steps["planner"]) == (1, 2, 3)
     agents = ["planner", "expresser", "reviewer"]
-    hints({"c1": {a: steps[a] for a in agents}})
-    # LRU order would evict expresser's prompt first (served longest ago); kvflow keeps it
-    fixed, calls = serve_agents(rig, "c1", agents, serve_order=["expresser", "reviewer", "planner"])
-    fixed_order = [e for e in eviction_order(rig, calls, fixed) if e.endswith("/fixed")]
-    assert fixed_order == ["planner/fixed", "reviewer/fixed", "expresser/fixed"]
+    assert fixed_eviction_order(rig.tree, "c1", {a: steps[a] for a in agents},
+                                ["expresser", "reviewer", "planner"]) == ["planner", "reviewer", "expresser"]
+
+
+def test_barrier_memory_keeps_the_join_agent_near(rig: sc.CacheRig) -> None:
+    """Diamond A → {B, C} → D (`join: all`) with B finished and C running: D = 1 (B already
+    arrived), A and B = ∞. D's prompt outlives A's and B's although it was used first."""
+    spec = {"name": "diamond", "agents": {"a": {}, "b": {"after": ["a"]}, "c": {"after": ["a"]},
+                                          "d": {"after": ["b", "c"]}}}
+    state = WorkflowState(parse_spec(spec))  # a runs
+    for op, agent in [("finish", "a"), ("start", "b"), ("start", "c"), ("finish", "b")]:
+        getattr(state, op)(agent)
+    steps = state.steps_to_execution()
+    assert steps == {"a": float("inf"), "b": float("inf"), "c": 0, "d": 1}
+    order = fixed_eviction_order(rig.tree, "c1", steps, ["d", "a", "b", "c"])
+    assert order[-2:] == ["d", "c"] and set(order[:2]) == {"a", "b"}
+    assert order[:2] == ["a", "b"], "A and B tie at infinity: least recently used first"
 
 
 def test_shared_preamble_kept_while_any_near_agent_uses_it(rig: sc.CacheRig) -> None:

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ from kvflow_ray.core.cache import TieredCache
 from kvflow_ray.core.policies import StepBook, make_eviction_policy
 from kvflow_ray.core.radix import RadixNode
 from kvflow_ray.core.scheduler import ENGINE_POLICIES, POLICIES, CacheRequest, ReplicaScheduler
-from kvflow_ray.engines.base import CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
+from kvflow_ray.engines.base import BackgroundEngine, CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
 from kvflow_ray.engines.cpu.config import CpuEngineConfig
 from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream, KVPool
 from kvflow_ray.engines.cpu.model import CpuModel, sample
@@ -53,7 +53,7 @@ class CpuRequest(CacheRequest):
     finish_reason: str = "length"
 
 
-class CpuEngine:
+class CpuEngine(BackgroundEngine):
     def __init__(self, config: CpuEngineConfig | None = None, *, model: CpuModel | None = None,
                  book: StepBook | None = None) -> None:
         self.config = config = config or CpuEngineConfig()
@@ -121,31 +121,6 @@ class CpuEngine:
         self._wake.set()
         return req
 
-    def generate(self, request: GenerateRequest) -> GenerateResult:
-        done = threading.Event()
-        req = self.submit(request, on_done=lambda _r: done.set())
-        self._wait(done)
-        if req.error is not None:
-            raise req.error
-        assert req.result is not None
-        return req.result
-
-    def stream(self, request: GenerateRequest) -> Iterator[int | GenerateResult]:
-        tokens: queue.Queue[int | None] = queue.Queue()
-        req = self.submit(request, on_token=tokens.put, on_done=lambda _r: tokens.put(None))
-        while True:
-            if self._loop is None:  # no background loop: drive the engine from here
-                while tokens.empty():
-                    self.step(timeout=0.01)
-            item = tokens.get()
-            if item is None:
-                break
-            yield item
-        if req.error is not None:
-            raise req.error
-        assert req.result is not None
-        yield req.result
-
     def apply_hints(self, hints: Hints) -> None:
         self._inbox.put(("hints", hints))
         self._wake.set()
@@ -196,11 +171,11 @@ class CpuEngine:
                 self._wake.wait(0.05)
                 self._wake.clear()
 
-    def _wait(self, done: threading.Event) -> None:
+    def _block_until(self, ready: Callable[[], bool], wait: Callable[[], object]) -> None:
         if self._loop is not None:
-            done.wait()
+            wait()
             return
-        while not done.is_set():
+        while not ready():  # no background loop: drive the engine from here
             self.step(timeout=0.01)
 
     @property

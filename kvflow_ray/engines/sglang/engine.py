@@ -44,12 +44,12 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvflow_ray.engines.base import CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
+from kvflow_ray.engines.base import BackgroundEngine, CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
 from kvflow_ray.engines.sglang import protocol
 
 logger = logging.getLogger(__name__)
@@ -319,7 +319,7 @@ class SglangRequest:
     error: BaseException | None = None
 
 
-class SglangEngine:
+class SglangEngine(BackgroundEngine):
     """The Engine protocol on an in-process `sglang.Engine` with the kvflow plugin."""
 
     def __init__(self, model_path: str, *, policy: str = "kvflow", skip_tokenizer_init: bool = False,
@@ -487,25 +487,6 @@ class SglangEngine:
             self._inflight.add(req)
         asyncio.run_coroutine_threadsafe(self._run(req), self._loop)
         return req
-
-    def generate(self, request: GenerateRequest) -> GenerateResult:
-        done = threading.Event()
-        req = self.submit(request, on_done=lambda _r: done.set())
-        done.wait()
-        if req.error is not None:
-            raise req.error
-        assert req.result is not None
-        return req.result
-
-    def stream(self, request: GenerateRequest) -> Iterator[int | GenerateResult]:
-        tokens: queue.Queue[int | None] = queue.Queue()
-        req = self.submit(request, on_token=tokens.put, on_done=lambda _r: tokens.put(None))
-        while (item := tokens.get()) is not None:
-            yield item
-        if req.error is not None:
-            raise req.error
-        assert req.result is not None
-        yield req.result
 
     def apply_hints(self, hints: Hints) -> None:
         """Steps-to-execution, agents' prompts and retired workflows to the plugin on every scheduler

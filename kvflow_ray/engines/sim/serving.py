@@ -23,7 +23,7 @@ from typing import Any
 
 from kvflow_ray.core.policies import StepBook, make_eviction_policy
 from kvflow_ray.core.scheduler import ENGINE_POLICIES, POLICIES
-from kvflow_ray.engines.base import CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
+from kvflow_ray.engines.base import BackgroundEngine, CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
 from kvflow_ray.engines.cpu.tokenizer import ByteTokenizer
 from kvflow_ray.engines.events import CacheEventLog
 from kvflow_ray.engines.sim.profile import Profile, load_profile
@@ -86,7 +86,7 @@ class WallClock:
             fn()  # outside the lock: events schedule more events
 
 
-class SimEngine:
+class SimEngine(BackgroundEngine):
     """Engine protocol over a wall-clock `SimReplica`."""
 
     def __init__(self, profile: str | Profile = "a10g-llama3.1-8b", *, policy: str = "kvflow", horizon: int = 1,
@@ -152,13 +152,6 @@ class SimEngine:
 
         self.clock.soon(lambda: self.replica.submit(req))
         return req
-
-    def generate(self, request: GenerateRequest) -> GenerateResult:
-        finished = threading.Event()
-        req = self.submit(request, on_done=lambda _r: finished.set())
-        finished.wait()
-        assert req.result is not None
-        return req.result
 
     def stream(self, request: GenerateRequest) -> Iterator[int | GenerateResult]:
         result = self.generate(request)  # tokens appear when the simulated request finishes
