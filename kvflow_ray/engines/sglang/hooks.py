@@ -221,7 +221,7 @@ def start_prefetches(cache: Any, scheduler: Any) -> int:
         anchor = _node(cache, match.best_match_node)
         nodes = [node for node in path_to_root(anchor) if node.evicted]
         need = sum(len(node.key) for node in nodes)
-        reserved = sum(max(len(r.origin_input_ids) - r.prefix_len, 0) + r.sampling_params.max_new_tokens
+        reserved = sum(max(len(r.origin_input_ids) - r.prefix_len, 0) + (r.sampling_params.max_new_tokens or 0)
                        for r in scheduler.waiting_queue)
         budget = (cache.token_to_kv_pool_allocator.available_size()
                   + st.farther_evictable(cache.tree_core.root_node, steps) - reserved)
