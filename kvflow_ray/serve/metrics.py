@@ -88,12 +88,22 @@ class RouterMetrics:
         self.active = Gauge("kvflow_workflows_active", "Live workflow instances", ["tenant"], registry=r)
         self.deviations = Counter("kvflow_workflow_deviations", "Agent calls the step graph did not expect "
                                   "(served anyway; the live state follows what ran)", ["tenant"], registry=r)
+        self.replicas = Gauge("kvflow_router_replicas", "Engine replicas the router routes to (reporting)",
+                              registry=r)
+        self.replicas_lost = Counter("kvflow_router_replicas_lost", "Replicas dropped after they stopped "
+                                     "reporting or failed a call", registry=r)
+        self.store_up = Gauge("kvflow_store_up", "1 when the router's state store answers, else 0",
+                              ["backend"], registry=r)
 
     def observe_decision(self, outcome: str, seconds: float, tenant: str, deviation: bool) -> None:
         self.decisions.labels(outcome).inc()
         self.decision_seconds.observe(seconds)
         if deviation:
             self.deviations.labels(tenant).inc()
+
+    def set_health(self, replicas: int, backend: str, store_up: bool) -> None:
+        self.replicas.set(replicas)
+        self.store_up.labels(backend).set(1 if store_up else 0)
 
     def set_active(self, per_tenant: Mapping[str, int]) -> None:
         self.active.clear()

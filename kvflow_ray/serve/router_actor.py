@@ -26,7 +26,7 @@ from kvflow_ray.core.routing import PrefixAffinityRouter
 from kvflow_ray.engines.base import CacheEvent, Hints
 from kvflow_ray.serve.metrics import RouterMetrics, merge_expositions
 from kvflow_ray.serve.router_core import RouterCore
-from kvflow_ray.serve.store import open_store
+from kvflow_ray.serve.store import RedisStore, open_store
 
 ROUTER_NAME = "kvflow-router"
 ROUTER_NAMESPACE = "kvflow"
@@ -125,6 +125,9 @@ class WorkflowRouterActor:
     async def metrics_text(self) -> bytes:
         """The router's metrics and every live replica's, as one Prometheus exposition."""
         self.metrics.set_active(self.core.active_clients())
+        store = self.core.store
+        self.metrics.set_health(len(self.core.loads), "redis" if isinstance(store, RedisStore) else "memory",
+                                store.ping())
         live = [text for name, text in self.expositions.items() if name in self.core.loads]
         return merge_expositions([self.metrics.exposition(), *live])
 
@@ -153,6 +156,8 @@ class WorkflowRouterActor:
             self._forget(name)
 
     def _forget(self, name: str) -> None:
+        if name in self.core.loads:
+            self.metrics.replicas_lost.inc()
         self.core.remove_replica(name)
         self.expositions.pop(name, None)
 

@@ -67,6 +67,10 @@ class Store(Protocol):
         """Replicas whose last heartbeat is at most `max_age_s` old."""
         ...
 
+    def ping(self) -> bool:
+        """Whether the backing store answers now (exported as `kvflow_store_up`)."""
+        ...
+
 
 def _key(*parts: str) -> str:
     return ":".join(("kvflow", *parts))
@@ -192,6 +196,9 @@ class MemoryStore:
                     else:
                         del self._data[key]
 
+    def ping(self) -> bool:
+        return True  # in process: it is up while the router is
+
     def heartbeat(self, replica: str, info: dict[str, Any]) -> None:
         with self._lock:
             self._set(_key("replica", check_name("replica", replica)), {**info, "at": time.time()})
@@ -263,6 +270,14 @@ class RedisStore:
         self._r.delete(_key("replica", replica))
         for key in self._r.scan_iter(match=_key("loc", "*"), count=1000):
             self._r.hdel(key, replica)
+
+    def ping(self) -> bool:
+        import redis
+
+        try:
+            return bool(self._r.ping())
+        except redis.RedisError:
+            return False
 
     def heartbeat(self, replica: str, info: dict[str, Any]) -> None:
         self._r.set(_key("replica", check_name("replica", replica)), json.dumps({**info, "at": time.time()}))
