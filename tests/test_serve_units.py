@@ -48,6 +48,23 @@ def test_app_config_rejects_what_it_cannot_run() -> None:
         AppConfig(api_keys={"": "acme"})
 
 
+def test_api_keys_can_come_from_an_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In Kubernetes the keys come from a Secret mounted as env, not from the config file."""
+    monkeypatch.setenv("KVFLOW_TEST_KEYS", '{"k2": "beta"}')
+    config = AppConfig(api_keys={"k1": "acme"}, api_keys_env="KVFLOW_TEST_KEYS")
+    assert config.tenant_for("k1") == "acme" and config.tenant_for("k2") == "beta"
+    assert config.tenant_for("nope") is None
+    monkeypatch.setenv("KVFLOW_TEST_KEYS", "[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        AppConfig(api_keys_env="KVFLOW_TEST_KEYS")
+    monkeypatch.setenv("KVFLOW_TEST_KEYS", "{broken")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        AppConfig(api_keys_env="KVFLOW_TEST_KEYS")
+    monkeypatch.delenv("KVFLOW_TEST_KEYS")
+    with pytest.raises(ValueError, match="KVFLOW_TEST_KEYS is not set"):
+        AppConfig(api_keys_env="KVFLOW_TEST_KEYS")
+
+
 def test_tenants_come_from_api_keys() -> None:
     assert AppConfig().tenant_for(None) == "default"  # no keys configured: one open tenant
     keyed = AppConfig(api_keys={"k1": "acme"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,9 @@ class AppConfig:
     # least loaded replica's; low for slow engines (a queued request costs seconds on a CPU engine)
     balance_threshold: int = 2
     api_keys: dict[str, str] = field(default_factory=dict)  # bearer key -> tenant; empty = one "default" tenant
+    # the name of an environment variable holding more keys as JSON {"key": "tenant"} (a Kubernetes
+    # Secret mounted as env), so keys stay out of config files; read where the app is built
+    api_keys_env: str | None = None
     state_ttl_s: float = 3600.0  # idle workflow state expires after this long
     max_ongoing_requests: int = 64  # per engine replica (the engine batches up to its max_running)
     replica_num_cpus: float = 0.5  # Ray CPUs reserved per engine replica
@@ -75,6 +79,8 @@ class AppConfig:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {self.replicas}")
+        if self.api_keys_env:
+            self.api_keys = {**self.api_keys, **_keys_from_env(self.api_keys_env)}
         if not isinstance(self.api_keys, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) and k for k, v in self.api_keys.items()):
             raise ValueError("api_keys must map non-empty key strings to tenant names")
@@ -133,3 +139,17 @@ class AppConfig:
         if not self.api_keys:
             return "default"
         return self.api_keys.get(key or "")
+
+
+def _keys_from_env(name: str) -> dict[str, str]:
+    raw = os.environ.get(name)
+    if raw is None:
+        raise ValueError(f"api_keys_env: environment variable {name} is not set "
+                         '(expected JSON {"key": "tenant"})')
+    try:
+        keys = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"api_keys_env: {name} is not valid JSON: {exc.msg}") from None
+    if not isinstance(keys, dict):
+        raise ValueError(f"api_keys_env: {name} must hold a JSON object mapping keys to tenants")
+    return keys
