@@ -70,4 +70,8 @@ def test_router_actor_survives_a_kill(ray_cluster: None, redis_url: str) -> None
         ray.get(router.end_call.remote("globex", "c1", "planner"))
     text = ray.get(router.metrics_text.remote()).decode()
     assert 'kvflow_workflows_active{tenant="acme"} 1.0' in text
+    assert "kvflow_router_replicas 2.0" in text and 'kvflow_store_up{backend="redis"} 1.0' in text
+    ray.get(router.remove_replica.remote("r2"))  # what the ingress does when a call to it fails
+    text = ray.get(router.metrics_text.remote()).decode()
+    assert "kvflow_router_replicas 1.0" in text and "kvflow_router_replicas_lost_total 1.0" in text
     ray.kill(router, no_restart=True)

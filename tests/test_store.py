@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -102,3 +104,30 @@ def test_open_store(redis_url: str) -> None:
         open_store("http://localhost:6379")
     with pytest.raises(ConnectionError, match="cannot reach Redis"):
         open_store("redis://127.0.0.1:1/0")
+
+
+def test_ping_says_whether_the_store_answers(free_port: Callable[[], int], tmp_path: object) -> None:
+    """`kvflow_store_up` (and the KVFlowRedisUnreachable alert) reads this: a private redis-server,
+    stopped under the store's feet."""
+    import redis
+
+    assert MemoryStore().ping()
+    port = free_port()
+    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+                             "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(host="127.0.0.1", port=port).ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        store = RedisStore(f"redis://127.0.0.1:{port}/0")
+        assert store.ping()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert not store.ping()
