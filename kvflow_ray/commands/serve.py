@@ -10,7 +10,11 @@ Examples:
   kvflow-ray serve                                   # CPU engine, 2 replicas, http://127.0.0.1:8000
   kvflow-ray serve --replicas 4 --redis redis://127.0.0.1:6379/0
   kvflow-ray serve --config deploy/serve-cpu.yaml    # the app args of a Serve config file
+  kvflow-ray serve --with-monitoring                 # + Prometheus with the alert rules, http://127.0.0.1:9090
 Then: kvflow-ray run workflows/peer.yaml --url http://127.0.0.1:8000
+
+stdout: one JSON line once the app is healthy ({"url", "openai_base_url", "replicas"}); with
+--with-monitoring a second line follows, "prometheus: http://127.0.0.1:PORT". Logs go to stderr.
 """
 
 from __future__ import annotations
@@ -88,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument("--with-monitoring", action="store_true",
+                        help="also run Prometheus (the `prometheus` binary on PATH; Debian: apt-get install "
+                             "prometheus) on 127.0.0.1, scraping this app with the rules and alerts of "
+                             "deploy/prometheus/ (docs/serving.md, Monitoring); stopped with the server")
+    parser.add_argument("--prometheus-port", type=int, default=9090,
+                        help="--with-monitoring: Prometheus' HTTP port (default 9090)")
 
 
 def _interrupt(*_: object) -> None:
@@ -100,25 +110,47 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvflow-ray serve: {exc}", file=sys.stderr)
         return 2
+    from kvflow_ray.serve.monitoring import LocalPrometheus, MonitoringError, scrape_target
+
+    prometheus = None
+    if getattr(args, "with_monitoring", False):
+        prometheus = LocalPrometheus(scrape_target(args.host, args.port), port=args.prometheus_port)
+        try:
+            prometheus.check()  # before the minute Ray takes to start
+        except MonitoringError as exc:
+            print(f"kvflow-ray serve: --with-monitoring: {exc}", file=sys.stderr)
+            return 2
     from kvflow_ray.serve.app import LocalServer, stdout_to_stderr
 
     server = LocalServer(config, host=args.host, port=args.port)
     print(f"starting {config.replicas} {config.engine} replica(s), routing={config.routing}, "
           f"store={'redis' if config.redis else 'embedded'} ...", file=sys.stderr)
+    status = 0
     try:
-        with stdout_to_stderr():  # stdout: the one JSON line below, for scripts that start the server
+        with stdout_to_stderr():  # stdout: the JSON line below (and Prometheus' URL), for scripts
             server.start()
         # after Ray's start, which installs its own SIGTERM handler: a TERM stops us as Ctrl-C does
         signal.signal(signal.SIGTERM, _interrupt)
+        if prometheus is not None:  # once the app answers, so its first scrapes succeed
+            prometheus.start()
         print(json.dumps({"url": server.url, "openai_base_url": server.url + "/v1", "replicas": config.replicas}),
               flush=True)
+        if prometheus is not None:
+            print(f"prometheus: {prometheus.url}", flush=True)
+            print(f"Prometheus scrapes {prometheus.target} with deploy/prometheus/rules; alerts at "
+                  f"{prometheus.url}/alerts", file=sys.stderr)
         print("serving; Ctrl-C to stop", file=sys.stderr)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
+    except MonitoringError as exc:
+        print(f"kvflow-ray serve: --with-monitoring: {exc}", file=sys.stderr)
+        status = 1
     finally:
+        if prometheus is not None:
+            prometheus.stop()
         with stdout_to_stderr():
             server.stop()
-    return 0
+    return status
 
