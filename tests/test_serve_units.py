@@ -54,6 +54,7 @@ def test_api_keys_can_come_from_an_environment_variable(monkeypatch: pytest.Monk
     config = AppConfig(api_keys={"k1": "acme"}, api_keys_env="KVFLOW_TEST_KEYS")
     assert config.tenant_for("k1") == "acme" and config.tenant_for("k2") == "beta"
     assert config.tenant_for("nope") is None
+    assert config.to_dict()["api_keys"] == {"k1": "acme"}, "env keys never travel in Ray's deployment args"
     monkeypatch.setenv("KVFLOW_TEST_KEYS", "[1, 2]")
     with pytest.raises(ValueError, match="must hold a JSON object"):
         AppConfig(api_keys_env="KVFLOW_TEST_KEYS")

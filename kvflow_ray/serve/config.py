@@ -79,11 +79,13 @@ class AppConfig:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {self.replicas}")
-        if self.api_keys_env:
-            self.api_keys = {**self.api_keys, **_keys_from_env(self.api_keys_env)}
-        if not isinstance(self.api_keys, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) and k for k, v in self.api_keys.items()):
-            raise ValueError("api_keys must map non-empty key strings to tenant names")
+        # keys from the environment are resolved wherever the config is built (ingress, replicas) and
+        # kept out of the fields, so to_dict() never copies them into Ray's deployment arguments
+        self._env_keys = _keys_from_env(self.api_keys_env) if self.api_keys_env else {}
+        for keys in (self.api_keys, self._env_keys):
+            if not isinstance(keys, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) and k for k, v in keys.items()):
+                raise ValueError("api_keys must map non-empty key strings to tenant names")
 
     def _check_sglang(self) -> None:
         if not self.model_path:
@@ -136,9 +138,9 @@ class AppConfig:
 
     def tenant_for(self, key: str | None) -> str | None:
         """The tenant of a bearer key; None when keys are configured and this one is not among them."""
-        if not self.api_keys:
+        if not self.api_keys and not self._env_keys:
             return "default"
-        return self.api_keys.get(key or "")
+        return self.api_keys.get(key or "") or self._env_keys.get(key or "")
 
 
 def _keys_from_env(name: str) -> dict[str, str]:
