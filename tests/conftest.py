@@ -95,11 +95,12 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 class Prometheus:
     """A real Prometheus server scraping `targets` every second; `query` evaluates PromQL through its HTTP API."""
 
-    def __init__(self, binary: str, workdir: Path, targets: list[str]) -> None:
+    def __init__(self, binary: str, workdir: Path, targets: list[str], rule_files: list[Path] | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = workdir / "prometheus.yml"
-        config.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        rules = f"rule_files: {[str(p.resolve()) for p in rule_files or []]!r}\n"
+        config.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n" + rules +
                           "scrape_configs:\n  - job_name: kvflow\n    metrics_path: /metrics\n"
                           f"    static_configs:\n      - targets: {targets!r}\n")
         self.proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
@@ -121,16 +122,23 @@ class Prometheus:
         except OSError:
             return False
 
-    def query(self, expr: str) -> list[dict]:
+    def api(self, path: str, **params: str) -> dict:
         import json
+        import urllib.error
         import urllib.parse
         import urllib.request
 
-        with urllib.request.urlopen(f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}",
-                                    timeout=10) as response:
-            body = json.loads(response.read())
-        assert body["status"] == "success", body
-        return body["data"]["result"]
+        url = f"{self.url}/api/v1/{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                body = json.loads(response.read())
+        except urllib.error.HTTPError as exc:  # a bad query is a 400 with Prometheus's error message
+            body = json.loads(exc.read())
+        assert body["status"] == "success", f"{path} {params}: {body.get('error')}"
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        return self.api("query", query=expr)["result"]
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -149,8 +157,8 @@ def prometheus_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
         pytest.fail("prometheus is not installed: scripts/test.sh installs it (apt-get install prometheus)")
     started: list[Prometheus] = []
 
-    def start(targets: list[str]) -> Prometheus:
-        server = Prometheus(binary, tmp_path_factory.mktemp("prometheus"), targets)
+    def start(targets: list[str], rule_files: list[Path] | None = None) -> Prometheus:
+        server = Prometheus(binary, tmp_path_factory.mktemp("prometheus"), targets, rule_files)
         started.append(server)
         return server
 
