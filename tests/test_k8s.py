@@ -122,13 +122,13 @@ def test_core_objects_validate_against_kubernetes_schemas(built: dict[str, list[
     for name, objects in built.items():
         for obj in objects:
             if obj["apiVersion"].split("/")[0] in CRD_GROUPS:
-                continue  # RayService below (KubeRay's CRD); PodMonitor: no schema here
+                continue  # RayService below (KubeRay's CRD); PodMonitor, PrometheusRule: no schema here
             try:
                 kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
             except kubernetes_validate.ValidationError as exc:
                 pytest.fail(f"{name}: {obj['kind']} {obj['metadata']['name']}: {exc.message} at {list(exc.path)}")
             validated.add(obj["kind"])
-    assert validated == {"Secret", "Service", "StatefulSet", "PersistentVolumeClaim"}
+    assert validated == {"Secret", "Service", "StatefulSet", "PersistentVolumeClaim", "ConfigMap"}
 
 
 def test_core_validation_is_live() -> None:
@@ -232,7 +232,10 @@ def test_generated_files_are_not_stale() -> None:
 
 def test_check_fails_on_a_changed_deploy_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for rel in ("deploy/serve-cpu.yaml", "deploy/serve-sglang.yaml",
-                "k8s/overlays/cpu-demo/serve-config.generated.yaml", "k8s/overlays/gpu/serve-config.generated.yaml"):
+                "k8s/overlays/cpu-demo/serve-config.generated.yaml", "k8s/overlays/gpu/serve-config.generated.yaml",
+                "k8s/base/monitoring.generated.yaml",
+                *(str(p.relative_to(ROOT)) for p in [*ROOT.glob("deploy/prometheus/rules/*.yml"),
+                                                      *ROOT.glob("dashboards/*.json")])):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, tmp_path / rel)
     monkeypatch.setattr(render_k8s, "ROOT", tmp_path)
@@ -437,3 +440,26 @@ def test_the_cpu_demo_serve_config_runs_on_ray(built: dict[str, list[dict[str, A
     assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] >= 1
     # the keys came from the env var (the Secret), not from the config
     assert _http("POST", url + "/v1/chat/completions", request, key="wrong-key")[0] == 401
+
+
+def test_cluster_monitoring_is_the_repository_rules_and_dashboards(built: dict[str, list[dict[str, Any]]],
+                                                                   tmp_path: Path) -> None:
+    """Every overlay carries a PrometheusRule with exactly the groups of deploy/prometheus/rules (and
+    promtool accepts them as the Operator hands them to Prometheus) and a ConfigMap with exactly
+    dashboards/*.json, labelled for Grafana's sidecar."""
+    rule_files = sorted(ROOT.glob("deploy/prometheus/rules/*.yml"))
+    groups = [g for path in rule_files for g in yaml.safe_load(path.read_text())["groups"]]
+    for overlay, objects in built.items():
+        rules = [o for o in objects if o["kind"] == "PrometheusRule"]
+        maps = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "kvflow-grafana-dashboards"]
+        assert len(rules) == 1 and len(maps) == 1, overlay
+        assert rules[0]["spec"]["groups"] == groups, overlay
+        assert maps[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert maps[0]["data"] == {p.name: p.read_text() for p in sorted(ROOT.glob("dashboards/*.json"))}
+        rule_file = tmp_path / f"{overlay}-rules.yml"
+        rule_file.write_text(yaml.safe_dump({"groups": rules[0]["spec"]["groups"]}))
+        promtool = shutil.which("promtool")
+        assert promtool, "promtool is not installed: scripts/test.sh installs it (apt-get install prometheus)"
+        result = subprocess.run([promtool, "check", "rules", str(rule_file)], capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
