@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 import urllib.request
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from collections.abc import Callable, Iterator
 
 import pytest
+from metrics_http import serve_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow_ray.serve.metrics import ReplicaMetrics, RouterMetrics
@@ -15,26 +14,9 @@ from kvflow_ray.serve.metrics import ReplicaMetrics, RouterMetrics
 torch = pytest.importorskip("torch")
 
 
-def _serve(render) -> Iterator[str]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = render()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
-    finally:
-        server.shutdown()
-        server.server_close()
+def _serve(render: Callable[[], bytes]) -> Iterator[str]:
+    with serve_metrics(render) as address:
+        yield f"http://{address}/metrics"
 
 
 def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -17,12 +17,12 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from metrics_http import serve_metrics
 
 from kvflow_ray.serve.monitoring import (
     RULES_DIR,
@@ -148,25 +148,8 @@ def fake_app() -> Iterator[str]:
             router.set_active({"default": 3})
             return merge_expositions([router.exposition(), *(r.exposition() for r in replicas)])
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = render()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_metrics(render) as address:
+        yield address
 
 
 def test_local_prometheus_scrapes_loads_every_rule_and_records(fake_app: str, free_port: Callable[[], int]) -> None:
