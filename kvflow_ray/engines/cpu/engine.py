@@ -361,8 +361,13 @@ class CpuEngine(BackgroundEngine):
         prompt_len = len(req.tokens)
         sequence = req.tokens + tuple(req.out[:-1])  # the last token was sampled, never fed: no KV
         adopted: list[tuple[int, int]] = []
-        self.scheduler.finish(req, sequence, req.ctx[:len(sequence)], adopted)
+        self.scheduler.finish(req, sequence, req.ctx[:len(sequence)], adopted, plan=False)
         self._free_unadopted(req.own[req.committed - req.base:], req.committed, adopted)
+        # Fix: plan only now. Planned inside finish(), a prefetch's load took pool slots while this
+        # request's leftover slots (at least its last, never-fed token's) were not back yet: the pool
+        # came up short of what the cache had counted free ("60 slots wanted, 59 free") and the load
+        # failed, under load, in the serving tests.
+        self.scheduler.plan_prefetch()
         req.ctx = req.own = None
         now = time.perf_counter()
         req.result = GenerateResult(
