@@ -181,3 +181,7 @@ def test_local_hf_directory_loads_model_and_tokenizer(model: CpuModel, tmp_path)
     assert tok.decode(tok.encode(text)) == text
     assert tok.decode([tok.bos_id, *tok.encode("ok"), tok.eos_id]) == "ok"
     assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]) == "<|user|>\nHi\n<|assistant|>\n"
+    # an already loaded tokenizer (SGLang's, in the sglang engine adapter) behaves the same
+    wrapped = HFTokenizer.wrap(tok.tok)
+    assert (wrapped.vocab_size, wrapped.bos_id, wrapped.eos_id) == (tok.vocab_size, tok.bos_id, tok.eos_id)
+    assert wrapped.encode(text) == tok.encode(text) and wrapped.decode(wrapped.encode(text)) == text

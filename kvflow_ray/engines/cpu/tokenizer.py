@@ -70,13 +70,25 @@ class HFTokenizer:
         from transformers import AutoTokenizer  # lazy: ByteTokenizer users need no transformers import
 
         try:
-            self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
-        self.vocab_size: int = len(self.tok)  # includes added tokens, unlike tok.vocab_size
-        self.bos_id: int | None = self.tok.bos_token_id
-        self.eos_id: int | None = self.tok.eos_token_id
-        self.pad_id: int | None = self.tok.pad_token_id
+        self._adopt(tok)
+
+    @classmethod
+    def wrap(cls, tok: Any) -> HFTokenizer:
+        """An HF tokenizer someone already loaded (SGLang's TokenizerManager holds one), so the serving
+        layer encodes, decodes and renders chats with exactly the tokenizer the engine uses."""
+        self = cls.__new__(cls)
+        self._adopt(tok)
+        return self
+
+    def _adopt(self, tok: Any) -> None:
+        self.tok = tok
+        self.vocab_size: int = len(tok)  # includes added tokens, unlike tok.vocab_size
+        self.bos_id: int | None = tok.bos_token_id
+        self.eos_id: int | None = tok.eos_token_id
+        self.pad_id: int | None = tok.pad_token_id
 
     def encode(self, text: str) -> list[int]:
         # Specials written out in the text (e.g. a template's "<|begin_of_text|>") still map to their ids.

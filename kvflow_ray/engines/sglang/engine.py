@@ -273,35 +273,6 @@ def plugin_registered() -> bool:
     return any(ep.name == protocol.PLUGIN_NAME for ep in eps)
 
 
-# ---------------------------------------------------------------------------------------------- tokenizers
-class SglangTokenizer:
-    """SGLang's own HF tokenizer (the TokenizerManager's) behind the project's `Tokenizer` interface
-    (engines/cpu/tokenizer.py): the replica decodes streams and renders agents' prompts with the
-    exact tokenizer SGLang uses, loaded once."""
-
-    def __init__(self, tok: Any) -> None:
-        from kvflow_ray.engines.cpu.tokenizer import format_chat
-
-        self.tok = tok
-        self._format_chat = format_chat
-        self.vocab_size: int = len(tok)
-        self.bos_id: int | None = tok.bos_token_id
-        self.eos_id: int | None = tok.eos_token_id
-        self.pad_id: int | None = tok.pad_token_id
-
-    def encode(self, text: str) -> list[int]:
-        # the chat template spells out the specials a model expects (engines/cpu/tokenizer.py)
-        return list(self.tok.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: list[int]) -> str:
-        return str(self.tok.decode(ids, skip_special_tokens=True))
-
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        if getattr(self.tok, "chat_template", None) is None:
-            return self._format_chat(messages)
-        return str(self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-
-
 # ---------------------------------------------------------------------------------------------- the engine
 @dataclass(eq=False)
 class SglangRequest:
@@ -369,7 +340,10 @@ class SglangEngine(BackgroundEngine):
             # without a tokenizer of their own, so a dummy-weights model serves end to end
             self.tokenizer: Any = ByteTokenizer()
         else:
-            self.tokenizer = SglangTokenizer(self._engine.tokenizer_manager.tokenizer)
+            from kvflow_ray.engines.cpu.tokenizer import HFTokenizer
+
+            # SGLang's own tokenizer, loaded once: the replica decodes and renders chats exactly as SGLang does
+            self.tokenizer = HFTokenizer.wrap(self._engine.tokenizer_manager.tokenizer)
         self.vocab_size, self.max_context, self.device_tokens = self._limits()
         self._incremental = bool(getattr(self._engine.server_args, "incremental_streaming_output", False))
 
