@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from kvflow_ray.serve.monitoring import LocalPrometheus
+
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("dev", deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
@@ -92,75 +94,19 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc.wait(timeout=10)
 
 
-class Prometheus:
-    """A real Prometheus server scraping `targets` every second; `query` evaluates PromQL through its HTTP API."""
-
-    def __init__(self, binary: str, workdir: Path, targets: list[str], rule_files: list[Path] | None = None) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = workdir / "prometheus.yml"
-        rules = f"rule_files: {[str(p.resolve()) for p in rule_files or []]!r}\n"
-        config.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n" + rules +
-                          "scrape_configs:\n  - job_name: kvflow\n    metrics_path: /metrics\n"
-                          f"    static_configs:\n      - targets: {targets!r}\n")
-        self.proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-                                      f"--web.listen-address=127.0.0.1:{self.port}"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while not self._ready():
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                self.stop()
-                pytest.fail(f"prometheus did not start on port {self.port}")
-            time.sleep(0.2)
-
-    def _ready(self) -> bool:
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
-
-    def api(self, path: str, **params: str) -> dict:
-        import json
-        import urllib.error
-        import urllib.parse
-        import urllib.request
-
-        url = f"{self.url}/api/v1/{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
-        try:
-            with urllib.request.urlopen(url, timeout=10) as response:
-                body = json.loads(response.read())
-        except urllib.error.HTTPError as exc:  # a bad query is a 400 with Prometheus's error message
-            body = json.loads(exc.read())
-        assert body["status"] == "success", f"{path} {params}: {body.get('error')}"
-        return body["data"]
-
-    def query(self, expr: str) -> list[dict]:
-        return self.api("query", query=expr)["result"]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 @pytest.fixture(scope="session")
-def prometheus_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """Start real Prometheus servers (Debian's `prometheus`, installed by scripts/test.sh) scraping given
-    `host:port` targets; all are stopped after the session."""
-    binary = shutil.which("prometheus")
-    if binary is None:
+def prometheus_factory() -> Iterator:
+    """Start real Prometheus servers (Debian's `prometheus`, installed by scripts/test.sh) as the product
+    runs them (`kvflow-ray serve --with-monitoring`: the repository's config and rules), on free loopback
+    ports, each scraping one `host:port` target every second; all are stopped after the session."""
+    if shutil.which("prometheus") is None:
         pytest.fail("prometheus is not installed: scripts/test.sh installs it (apt-get install prometheus)")
-    started: list[Prometheus] = []
+    started: list[LocalPrometheus] = []
 
-    def start(targets: list[str], rule_files: list[Path] | None = None) -> Prometheus:
-        server = Prometheus(binary, tmp_path_factory.mktemp("prometheus"), targets, rule_files)
+    def start(target: str) -> LocalPrometheus:
+        server = LocalPrometheus(target, port=_free_port(), scrape_interval="1s", evaluation_interval="1s")
         started.append(server)
-        return server
+        return server.start()
 
     try:
         yield start

@@ -29,6 +29,7 @@ from kvflow_ray.serve.monitoring import (
     LocalPrometheus,
     MonitoringError,
     alerting_rules,
+    prometheus_api,
     recording_rules,
     render_config,
     scrape_target,
@@ -37,15 +38,8 @@ from kvflow_ray.serve.monitoring import (
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _get(url: str, timeout: float = 10) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
 def _query(base: str, expr: str) -> list[dict[str, Any]]:
-    body = _get(f"{base}/api/v1/query?{urllib.parse.urlencode({'query': expr})}")
-    assert body["status"] == "success", body
-    return body["data"]["result"]
+    return prometheus_api(base, "query", query=expr)["result"]
 
 
 def _wait(what: str, check: Callable[[], bool], timeout_s: float = 60) -> None:
@@ -57,7 +51,7 @@ def _wait(what: str, check: Callable[[], bool], timeout_s: float = 60) -> None:
 
 
 def _rule_groups(base: str) -> dict[str, list[dict[str, Any]]]:
-    groups = _get(f"{base}/api/v1/rules")["data"]["groups"]
+    groups = prometheus_api(base, "rules")["groups"]
     return {group["name"]: group["rules"] for group in groups}
 
 
@@ -184,7 +178,7 @@ def test_local_prometheus_scrapes_loads_every_rule_and_records(fake_app: str, fr
                   for s in _query(base, 'kvflow:prompt_token_hit_ratio:rate5m{replica="r0"}')}
         assert ratios == pytest.approx({"gpu": 0.6, "cpu": 0.2, "miss": 0.2})
         # a healthy stack raises no alert
-        assert _get(f"{base}/api/v1/alerts")["data"]["alerts"] == []
+        assert prometheus_api(base, "alerts")["alerts"] == []
     assert proc.poll() is not None, "prometheus stopped"
     assert not workdir.exists(), "its temporary directory is removed"
     assert not prometheus.ready()

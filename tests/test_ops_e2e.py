@@ -51,8 +51,7 @@ def stack(redis_url: str, free_port: Callable[[], int], prometheus_factory: Any)
     config = AppConfig(replicas=2, redis=redis_url, api_keys={"key-acme": "acme"}, device_kv_tokens=1536,
                        host_kv_tokens=16384, max_running=8, threads=1)
     with LocalServer(config, port=free_port(), num_cpus=2) as server:
-        prometheus = prometheus_factory([urllib.parse.urlsplit(server.url).netloc],
-                                        rule_files=sorted(RULES_DIR.glob("*.yml")))
+        prometheus = prometheus_factory(urllib.parse.urlsplit(server.url).netloc)  # loads RULES_DIR
         load = LoadConfig(clients=4, iterations=2, max_tokens=8, task_chars=300, api_key="key-acme")
         result = run_load(PEER, server.url, load, progress=False)
         summary = summarise(result, PEER, load)

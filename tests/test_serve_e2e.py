@@ -103,7 +103,7 @@ def _sample(text: str, name: str, **labels: str) -> float:
 # ---------------------------------------------------------------------------------------------- serving
 def test_concurrent_peer_workflows_route_to_their_prefix_and_export_metrics(server: LocalServer,
                                                                           prometheus_factory: Any) -> None:
-    prometheus = prometheus_factory([urllib.parse.urlsplit(server.url).netloc])
+    prometheus = prometheus_factory(urllib.parse.urlsplit(server.url).netloc)
     load = LoadConfig(clients=8, iterations=3, max_tokens=16, task_chars=300, api_key="key-acme")
     result = run_load(PEER, server.url, load, progress=False)
     summary = summarise(result, PEER, load)

@@ -9,6 +9,7 @@ temporary directory, removed when it stops.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -16,6 +17,8 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -90,6 +93,20 @@ def render_config(target: str, rules_dir: Path | None = None, *, scrape_interval
         config.setdefault("global", {})["evaluation_interval"] = evaluation_interval
     header = f"# rendered by kvflow_ray.serve.monitoring from {CONFIG_FILE}\n"
     return header + yaml.safe_dump(config, sort_keys=False)
+
+
+def prometheus_api(base_url: str, path: str, **params: str) -> Any:
+    """`data` of a Prometheus HTTP API call (`query`, `rules`, `alerts`, ...) on `base_url`. A failed
+    call (a bad query is a 400 that carries Prometheus's message) raises MonitoringError with it."""
+    url = f"{base_url}/api/v1/{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            body = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        body = json.loads(exc.read())
+    if body.get("status") != "success":
+        raise MonitoringError(f"{path} {params}: {body.get('error')}")
+    return body["data"]
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -178,6 +195,13 @@ class LocalPrometheus:
                 return response.status == 200
         except OSError:
             return False
+
+    def api(self, path: str, **params: str) -> Any:
+        return prometheus_api(self.url, path, **params)
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """An instant PromQL query: its result vector."""
+        return self.api("query", query=expr)["result"]
 
     def log(self) -> str:
         if self.workdir is None:
