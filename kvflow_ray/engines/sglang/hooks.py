@@ -9,6 +9,7 @@ HiCache, which only the unified tree has.
 
 from __future__ import annotations
 
+import os
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -181,6 +182,7 @@ def before_next_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
         return
     st = state()
     ongoing = getattr(cache, "ongoing_load_back", None)
+
     def is_attached(node: Any) -> bool:
         return attached(cache, node)
 
@@ -192,14 +194,15 @@ def before_next_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
             logger.exception("kvflow: prefetch failed; prefetch is off for the rest of this process")
             st.prefetch_enabled = False
     st.check_boundaries(is_attached)
-    directory = _status_dir()
+    cache_tokens = _cache_tokens(cache)
+    waiting = len(scheduler.waiting_queue)
+    directory = os.environ.get(protocol.STATUS_DIR_ENV)
     if directory and getattr(scheduler, "tp_rank", 0) == 0:
         try:
-            st.write_status(directory, st.snapshot(len(scheduler.waiting_queue), _running(scheduler),
-                                                   _cache_tokens(cache)), monotonic())
+            st.write_status(directory, lambda: st.snapshot(waiting, _running(scheduler), cache_tokens), monotonic())
         except OSError as exc:
             st.warn_once(f"status:{exc}", f"kvflow: cannot write status to {directory}: {exc}")
-    _export_metrics(st, len(scheduler.waiting_queue), _cache_tokens(cache))
+    _export_metrics(st, waiting, cache_tokens)
 
 
 def start_prefetches(cache: Any, scheduler: Any) -> int:
@@ -247,12 +250,6 @@ def _cache_tokens(cache: Any) -> dict[str, int]:
     return tokens
 
 
-def _status_dir() -> str | None:
-    import os
-
-    return os.environ.get(protocol.STATUS_DIR_ENV) or None
-
-
 # ---------------------------------------------------------------------------------------- metrics
 # Created lazily in the scheduler process: SGLang runs prometheus_client in multiprocess mode, set
 # up only after plugins load (a metric built earlier would keep single-process storage). Without
@@ -264,8 +261,6 @@ _exported: dict[str, float] = {}
 
 def _metric_objects() -> dict[str, Any] | None:
     global _metrics
-    import os
-
     if _metrics is None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import Counter, Gauge, Histogram
 

@@ -253,15 +253,16 @@ class PluginState:
             "held": c.held,
         }
 
-    def write_status(self, directory: str, snapshot: dict[str, Any], now: float, force: bool = False) -> None:
-        """`stats.json` (atomic replace) and `events.jsonl` (appended), at most once per interval."""
-        if not force and now - self._status_at < protocol.STATUS_INTERVAL_S:
+    def write_status(self, directory: str, snapshot: Callable[[], dict[str, Any]], now: float) -> None:
+        """`stats.json` (atomic replace) and `events.jsonl` (appended), at most once per interval; the
+        snapshot is built only then (this runs on every scheduler iteration)."""
+        if now - self._status_at < protocol.STATUS_INTERVAL_S:
             return
         self._status_at = now
         os.makedirs(directory, exist_ok=True)
         tmp = os.path.join(directory, f".stats.{os.getpid()}.tmp")
         with open(tmp, "w") as f:
-            json.dump(snapshot, f)
+            json.dump(snapshot(), f)
         os.replace(tmp, os.path.join(directory, "stats.json"))
         if self.events:
             with open(os.path.join(directory, "events.jsonl"), "a") as f:
