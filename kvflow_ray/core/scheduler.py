@@ -421,11 +421,11 @@ class ReplicaScheduler:
         return eos or req.decoded >= req.max_new
 
     def finish(self, req: CacheRequest, sequence: tuple[int, ...], gpu_value: object = None,
-               adopted: list[tuple[int, int]] | None = None, plan: bool = True) -> None:
+               adopted: list[tuple[int, int]] | None = None) -> None:
         """The request is done: `sequence` (prompt + output whose KV exists) joins the tree, the rest
-        of its private memory is released. An engine that hands the request's leftover device slots
-        back only after this call passes `plan=False` and calls `plan_prefetch()` once it has: a
-        prefetch planned here would otherwise be given slots the engine has not freed yet."""
+        of its private memory is released. The engine then hands the request's leftover device slots
+        back and calls `plan_prefetch()` (memory freed: a prefetch that did not fit may fit now); a
+        prefetch planned before that would be given slots the engine has not freed yet."""
         self.cache.commit(sequence, req.private, gpu_value, adopted)
         req.private = 0
         self.cache.tree.unlock(req.locked)
@@ -437,5 +437,3 @@ class ReplicaScheduler:
             self.stats.cpu_tokens += req.cpu_hit
             self.stats.miss_tokens += req.miss
             self.stats.stall_s += req.stall
-        if plan:
-            self.plan_prefetch()  # memory freed: a prefetch that did not fit may fit now

@@ -361,7 +361,7 @@ class CpuEngine(BackgroundEngine):
         prompt_len = len(req.tokens)
         sequence = req.tokens + tuple(req.out[:-1])  # the last token was sampled, never fed: no KV
         adopted: list[tuple[int, int]] = []
-        self.scheduler.finish(req, sequence, req.ctx[:len(sequence)], adopted, plan=False)
+        self.scheduler.finish(req, sequence, req.ctx[:len(sequence)], adopted)
         self._free_unadopted(req.own[req.committed - req.base:], req.committed, adopted)
         # Fix: plan only now. Planned inside finish(), a prefetch's load took pool slots while this
         # request's leftover slots (at least its last, never-fed token's) were not back yet: the pool

@@ -139,5 +139,6 @@ class SimReplica:
     def _finish(self, req: CacheRequest) -> None:
         assert isinstance(req, SimRequest)
         self.scheduler.finish(req, req.tokens + req.output_tokens)
+        self.scheduler.plan_prefetch()  # simulated memory has no slots to hand back: plan at once
         assert req.on_done is not None
         req.on_done(req)
