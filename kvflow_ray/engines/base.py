@@ -25,8 +25,13 @@ class GenerateRequest:
     model: str | None = None  # must name the engine's model when given (OpenAI `model`)
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p
     seed: int | None = None  # sampling seed (temperature > 0)
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks)
+    stop: Sequence[str] = ()  # stop strings: generation ends before the first one; the text excludes it
+    # the cache namespace: KV is reused only between requests with the same salt (the serving layer
+    # gives each tenant, or each sharing group of tenants, its own); "" is the default namespace
+    cache_salt: str = ""
     # workflow metadata (DESIGN.md §7); without it the request is served as a plain request
     workflow: str | None = None  # the workflow instance (client id, tenant-scoped by the caller)
     agent: str | None = None
@@ -51,11 +56,14 @@ class GenerateResult:
 class Hints:
     """What the workflow layer tells an engine. `steps`: steps-to-execution per agent of each
     workflow instance (replacing what was known of that instance); `prompts`: each agent's fixed
-    prompt (token ids), which prefetch loads; `retire`: finished workflow instances."""
+    prompt (token ids), which prefetch loads; `retire`: finished workflow instances; `salts`: the
+    cache namespace of each instance (absent: the default namespace "")."""
 
     steps: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     prompts: Mapping[tuple[str, str], Sequence[int]] = field(default_factory=dict)
     retire: Sequence[str] = ()
+    # workflow instance -> the cache namespace (`GenerateRequest.cache_salt`) its prompts live in
+    salts: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -103,10 +111,16 @@ def request_tokens(request: GenerateRequest, *, model_name: str, encode: Callabl
     return tokens
 
 
-def prefix_hash(tokens: Sequence[int]) -> str:
+def prefix_hash(tokens: Sequence[int], salt: str = "") -> str:
+    """The id of a cached token sequence in one cache namespace (`GenerateRequest.cache_salt`): the
+    same tokens under two salts are two prefixes, so a location index keyed by it is isolated too.
+    The default namespace "" keeps the unsalted hash."""
     import hashlib
 
-    return hashlib.blake2b(",".join(map(str, tokens)).encode(), digest_size=12).hexdigest()
+    data = ",".join(map(str, tokens)).encode()
+    if salt:
+        data = salt.encode() + b"\x00" + data
+    return hashlib.blake2b(data, digest_size=12).hexdigest()
 
 
 class Engine(Protocol):

@@ -29,6 +29,10 @@ class AppConfig:
     # the name of an environment variable holding more keys as JSON {"key": "tenant"} (a Kubernetes
     # Secret mounted as env), so keys stay out of config files; read where the app is built
     api_keys_env: str | None = None
+    # /metrics answers only with `Authorization: Bearer <metrics_token>` when a token is set (directly,
+    # or from the environment variable named by metrics_token_env: a Kubernetes Secret mounted as env)
+    metrics_token: str | None = None
+    metrics_token_env: str | None = None
     state_ttl_s: float = 3600.0  # idle workflow state expires after this long
     max_ongoing_requests: int = 64  # per engine replica (the engine batches up to its max_running)
     replica_num_cpus: float = 0.5  # Ray CPUs reserved per engine replica
