@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -22,13 +24,26 @@ from typing import Any
 
 import yaml
 
+from kvflow_ray.core.safe_yaml import (
+    MAX_CONFIG_FILE_BYTES,
+    TextFileError,
+    decode_utf8,
+    describe_yaml_error,
+    load_yaml,
+    read_text_file,
+)
+
 __all__ = [
     "AGENT_KEYS",
     "JOINS",
+    "MAX_PROMPT_FILE_BYTES",
+    "MAX_SPEC_FILE_BYTES",
     "NAME_PATTERN",
     "TOP_LEVEL_KEYS",
     "AgentSpec",
     "SpecError",
+    "SpecLimitError",
+    "SpecLimits",
     "UnknownAgentError",
     "WorkflowSpec",
     "WorkflowState",
@@ -46,6 +61,11 @@ TOP_LEVEL_KEYS: tuple[str, ...] = ("name", "entry", "agents", "description")
 AGENT_KEYS: tuple[str, ...] = ("prompt", "prompt_file", "after", "join", "description")
 JOINS: tuple[str, ...] = ("all", "any")
 
+# What a spec file may read from disk: the spec itself, and each `prompt_file` (a regular file inside
+# the spec's folder). Bounded so that a mistaken path (a log, /dev/zero) cannot fill memory.
+MAX_SPEC_FILE_BYTES = MAX_CONFIG_FILE_BYTES  # 4 MiB
+MAX_PROMPT_FILE_BYTES = 1024 * 1024  # 1 MiB per prompt file
+
 
 class SpecError(ValueError):
     """An invalid workflow spec. ``field`` is the dotted path of the offending value
@@ -58,6 +78,44 @@ class SpecError(ValueError):
 
     def __reduce__(self) -> tuple[Any, ...]:  # picklable (it crosses Ray process boundaries)
         return (type(self), (self.field, self.message))
+
+
+class SpecLimitError(SpecError):
+    """A well-formed spec that exceeds a :class:`SpecLimits` bound (an HTTP layer answers 4xx naming
+    it). ``limit`` is the setting's name as the message shows it, ``maximum`` its value and ``actual``
+    what the spec has (for prompt bytes: the running total when the limit was crossed)."""
+
+    def __init__(self, field: str, message: str, limit: str, maximum: int, actual: int) -> None:
+        super().__init__(field, message)
+        self.limit = limit
+        self.maximum = maximum
+        self.actual = actual
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.field, self.message, self.limit, self.maximum, self.actual))
+
+
+@dataclass(frozen=True)
+class SpecLimits:
+    """Size bounds for specs from untrusted sources (``POST /v1/workflows``, inline ``workflow_spec``).
+
+    ``max_agents``: agents per spec, checked before any agent is parsed. ``max_prompt_bytes``: the
+    UTF-8 bytes of all agent prompts of the spec together (a per-spec total, so many medium prompts
+    cannot add up to a huge template; descriptions and names are not counted, the request body cap
+    bounds those). The ``*_setting`` names are what error messages call each limit, so a server can
+    name its own config keys (``"limits.max_agents_per_spec"``).
+    """
+
+    max_agents: int
+    max_prompt_bytes: int
+    max_agents_setting: str = "max_agents"
+    max_prompt_bytes_setting: str = "max_prompt_bytes"
+
+    def __post_init__(self) -> None:
+        for name in ("max_agents", "max_prompt_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SpecLimits.{name} must be a positive integer, got {value!r}")
 
 
 class UnknownAgentError(KeyError, ValueError):
@@ -391,6 +449,44 @@ def _check_keys(data: Mapping[Any, Any], allowed: tuple[str, ...], prefix: str) 
             raise SpecError(f"{prefix}{key}", f"unknown key {key!r} (allowed: {', '.join(allowed)})")
 
 
+def _read_prompt_file(prompt_file: str, base_dir: Path, field_path: str) -> str:
+    """The text of ``prompt_file``, which must name a regular file inside ``base_dir`` (symlinks are
+    followed, but must land inside too). Never opens anything but a regular file: it is stat-ed
+    first, and opened non-blocking and without following a final symlink, so a FIFO swapped in
+    between cannot block the loader; the opened file must be the one that was checked."""
+    rel = Path(prompt_file)
+    if not prompt_file or rel.is_absolute() or rel.anchor:
+        raise SpecError(field_path, f"must be a path relative to the spec's folder, got {prompt_file!r}")
+    shown = str(base_dir / rel)
+    try:
+        root = base_dir.resolve(strict=True)
+        target = (root / rel).resolve()  # not strict: "outside" is the answer for ../missing too
+        if target != root and not target.is_relative_to(root):
+            raise SpecError(field_path, f"{prompt_file!r} is outside the spec's folder (resolves to {str(target)!r})")
+        checked = os.stat(target, follow_symlinks=False)  # resolved: no symlink left to follow
+        if not stat.S_ISREG(checked.st_mode):
+            raise SpecError(field_path, f"cannot read {shown!r}: not a regular file")
+        if checked.st_size > MAX_PROMPT_FILE_BYTES:
+            raise SpecError(field_path, f"cannot read {shown!r}: larger than the {MAX_PROMPT_FILE_BYTES}-byte limit")
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(target, flags)
+        with os.fdopen(fd, "rb") as f:
+            opened = os.fstat(f.fileno())
+            if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (checked.st_dev, checked.st_ino):
+                raise SpecError(field_path, f"cannot read {shown!r}: the file changed while it was being read")
+            data = f.read(MAX_PROMPT_FILE_BYTES + 1)
+        if len(data) > MAX_PROMPT_FILE_BYTES:
+            raise SpecError(field_path, f"cannot read {shown!r}: larger than the {MAX_PROMPT_FILE_BYTES}-byte limit")
+        return decode_utf8(data)
+    except SpecError:
+        raise
+    except (OSError, TextFileError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise SpecError(field_path, f"cannot read {shown!r}: {reason}") from exc
+    except (ValueError, RuntimeError) as exc:  # a NUL byte in the path; a symlink loop (RuntimeError in 3.11)
+        raise SpecError(field_path, f"cannot read {shown!r}: {exc}") from exc
+
+
 def _parse_agent(name: str, raw: object, base_dir: Path | None) -> AgentSpec:
     where = f"agents.{name}"
     if raw is None:
@@ -404,14 +500,14 @@ def _parse_agent(name: str, raw: object, base_dir: Path | None) -> AgentSpec:
     if prompt is not None and prompt_file is not None:
         raise SpecError(f"{where}.prompt_file", "cannot be combined with prompt (give one of them)")
     if prompt_file is not None:
-        path = Path(prompt_file)
-        if not path.is_absolute() and base_dir is not None:
-            path = base_dir / path
-        try:
-            prompt = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise SpecError(f"{where}.prompt_file", f"cannot read {str(path)!r}: {reason}") from exc
+        if base_dir is None:
+            # Not from a file (a spec sent over HTTP): reading server files for a tenant would leak
+            # them, so refuse without touching the filesystem (the answer must not depend on the path).
+            raise SpecError(
+                f"{where}.prompt_file",
+                "is not allowed in a spec sent over HTTP (only in spec files); inline the text as prompt",
+            )
+        prompt = _read_prompt_file(prompt_file, base_dir, f"{where}.prompt_file")
 
     after_raw = raw.get("after")
     if after_raw is None:
@@ -435,11 +531,14 @@ def _parse_agent(name: str, raw: object, base_dir: Path | None) -> AgentSpec:
     return AgentSpec(name=name, prompt=prompt, after=after, join=join, description=description)
 
 
-def parse_spec(data: object, base_dir: Path | None = None) -> WorkflowSpec:
+def parse_spec(data: object, base_dir: Path | None = None, *, limits: SpecLimits | None = None) -> WorkflowSpec:
     """Validate plain data (as loaded from YAML or JSON) into a :class:`WorkflowSpec`.
 
-    ``base_dir`` is where ``prompt_file`` paths are resolved (the spec file's folder); without it they
-    are resolved against the current directory. Raises :class:`SpecError` naming the bad field.
+    ``base_dir`` is the spec file's folder: ``prompt_file`` must name a regular file inside it (at most
+    :data:`MAX_PROMPT_FILE_BYTES`, UTF-8). Without ``base_dir`` (a spec that came over the network)
+    ``prompt_file`` is refused and nothing on disk is read. ``limits`` bounds the agent count and the
+    prompts' total size (:class:`SpecLimitError`); None means unbounded. Raises :class:`SpecError`
+    naming the bad field.
     """
     if not isinstance(data, Mapping):
         got = "an empty document" if data is None else _type_name(data)
@@ -465,34 +564,32 @@ def parse_spec(data: object, base_dir: Path | None = None) -> WorkflowSpec:
         )
     if not agents_raw:
         raise SpecError("agents", "must define at least one agent")
+    if limits is not None and len(agents_raw) > limits.max_agents:  # before parsing any agent
+        raise SpecLimitError(
+            "agents",
+            f"has {len(agents_raw)} agents; the limit is {limits.max_agents} ({limits.max_agents_setting})",
+            limits.max_agents_setting, limits.max_agents, len(agents_raw),
+        )
 
     agents: dict[str, AgentSpec] = {}
+    prompt_bytes = 0
     for agent_name, raw in agents_raw.items():
         _check_name(f"agents.{agent_name}", agent_name)
-        agents[agent_name] = _parse_agent(agent_name, raw, base_dir)
+        agent = agents[agent_name] = _parse_agent(agent_name, raw, base_dir)
+        if limits is not None and agent.prompt is not None:
+            # A str has at least one UTF-8 byte per character: skip encoding one that is too long anyway.
+            if prompt_bytes + len(agent.prompt) > limits.max_prompt_bytes:
+                prompt_bytes += len(agent.prompt)
+            else:
+                prompt_bytes += len(agent.prompt.encode("utf-8", "surrogatepass"))
+            if prompt_bytes > limits.max_prompt_bytes:
+                raise SpecLimitError(
+                    f"agents.{agent_name}.prompt",
+                    f"brings the spec's prompts to more than {limits.max_prompt_bytes} bytes (UTF-8, all "
+                    f"prompts together); the limit is {limits.max_prompt_bytes} ({limits.max_prompt_bytes_setting})",
+                    limits.max_prompt_bytes_setting, limits.max_prompt_bytes, prompt_bytes,
+                )
     return WorkflowSpec(name=name, entry=entry, agents=agents, description=description)
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate mapping keys: PyYAML silently keeps the last one, which
-    would quietly drop an agent defined twice."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            duplicate = key in seen
-        except TypeError:  # unhashable key: let the default constructor report it
-            break
-        if duplicate:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
 def _parse_text(text: str, as_json: bool) -> object:
@@ -501,11 +598,13 @@ def _parse_text(text: str, as_json: bool) -> object:
             return json.loads(text)
         except json.JSONDecodeError as exc:
             raise SpecError("file", f"invalid JSON: {exc}") from exc
+        except RecursionError:
+            raise SpecError("file", "invalid JSON: nested too deeply") from None
     try:
-        # _StrictLoader derives from SafeLoader, so this builds plain data only.
-        return yaml.load(text, Loader=_StrictLoader)
+        # SafeLoader subclass: plain data only, no anchors/aliases (alias bombs), no duplicate keys.
+        return load_yaml(text)
     except yaml.YAMLError as exc:
-        raise SpecError("file", f"invalid YAML: {exc}") from exc
+        raise SpecError("file", f"invalid YAML: {describe_yaml_error(exc)}") from exc
 
 
 def loads_spec(text: str, base_dir: Path | None = None) -> WorkflowSpec:
@@ -518,17 +617,20 @@ def loads_spec(text: str, base_dir: Path | None = None) -> WorkflowSpec:
             data = json.loads(text)
         except json.JSONDecodeError:
             data = _parse_text(text, as_json=False)  # flow-style YAML mapping
+        except RecursionError:
+            raise SpecError("file", "invalid JSON: nested too deeply") from None
     else:
         data = _parse_text(text, as_json=False)
     return parse_spec(data, base_dir=base_dir)
 
 
 def load_spec(path: str | Path) -> WorkflowSpec:
-    """Load a spec file (.yaml, .yml or .json); ``prompt_file`` paths are relative to its folder."""
+    """Load a spec file (.yaml, .yml or .json, at most :data:`MAX_SPEC_FILE_BYTES`); ``prompt_file``
+    paths are relative to its folder and must stay inside it."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_text_file(path, MAX_SPEC_FILE_BYTES)
+    except (OSError, TextFileError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise SpecError("file", f"cannot read {str(path)!r}: {reason}") from exc
     base_dir = path.parent
