@@ -68,9 +68,10 @@ def routing_comparison(args: argparse.Namespace) -> dict[str, Any]:
     load = LoadConfig(clients=args.clients, iterations=args.iterations, max_tokens=args.max_tokens,
                       task_chars=args.task_chars)
     if args.engine == "sim":  # simulated GPUs: compute costs no CPU here, so more replicas fit
-        base = AppConfig(engine="sim", replicas=args.replicas, profile=args.profile, time_scale=args.time_scale)
+        base = AppConfig(engine="sim", replicas=args.replicas, profile=args.profile, time_scale=args.time_scale,
+                         route_headers=True)
     else:
-        base = AppConfig(replicas=args.replicas, threads=1)
+        base = AppConfig(replicas=args.replicas, threads=1, route_headers=True)
     out: dict[str, Any] = {"setup": {"replicas": base.replicas, "engine": base.engine, "model": base.model_name(),
                                      "time_scale": base.time_scale if base.engine == "sim" else None,
                                      "device_kv_tokens": device_kv_tokens(base), "workflow": "peer",

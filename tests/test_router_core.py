@@ -186,3 +186,70 @@ def test_prefetch_is_hinted_only_where_the_next_agent_will_run(router: RouterCor
     assert hints["r2"].steps["acme/c1"]["executor"] == 1
     assert hints["r1"].steps["acme/c1"]["executor"] == 2  # kept by priority there, not prefetched
     assert hints["r1"].steps["acme/c1"]["planner"] == hints["r2"].steps["acme/c1"]["planner"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- tenant limits
+def _limited(store: Store, **limits: float) -> RouterCore:
+    from kvflow_ray.serve.config import TenantLimits
+
+    core = RouterCore(store, limits=TenantLimits(**limits))
+    core.add_replica("r1")
+    return core
+
+
+def test_templates_per_tenant_are_bounded_and_an_unchanged_spec_writes_nothing(store: Store) -> None:
+    from kvflow_ray.serve.router_core import TenantLimitError
+
+    core = _limited(store, max_templates=2, template_writes_per_s=2)
+    core.put_template("acme", {"name": "a", "agents": {"x": {}}})
+    core.put_template("acme", {"name": "b", "agents": {"x": {}}})
+    with pytest.raises(TenantLimitError, match=r"limits\.max_templates"):
+        core.put_template("acme", {"name": "c", "agents": {"x": {}}})
+    assert store.get_template("acme", "c") is None  # refused: nothing written
+    core.put_template("globex", {"name": "c", "agents": {"x": {}}})  # another tenant's quota is its own
+    # re-sending the same spec (an inline workflow_spec on every call) costs no write and no token
+    for _ in range(5):
+        core.put_template("acme", {"name": "a", "agents": {"x": {}}})
+    # a changed spec is a write: the bucket (2/s, burst 2) is spent after the two writes above
+    with pytest.raises(TenantLimitError, match=r"limits\.template_writes_per_s"):
+        core.put_template("acme", {"name": "a", "agents": {"x": {"prompt": "new"}}})
+
+
+def test_spec_size_limits_apply_to_specs_from_the_network(store: Store) -> None:
+    from kvflow_ray.core.graph import SpecLimitError
+
+    core = _limited(store, max_agents_per_spec=3, max_prompt_bytes=10)
+    with pytest.raises(SpecLimitError, match="agents"):
+        core.put_template("acme", {"name": "big", "agents": {f"a{i}": {} for i in range(4)}})
+    with pytest.raises(SpecLimitError):
+        core.put_template("acme", {"name": "long", "agents": {"a": {"prompt": "x" * 11}}})
+    with pytest.raises(SpecError, match="prompt_file"):
+        core.put_template("acme", {"name": "file", "agents": {"a": {"prompt_file": "/etc/hostname"}}})
+    assert store.templates("acme") == []
+
+
+def test_live_clients_per_tenant_are_bounded_and_a_refused_call_changes_nothing(store: Store) -> None:
+    from kvflow_ray.serve.router_core import TenantLimitError
+
+    core = _limited(store, max_live_clients=2)
+    core.put_template("acme", PEER)
+    core.start_call("acme", "c1", "planner", workflow="peer")
+    core.start_call("acme", "c2", "planner", workflow="peer")
+    with pytest.raises(TenantLimitError, match=r"limits\.max_live_clients"):
+        core.start_call("acme", "c3", "planner", workflow="peer")
+    assert store.get_client("acme", "c3") is None and core.loads["r1"] == 2
+    core.start_call("acme", "c1", "executor")  # a live client still runs
+    core.finish_client("acme", "c2")  # finishing one makes room
+    core.start_call("acme", "c3", "planner", workflow="peer")
+    assert core.active_clients() == {"acme": 2}
+
+
+def test_hints_carry_the_cache_salt_of_each_instance(store: Store) -> None:
+    core = RouterCore(store)
+    core.add_replica("r1")
+    core.put_template("acme", PEER)
+    route = core.start_call("acme", "c1", "planner", workflow="peer", prefix_hash="h", prefix_tokens=4,
+                            cache_salt="tenant:acme")
+    assert all(h.salts == {"acme/c1": "tenant:acme"} for _replica, h in route.hints)
+    batch = core.take_hints("r1")
+    assert batch is not None and batch.salts == {"acme/c1": "tenant:acme"} and "acme/c1" in batch.prompts

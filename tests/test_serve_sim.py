@@ -22,7 +22,7 @@ PEER = Workflow.from_yaml(Path(__file__).resolve().parents[1] / "workflows" / "p
 
 @pytest.fixture(scope="module")
 def server(free_port: Callable[[], int]) -> Iterator[LocalServer]:
-    config = AppConfig(engine="sim", replicas=3, time_scale=0.05)
+    config = AppConfig(engine="sim", replicas=3, time_scale=0.05, route_headers=True)
     with LocalServer(config, port=free_port(), num_cpus=2) as local:
         yield local
 

@@ -149,3 +149,71 @@ def test_router_errors_map_to_http_statuses() -> None:
         error = _to_api_error(exc)
         assert error is not None and error.status == status and str(exc) in error.message
     assert _to_api_error(RuntimeError("a bug")) is None  # not a request error: a 500, logged
+
+
+def test_app_config_checks_tenants_and_sharing_groups_and_echoes_no_input() -> None:
+    with pytest.raises(ValueError, match="tenant name 'a:b' is not valid"):
+        AppConfig(api_keys={"k": "a:b"})
+    with pytest.raises(ValueError, match="in two groups"):
+        AppConfig(cache_sharing_groups={"g1": ["a"], "g2": ["a"]})
+    with pytest.raises(ValueError, match="profile: Input should be a valid string"):
+        AppConfig.from_dict({"profile": ["a", "b"]})
+    with pytest.raises(ValueError, match=r"limits\.max_json_depth") as info:
+        AppConfig.from_dict({"limits": {"max_json_depth": 1}})
+    assert "input_value" not in str(info.value)
+    with pytest.raises(ValueError) as info:
+        AppConfig(engine="x" * 10_000)
+    assert len(str(info.value)) < 200  # never echoed back unbounded
+    config = AppConfig(api_keys={"k1": "a", "k2": "b", "k3": "c"}, cache_sharing_groups={"public": ["a", "b"]})
+    assert config.cache_salt("a") == config.cache_salt("b") != config.cache_salt("c")
+    assert AppConfig().cache_salt("default") == "tenant:default"
+
+
+@pytest.mark.parametrize(("body", "param", "code"), [
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": 7}, "top_p", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "x"}], "extra": 1}, "extra", "unknown_parameter"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "kvflow": {"agent": "a"}}, "kvflow.client_id",
+     "missing_required_parameter"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ({}, "messages", "missing_required_parameter"),
+])
+def test_chat_requests_are_validated_strictly(body: dict, param: str, code: str) -> None:
+    from kvflow_ray.serve.openai_api import ApiError, parse_request
+
+    with pytest.raises(ApiError) as info:
+        parse_request(body, chat=True)
+    assert info.value.status == 400 and info.value.param == param and info.value.code == code
+
+
+def test_valid_requests_keep_their_parameters() -> None:
+    from kvflow_ray.serve.openai_api import parse_request
+
+    chat = parse_request({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+                          "stop": "END", "top_p": 0.5, "max_completion_tokens": 7, "seed": 3,
+                          "custom_params": {"kvflow": {"client_id": "c", "agent": "a"}}}, chat=True)
+    assert chat.stop == ["END"] and chat.top_p == 0.5 and chat.max_tokens == 7 and chat.seed == 3
+    assert chat.meta is not None and chat.meta.client_id == "c"
+    text = parse_request({"prompt": ["hello"], "stop": ["a", "b"]}, chat=False)
+    assert text.prompt == "hello" and text.stop == ["a", "b"] and text.max_tokens == 16
+
+
+def test_ray_wrapped_router_errors_lose_their_wrapper() -> None:
+    """An exception raised in the router actor reaches the ingress as Ray's RayTaskError (pid, address,
+    actor repr, traceback, colour codes); the client sees only the cause's message."""
+    from ray.exceptions import RayTaskError
+
+    from kvflow_ray.serve.ingress import _to_api_error, json_too_deep
+    from kvflow_ray.serve.router_core import UnknownClientError
+
+    cause = UnknownClientError("unknown client 'c9'")
+    wrapped = RayTaskError("WorkflowRouterActor.start_call", "Traceback (most recent call last):\n  pid=1 ip=2",
+                           cause, proctitle="ray::WorkflowRouterActor").as_instanceof_cause()
+    error = _to_api_error(wrapped)
+    assert error is not None and error.status == 404 and error.message == "unknown client 'c9'"
+    assert json_too_deep([[[[1]]]], 3) and not json_too_deep([[[1]]], 3)
+    assert not json_too_deep({"a": [1, 2, {"b": "c"}]}, 3)

@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         workflow = Workflow.from_yaml(args.workflow)
         if min(args.clients, args.iterations, args.max_tokens, args.applications) < 1:
             raise ValueError("--clients, --iterations, --max-tokens and --applications must be at least 1")
-        config = app_config(args) if args.url is None else None
+        # the embedded server is the caller's own: it sends the route headers the report measures affinity with
+        config = app_config(args).model_copy(update={"route_headers": True}) if args.url is None else None
     except (SpecError, ValueError, OSError) as exc:
         print(f"kvflow-ray run: {exc}", file=sys.stderr)
         return 2

@@ -1,23 +1,46 @@
-"""The serving app's configuration: one plain dataclass, read from the `args` of a Ray Serve config
+"""The serving app's configuration: one pydantic model, read from the `args` of a Ray Serve config
 file (`deploy/*.yaml`), from `kvflow-ray serve` flags, or from code. Unknown keys are errors, so a
 typo in a deployment file fails at deploy time rather than being ignored."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 ENGINES = ("cpu", "sim", "sglang")
 ROUTINGS = ("workflow", "default")
 
 
-@dataclass
-class AppConfig:
+class TenantLimits(BaseModel):
+    """What one tenant can make the serving stack hold or do at once. Each exceeded limit is a 4xx
+    whose message names it (`limits.<field>`). The defaults suit a shared platform: room for any real
+    workflow, none for a tenant that tries to exhaust the router's memory or time."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    max_agents_per_spec: int = Field(256, ge=1)
+    max_prompt_bytes: int = Field(1 << 20, ge=1)  # UTF-8 bytes of all agent prompts of one spec
+    max_templates: int = Field(1000, ge=1)  # workflow templates per tenant
+    max_live_clients: int = Field(10_000, ge=1)  # workflow instances per tenant not finished or expired
+    max_inflight_requests: int = Field(64, ge=1)  # per tenant, per ingress replica; more get 429
+    max_body_bytes: int = Field(4 << 20, ge=1024)  # one HTTP request body (read no further)
+    max_json_depth: int = Field(64, ge=4)  # nesting of a request body
+    # workflow registrations (POST /v1/workflows, inline specs that change) per tenant per second,
+    # with a burst of this many: parsing and storing a large spec is the costliest thing a tenant can ask
+    template_writes_per_s: float = Field(20.0, gt=0)
+
+
+class AppConfig(BaseModel):
+    """Validated on construction: unknown keys, wrong types and impossible values are errors that name
+    the field (pydantic), so a typo in a deployment file fails at deploy time rather than being ignored."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=False)
+
     engine: str = "cpu"  # cpu (the embedded default) | sim (GPU timing from a profile) | sglang (GPU, SGLang + plugin)
     replicas: int = 2
     redis: str | None = None  # redis://host:port/db; None = the embedded in-process store
@@ -25,7 +48,7 @@ class AppConfig:
     # a prefix holder keeps the call while its queue is at most this many requests longer than the
     # least loaded replica's; low for slow engines (a queued request costs seconds on a CPU engine)
     balance_threshold: int = 2
-    api_keys: dict[str, str] = field(default_factory=dict)  # bearer key -> tenant; empty = one "default" tenant
+    api_keys: dict[str, str] = Field(default_factory=dict)  # bearer key -> tenant; empty = one "default" tenant
     # the name of an environment variable holding more keys as JSON {"key": "tenant"} (a Kubernetes
     # Secret mounted as env), so keys stay out of config files; read where the app is built
     api_keys_env: str | None = None
@@ -33,9 +56,17 @@ class AppConfig:
     # or from the environment variable named by metrics_token_env: a Kubernetes Secret mounted as env)
     metrics_token: str | None = None
     metrics_token_env: str | None = None
-    state_ttl_s: float = 3600.0  # idle workflow state expires after this long
-    max_ongoing_requests: int = 64  # per engine replica (the engine batches up to its max_running)
-    replica_num_cpus: float = 0.5  # Ray CPUs reserved per engine replica
+    # Prefix caches are per tenant: a tenant's KV (and every signal of it: cached_tokens, routing,
+    # timing) is reusable only by that tenant. A sharing group {name: [tenant, ...]} lets its tenants
+    # reuse each other's KV (public preambles), at the price of learning what the others' prompts
+    # start with (docs/security.md).
+    cache_sharing_groups: dict[str, list[str]] = Field(default_factory=dict)
+    # x-kvflow-route / x-kvflow-replica response headers (where a call went and why): for debugging only
+    route_headers: bool = False
+    limits: TenantLimits = Field(default_factory=TenantLimits)
+    state_ttl_s: float = Field(3600.0, gt=0)  # idle workflow state expires after this long
+    max_ongoing_requests: int = Field(64, ge=1)  # per engine replica (the engine batches up to its max_running)
+    replica_num_cpus: float = Field(0.5, ge=0)  # Ray CPUs reserved per engine replica
     replica_num_gpus: float | None = None  # Ray GPUs per engine replica; None: 1 for sglang, else 0
     # engine settings: see CpuEngineConfig (cpu), engines/sim/serving.py (sim) and
     # engines/sglang/engine.py (sglang) for what each means
@@ -46,28 +77,40 @@ class AppConfig:
     time_scale: float = 1.0  # sim: wall seconds per simulated second (0.1 = ten times faster)
     # None: the engine's default (cpu 12,288; sim: the profile's GPU; sglang: what SGLang sizes from
     # mem_fraction_static); for sglang a value becomes max_total_tokens
-    device_kv_tokens: int | None = None
-    host_kv_tokens: int = 65_536
+    device_kv_tokens: int | None = Field(None, ge=1)
+    host_kv_tokens: int = Field(65_536, ge=0)
     link_gbps: float | None = 0.1
-    max_running: int = 16
-    horizon: int = 1
-    threads: int | None = None  # torch threads per replica; None: the machine's cores / replicas
+    max_running: int = Field(16, ge=1)
+    horizon: int = Field(1, ge=0)
+    threads: int | None = Field(None, ge=1)  # torch threads per replica; None: the machine's cores / replicas
     seed: int = 0
     # sglang: more `sglang.Engine` server args (ServerArgs fields), e.g. {mem_fraction_static: 0.8,
     # hicache_ratio: 4, load_format: dummy, skip_tokenizer_init: true, tp_size: 1}. The policy sets the
     # eviction policy and the host tier, device_kv_tokens sets max_total_tokens and seed random_seed;
     # host_kv_tokens, link_gbps, max_running, horizon and threads are CPU-engine settings.
-    sglang_args: dict[str, Any] = field(default_factory=dict)
+    sglang_args: dict[str, Any] = Field(default_factory=dict)
 
-    def __post_init__(self) -> None:
+    # keys and the metrics token from the environment are resolved wherever the config is built
+    # (ingress, replicas) and kept out of the fields, so to_dict() never copies them into Ray's
+    # deployment arguments
+    _env_keys: dict[str, str] = PrivateAttr(default_factory=dict)
+    _env_metrics_token: str | None = PrivateAttr(default=None)
+    _salts: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ValueError(config_error(exc)) from None
+
+    @model_validator(mode="after")
+    def _check(self) -> AppConfig:
         if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+            raise ValueError(f"engine must be one of {ENGINES}, got {_short(self.engine)}")
         if self.replica_num_gpus is None:
             self.replica_num_gpus = 1.0 if self.engine == "sglang" else 0.0
         if self.replica_num_gpus < 0:
             raise ValueError(f"replica_num_gpus must be >= 0, got {self.replica_num_gpus}")
-        if not isinstance(self.sglang_args, dict):
-            raise ValueError(f"sglang_args must be a mapping of SGLang server args, got {self.sglang_args!r}")
         if self.sglang_args and self.engine != "sglang":
             raise ValueError(f"sglang_args apply to engine 'sglang' only (this config runs engine {self.engine!r})")
         if self.engine == "sglang":
@@ -76,20 +119,36 @@ class AppConfig:
             from kvflow_ray.engines.sim.profile import available_profiles
 
             if self.profile not in available_profiles() and not Path(self.profile).is_file():
-                raise ValueError(f"unknown profile {self.profile!r} (available: {', '.join(available_profiles())})")
+                raise ValueError(f"unknown profile {_short(self.profile)} "
+                                 f"(available: {', '.join(available_profiles())})")
             if self.time_scale <= 0:
                 raise ValueError(f"time_scale must be positive, got {self.time_scale}")
         if self.routing not in ROUTINGS:
-            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {_short(self.routing)}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {self.replicas}")
-        # keys from the environment are resolved wherever the config is built (ingress, replicas) and
-        # kept out of the fields, so to_dict() never copies them into Ray's deployment arguments
         self._env_keys = _keys_from_env(self.api_keys_env) if self.api_keys_env else {}
         for keys in (self.api_keys, self._env_keys):
-            if not isinstance(keys, dict) or not all(
-                    isinstance(k, str) and isinstance(v, str) and k for k, v in keys.items()):
+            if not all(isinstance(k, str) and isinstance(v, str) and k for k, v in keys.items()):
                 raise ValueError("api_keys must map non-empty key strings to tenant names")
+            for tenant in keys.values():
+                _check_tenant("api_keys", tenant)
+        if self.metrics_token_env:
+            token = os.environ.get(self.metrics_token_env)
+            if not token:
+                raise ValueError(f"metrics_token_env: environment variable {self.metrics_token_env} is not set")
+            self._env_metrics_token = token
+        if self.metrics_token is not None and not self.metrics_token:
+            raise ValueError("metrics_token must not be empty (omit it to leave /metrics open)")
+        self._salts = {}
+        for group, tenants in self.cache_sharing_groups.items():
+            _check_tenant("cache_sharing_groups", group)
+            for tenant in tenants:
+                _check_tenant(f"cache_sharing_groups.{group}", tenant)
+                if tenant in self._salts:
+                    raise ValueError(f"cache_sharing_groups: tenant {tenant!r} is in two groups")
+                self._salts[tenant] = f"group:{group}"
+        return self
 
     def _check_sglang(self) -> None:
         if not self.model_path:
@@ -122,14 +181,18 @@ class AppConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> AppConfig:
         data = dict(data or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - set(cls.model_fields))
         if unknown:
-            raise ValueError(f"unknown app config keys {unknown} (known: {sorted(known)})")
+            raise ValueError(f"unknown app config keys {[k[:64] for k in unknown[:10]]} "
+                             f"(known: {sorted(cls.model_fields)})")
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return self.model_dump()
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return list(cls.model_fields)
 
     def model_name(self) -> str:
         """What `/v1/models` lists and requests may name."""
@@ -145,6 +208,37 @@ class AppConfig:
         if not self.api_keys and not self._env_keys:
             return "default"
         return self.api_keys.get(key or "") or self._env_keys.get(key or "")
+
+    def cache_salt(self, tenant: str) -> str:
+        """The cache namespace of a tenant's requests: its own, or its sharing group's."""
+        return self._salts.get(tenant) or f"tenant:{tenant}"
+
+    def metrics_token_value(self) -> str | None:
+        """The token /metrics requires, if any."""
+        return self.metrics_token or self._env_metrics_token
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """A value for an error message: its repr, cut short (never echo unbounded input back)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _check_tenant(where: str, name: object) -> None:
+    from kvflow_ray.serve.store import NAME
+
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"{where}: tenant name {_short(name)} is not valid (1-128 of A-Z a-z 0-9 _ . @ -)")
+
+
+def config_error(exc: ValidationError) -> str:
+    """One line per problem, naming the field; the offending values are not echoed back."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False)[:10]:
+        where = ".".join(str(part) for part in error["loc"]) or "config"
+        message = str(error["msg"]).removeprefix("Value error, ")
+        lines.append(message if error["type"] == "value_error" else f"{where}: {message}")
+    return "; ".join(lines)
 
 
 def _keys_from_env(name: str) -> dict[str, str]:

@@ -1,29 +1,39 @@
 """The ingress: an OpenAI-compatible HTTP API (DESIGN.md §7) in front of the engine replicas.
 
-Per agent call it: authenticates the bearer key (key -> tenant), validates the body
-(`openai_api.parse_request`), tokenizes the prompt, finds the fixed-prompt boundary, asks the
-WorkflowRouter actor where the call goes, and calls the engine replicas through a Serve handle whose
-request router honours that choice. When the replica dies mid-call, the router forgets it and the
-call is retried once elsewhere. Every error is a 4xx/5xx with OpenAI's error body; no bad request
-changes any state beyond what it was allowed to touch.
+Per agent call it: authenticates the bearer key (key -> tenant), admits the call within the
+tenant's limits, validates the body (`openai_api.parse_request`), tokenizes the prompt, finds the
+fixed-prompt boundary, asks the WorkflowRouter actor where the call goes, and calls the engine
+replicas through a Serve handle whose request router honours that choice. When the replica dies
+mid-call, the router forgets it and the call is retried once elsewhere.
+
+Errors: every route answers OpenAI's error body, through one mapping (`api_error`) installed as
+FastAPI exception handlers and a last-resort middleware; messages say what the caller did wrong and
+never carry process ids, addresses, actor reprs or tracebacks. Each response carries `x-request-id`,
+and the server log has the full detail under that id. Isolation: each tenant's requests carry its
+cache namespace (`AppConfig.cache_salt`), so no tenant's KV, hit counts or routing reflect another's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import re
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from starlette.exceptions import HTTPException
 
-from kvflow_ray.core.graph import SpecError, UnknownAgentError, WorkflowSpec, parse_spec
+from kvflow_ray.core.graph import SpecError, SpecLimitError, UnknownAgentError, WorkflowSpec, parse_spec
 from kvflow_ray.engines.base import GenerateResult, prefix_hash
 from kvflow_ray.engines.cpu.config import ModelConfig
 from kvflow_ray.engines.cpu.tokenizer import load_tokenizer
@@ -39,7 +49,7 @@ from kvflow_ray.serve.openai_api import (
 )
 from kvflow_ray.serve.request_router import ROUTE_KWARG
 from kvflow_ray.serve.router_actor import get_router
-from kvflow_ray.serve.router_core import NoReplicaError, UnknownClientError, UnknownWorkflowError
+from kvflow_ray.serve.router_core import NoReplicaError, TenantLimitError, UnknownClientError, UnknownWorkflowError
 from kvflow_ray.serve.store import check_name
 
 logger = logging.getLogger("ray.serve")
@@ -49,23 +59,122 @@ TEMPLATE_CACHE_S = 10.0  # templates registered through another ingress replica 
 DEAD = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 
-def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+def _cause(exc: BaseException) -> BaseException:
+    """The exception raised in the router actor, not Ray's wrapper: Ray re-raises an actor's error as a
+    RayTaskError that is also an instance of its cause, but whose text carries the actor's pid, address,
+    repr and traceback."""
+    while isinstance(exc, RayTaskError) and getattr(exc, "cause", None) is not None:
+        exc = exc.cause
+    return exc
+
+
+def _public(text: str, limit: int = 500) -> str:
+    """Text safe for a client: no control characters (terminal escapes), bounded."""
+    text = re.sub(r"[\x00-\x08\x0b-\x1f\x7f]\[?[0-9;]*m?", "", text)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _to_api_error(exc: BaseException) -> ApiError | None:
-    """Request errors raised in the router (they arrive through Ray as instances of their cause)."""
+    """Request errors (raised here or in the router): what the caller did wrong, as a 4xx/503.
+    None: not the caller's fault (a bug or an outage), answered as a 500 without detail."""
+    exc = _cause(exc)
+    if isinstance(exc, ApiError):
+        return exc
     if isinstance(exc, NoReplicaError):
-        return ApiError(503, str(exc), kind="service_unavailable", code="no_replica")
+        return ApiError(503, _public(str(exc)), kind="service_unavailable", code="no_replica",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, TenantLimitError):
+        return ApiError(429, _public(str(exc)), kind="rate_limit_error", code="tenant_limit_exceeded",
+                        headers={"Retry-After": "1"})
     if isinstance(exc, (UnknownClientError, UnknownWorkflowError)):
-        return ApiError(404, str(exc), kind="not_found_error", code="not_found")
+        return ApiError(404, _public(str(exc)), kind="not_found_error", code="not_found")
+    if isinstance(exc, SpecLimitError):
+        return ApiError(400, _public(str(exc)), "workflow_spec", code="spec_limit_exceeded")
     if isinstance(exc, SpecError):
-        return ApiError(400, str(exc), "workflow_spec")
+        return ApiError(400, _public(str(exc)), "workflow_spec")
     if isinstance(exc, UnknownAgentError):
-        return ApiError(400, str(exc), "kvflow.agent")
+        return ApiError(400, _public(str(exc)), "kvflow.agent")
     if isinstance(exc, ValueError):
-        return ApiError(400, str(exc))
+        return ApiError(400, _public(str(exc)))
     return None
+
+
+def _request_id(request: Request) -> str:
+    return getattr(request.state, "request_id", None) or "unknown"
+
+
+def error_response(request: Request, exc: BaseException) -> JSONResponse:
+    """The one mapping from any exception to an OpenAI error body; the detail goes to the log."""
+    api_error = _to_api_error(exc)
+    request_id = _request_id(request)
+    if api_error is None:
+        logger.error("request %s (%s %s) failed", request_id, request.method, request.url.path,
+                     exc_info=(type(exc), exc, exc.__traceback__))
+        api_error = ApiError(500, f"internal server error (request id {request_id}); the server log has the "
+                                  "details", kind="server_error", code="internal_error")
+    headers = {"x-request-id": request_id, **api_error.headers}
+    return JSONResponse(api_error.body(), status_code=api_error.status, headers=headers)
+
+
+HTTP_MESSAGES = {404: ("no route {method} {path}; see the API reference (docs/serving.md)", "not_found_error"),
+                 405: ("method {method} is not allowed on {path}", "invalid_request_error")}
+
+
+@api.middleware("http")
+async def request_context(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    """Every request gets an id (in the response and in the log); anything not handled below becomes
+    an OpenAI error body here, never Starlette's plain-text 500."""
+    request.state.request_id = f"req-{uuid.uuid4().hex[:24]}"
+    try:
+        response = await call_next(request)
+    except Exception as exc:
+        return error_response(request, exc)
+    response.headers["x-request-id"] = request.state.request_id
+    return response
+
+
+@api.exception_handler(ApiError)
+async def _api_error_handler(request: Request, exc: ApiError) -> Response:
+    return error_response(request, exc)
+
+
+@api.exception_handler(HTTPException)
+async def _http_error_handler(request: Request, exc: HTTPException) -> Response:
+    message, kind = HTTP_MESSAGES.get(exc.status_code, ("{detail}", "invalid_request_error"))
+    text = message.format(method=request.method, path=_public(request.url.path, 200), detail=exc.detail)
+    return error_response(request, ApiError(exc.status_code, _public(text), kind=kind,
+                                            code="not_found" if exc.status_code == 404 else None,
+                                            headers=dict(exc.headers or {})))
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_handler(request: Request, exc: RequestValidationError) -> Response:
+    errors = exc.errors()
+    loc = ".".join(str(p) for p in errors[0].get("loc", ())) if errors else ""
+    message = f"invalid {loc}: {errors[0].get('msg', '')}" if errors else "invalid request"
+    return error_response(request, ApiError(400, _public(message), loc or None))
+
+
+@api.exception_handler(Exception)
+async def _unexpected_handler(request: Request, exc: Exception) -> Response:
+    return error_response(request, exc)
+
+
+def json_too_deep(value: Any, limit: int) -> bool:
+    """Whether `value` nests containers deeper than `limit` (iterative: no recursion to exhaust)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
 
 
 class Ingress:
@@ -76,7 +185,9 @@ class Ingress:
         self.engine = engine
         self.router = get_router(self.config.redis, ttl_s=self.config.state_ttl_s,
                                  balance_threshold=self.config.balance_threshold,
-                                 prefetch_horizon=self.config.horizon)
+                                 prefetch_horizon=self.config.horizon, limits=self.config.limits.model_dump())
+        self.limits = self.config.limits
+        self._inflight: Counter[str] = Counter()  # per tenant: calls admitted here and not yet answered
         # the engines' own tokenizer and context (the engine checks a prompt against its pool too)
         self.tokenizer = load_tokenizer(self.config.tokenizer_path())
         self.model_name = self.config.model_name()
@@ -111,23 +222,48 @@ class Ingress:
         return tenant
 
     async def _json(self, request: Request) -> Any:
-        raw = await request.body()
+        """The body as JSON, within `limits.max_body_bytes` (read no further) and `max_json_depth`."""
+        limit = self.limits.max_body_bytes
+        too_big = ApiError(413, f"the request body is larger than {limit} bytes (limits.max_body_bytes)",
+                           code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_big
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise too_big
+        too_deep = ApiError(400, f"the request body nests deeper than {self.limits.max_json_depth} levels "
+                                 "(limits.max_json_depth)", code="json_too_deep")
         try:
-            return json.loads(raw)
+            body = json.loads(raw)
+        except RecursionError:
+            raise too_deep from None
         except ValueError as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+            raise ApiError(400, f"the request body is not valid JSON: {_public(str(exc), 200)}") from None
+        if json_too_deep(body, self.limits.max_json_depth):
+            raise too_deep
+        return body
 
-    async def _guard(self, fn: Callable[[], Awaitable[Response]]) -> Response:
-        try:
-            return await fn()
-        except ApiError as exc:
-            return _error(exc)
-        except Exception as exc:
-            api_error = _to_api_error(exc)
-            if api_error is None:
-                logger.exception("request failed")
-                api_error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
-            return _error(api_error)
+    def _admit(self, tenant: str) -> Callable[[], None]:
+        """One more call of `tenant` in flight, within `limits.max_inflight_requests` (a tenant's storm
+        waits at its own door, 429, instead of in everyone's queue); returns its release, which acts once."""
+        if self._inflight[tenant] >= self.limits.max_inflight_requests:
+            raise ApiError(429, f"too many requests in flight for this tenant (at most "
+                                f"{self.limits.max_inflight_requests}; limits.max_inflight_requests)",
+                           kind="rate_limit_error", code="tenant_limit_exceeded", headers={"Retry-After": "1"})
+        self._inflight[tenant] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._inflight[tenant] -= 1
+                if not self._inflight[tenant]:
+                    del self._inflight[tenant]
+        return release
 
     async def _template(self, tenant: str, name: str) -> WorkflowSpec:
         """The template, cached briefly."""
@@ -146,6 +282,19 @@ class Ingress:
     # ------------------------------------------------------------------ completions
     async def completion(self, request: Request, *, chat: bool) -> Response:
         tenant = self._tenant(request)
+        release = self._admit(tenant)
+        streaming = False
+        try:
+            response = await self._completion(request, tenant, chat=chat, release=release)
+            streaming = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not streaming:
+                release()
+
+    async def _completion(self, request: Request, tenant: str, *, chat: bool, release: Callable[[], None]
+                          ) -> Response:
+        """A streamed response keeps the tenant's admission until its last chunk (`_stream` releases it)."""
         parsed = parse_request(await self._json(request), chat=chat)
         if parsed.model is not None and parsed.model not in (self.model_name, "default"):
             raise ApiError(404, f"model {parsed.model!r} does not exist; this server serves {self.model_name!r}",
@@ -154,24 +303,35 @@ class Ingress:
         tokens = self.tokenizer.encode(text)
         need = len(tokens) + parsed.max_tokens
         if need > self.max_context:
-            raise ApiError(400, f"the prompt ({len(tokens)} tokens) plus max_tokens ({parsed.max_tokens}) is {need} "
-                                f"tokens, more than the model's context of {self.max_context}",
-                           "messages" if chat else "prompt", code="context_length_exceeded")
+            raise ApiError(400, f"the prompt ({len(tokens)} tokens) plus {parsed.max_tokens_param} "
+                                f"({parsed.max_tokens}) is {need} tokens, more than the model's context of "
+                                f"{self.max_context}", "messages" if chat else "prompt", code="context_length_exceeded")
+        salt = self.config.cache_salt(tenant)
         engine_request: dict[str, Any] = {"tokens": tokens, "max_tokens": parsed.max_tokens,
-                                          "temperature": parsed.temperature, "seed": parsed.seed,
-                                          "ignore_eos": parsed.ignore_eos}
+                                          "temperature": parsed.temperature, "top_p": parsed.top_p,
+                                          "stop": parsed.stop, "seed": parsed.seed, "ignore_eos": parsed.ignore_eos,
+                                          "cache_salt": salt}
         call = await self._start_call(tenant, parsed, tokens, text, engine_request)
         if parsed.stream:
-            return StreamingResponse(self._stream(call, parsed, engine_request, len(tokens)),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._stream(call, parsed, engine_request, len(tokens), release),
+                                     media_type="text/event-stream", headers=self._route_headers(call, None))
         try:
             outcome = await self._run(call, engine_request)
         finally:
             await self._end_call(call)
         result = outcome["result"]
         body = response_body(GenerateResult(**result), chat=chat, model=self.model_name)
-        headers = {"x-kvflow-replica": outcome["replica"], "x-kvflow-route": call.outcome if call else "plain"}
-        return JSONResponse(body, headers=headers)
+        return JSONResponse(body, headers=self._route_headers(call, outcome["replica"]))
+
+    def _route_headers(self, call: _Call | None, replica: str | None) -> dict[str, str]:
+        """Where the call went and why: only when the config enables them (debugging), since they
+        describe the fleet's cache to the caller."""
+        if not self.config.route_headers:
+            return {}
+        headers = {"x-kvflow-route": call.outcome if call else "plain"}
+        if replica or call:
+            headers["x-kvflow-replica"] = replica or (call.replica if call else "")
+        return headers
 
     async def _start_call(self, tenant: str, parsed: ParsedRequest, tokens: list[int], text: str,
                           engine_request: dict[str, Any]) -> _Call | None:
@@ -181,10 +341,11 @@ class Ingress:
         check_name("client_id", meta.client_id)
         workflow = meta.workflow
         if meta.workflow_spec is not None:
-            spec = parse_spec(await self._call_router("put_template", tenant, meta.workflow_spec))
-            if workflow is not None and workflow != spec.name:
+            name = meta.workflow_spec.get("name")
+            if workflow is not None and workflow != name:  # checked before anything is registered
                 raise ApiError(400, f"'kvflow.workflow' ({workflow!r}) differs from the inline spec's name "
-                                    f"({spec.name!r})", "kvflow.workflow")
+                                    f"({_public(repr(name), 130)})", "kvflow.workflow")
+            spec = parse_spec(await self._call_router("put_template", tenant, meta.workflow_spec))
             workflow = spec.name
             self._remember(tenant, spec)
         if workflow is None:
@@ -198,12 +359,13 @@ class Ingress:
                                 f"({len(tokens)} tokens)", "kvflow.fixed_prefix_tokens")
         if boundary is None:
             boundary = self._boundary(parsed, tokens, text, spec.agents[meta.agent].prompt)
-        fixed_hash = prefix_hash(tokens[:boundary]) if boundary else None
+        salt = engine_request["cache_salt"]
+        fixed_hash = prefix_hash(tokens[:boundary], salt) if boundary else None
         route = await self._call_router("start_call", tenant, meta.client_id, meta.agent, workflow=workflow,
-                                        prefix_hash=fixed_hash, prefix_tokens=boundary)
+                                        prefix_hash=fixed_hash, prefix_tokens=boundary, cache_salt=salt)
         engine_request.update(workflow=route["workflow_key"], agent=meta.agent, fixed_prefix_tokens=boundary)
         return _Call(tenant, meta.client_id, meta.agent, workflow, route["replica"], route["outcome"],
-                     fixed_hash, boundary)
+                     fixed_hash, boundary, salt)
 
     def _boundary(self, parsed: ParsedRequest, tokens: list[int], text: str, prompt: str | None) -> int:
         """Where the agent's fixed prompt ends (DESIGN.md §3); 0 when the request does not start with it.
@@ -232,8 +394,7 @@ class Ingress:
             if call is not None:
                 call.served_by = outcome["replica"]
             if "error" in outcome:
-                raise ApiError(outcome["status"], outcome["error"], kind="invalid_request_error"
-                               if outcome["status"] < 500 else "server_error")
+                raise _engine_error(outcome)
             return outcome
         raise AssertionError("unreachable")
 
@@ -250,7 +411,7 @@ class Ingress:
         # the agent is still running (no deviation); the dead replica's load went with it
         route = await self._call_router("start_call", call.tenant, call.client_id, call.agent,
                                         workflow=call.workflow, prefix_hash=call.prefix_hash,
-                                        prefix_tokens=call.prefix_tokens)
+                                        prefix_tokens=call.prefix_tokens, cache_salt=call.salt)
         call.replica, call.outcome = route["replica"], route["outcome"]
 
     async def _end_call(self, call: _Call | None) -> None:
@@ -259,15 +420,14 @@ class Ingress:
                                     call.served_by or call.replica)
 
     async def _stream(self, call: _Call | None, parsed: ParsedRequest, engine_request: dict[str, Any],
-                      prompt_tokens: int) -> AsyncIterator[str]:
+                      prompt_tokens: int, release: Callable[[], None]) -> AsyncIterator[str]:
         request_id = f"{'chatcmpl' if parsed.chat else 'cmpl'}-{uuid.uuid4().hex}"
         first = True
         try:
             stream = self.engine.options(stream=True).stream
             async for item in stream.remote(engine_request, **self._route_kwargs(call)):
                 if "error" in item:
-                    body = ApiError(item["status"], item["error"]).body()
-                    yield f"data: {json.dumps(body)}\n\n"
+                    yield f"data: {json.dumps(_engine_error(item).body())}\n\n"
                     break
                 if "text" in item:
                     chunk = stream_chunk(item["text"], chat=parsed.chat, model=self.model_name,
@@ -289,15 +449,23 @@ class Ingress:
                     yield f"data: {json.dumps(final)}\n\n"
             yield "data: [DONE]\n\n"
         except Exception as exc:  # headers are sent: report in-band, as OpenAI does
-            logger.exception("stream failed")
-            yield f"data: {json.dumps(ApiError(500, str(exc), kind='server_error').body())}\n\n"
+            error = _to_api_error(exc)
+            if error is None:
+                logger.exception("stream %s failed", request_id)
+                error = ApiError(500, f"internal server error (stream {request_id}); the server log has the details",
+                                 kind="server_error", code="internal_error")
+            yield f"data: {json.dumps(error.body())}\n\n"
         finally:
+            release()
             await self._end_call(call)
 
     # ------------------------------------------------------------------ workflows and clients
     async def register_workflow(self, request: Request) -> Response:
         tenant = self._tenant(request)
-        spec = parse_spec(await self._call_router("put_template", tenant, await self._json(request)))
+        body = await self._json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a workflow spec object", "workflow_spec")
+        spec = parse_spec(await self._call_router("put_template", tenant, body))
         self._remember(tenant, spec)
         return JSONResponse({"object": "workflow", **spec.to_dict()})
 
@@ -309,19 +477,31 @@ class Ingress:
 
     async def finish_client(self, request: Request, client_id: str) -> Response:
         tenant = self._tenant(request)
+        check_name("client_id", client_id)
         await self._call_router("finish_client", tenant, client_id)
         return JSONResponse({"object": "client", "id": client_id, "finished": True})
 
     async def health(self) -> Response:
         try:
             replicas = await asyncio.wait_for(self.router.replicas.remote(), 5)
-        except Exception as exc:
-            return JSONResponse({"status": "unavailable", "router": f"{type(exc).__name__}: {exc}"}, status_code=503)
+        except Exception:
+            logger.warning("health: the router did not answer", exc_info=True)
+            return JSONResponse({"status": "unavailable", "router": "not answering"}, status_code=503)
         status = "ok" if replicas else "unavailable"
         return JSONResponse({"status": status, "replicas": sorted(replicas), "routing": self.config.routing},
                             status_code=200 if replicas else 503)
 
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus metrics: they name every tenant and replica, so with a metrics token configured
+        only a scraper that sends it may read them."""
+        token = self.config.metrics_token_value()
+        if token is not None:
+            header = request.headers.get("authorization", "")
+            sent = header[7:].strip() if header.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(sent.encode(), token.encode()):
+                raise ApiError(401, "/metrics needs the metrics token: send 'Authorization: Bearer <token>'",
+                               kind="authentication_error", code="invalid_metrics_token",
+                               headers={"WWW-Authenticate": "Bearer"})
         text = await self._call_router("metrics_text")
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -331,13 +511,14 @@ class Ingress:
 
 
     # ------------------------------------------------------------------ HTTP routes
+    # errors propagate to the app's exception handlers (module top): one mapping for every route
     @api.post("/v1/chat/completions")
     async def chat_completions_route(self, request: Request) -> Response:
-        return await self._guard(lambda: self.completion(request, chat=True))
+        return await self.completion(request, chat=True)
 
     @api.post("/v1/completions")
     async def completions_route(self, request: Request) -> Response:
-        return await self._guard(lambda: self.completion(request, chat=False))
+        return await self.completion(request, chat=False)
 
     @api.get("/v1/models")
     async def models_route(self) -> Response:
@@ -345,33 +526,42 @@ class Ingress:
 
     @api.post("/v1/workflows")
     async def register_route(self, request: Request) -> Response:
-        return await self._guard(lambda: self.register_workflow(request))
+        return await self.register_workflow(request)
 
     @api.get("/v1/workflows/{name}")
     async def workflow_route(self, request: Request, name: str) -> Response:
-        return await self._guard(lambda: self.get_workflow(request, name))
+        return await self.get_workflow(request, name)
 
     @api.post("/v1/clients/{client_id}/finish")
     async def finish_route(self, request: Request, client_id: str) -> Response:
-        return await self._guard(lambda: self.finish_client(request, client_id))
+        return await self.finish_client(request, client_id)
 
     @api.get("/health")
     async def health_route(self) -> Response:
         return await self.health()
 
     @api.get("/metrics")
-    async def metrics_route(self) -> Response:
-        return await self._guard(self.metrics)
+    async def metrics_route(self, request: Request) -> Response:
+        return await self.metrics(request)
+
+
+def _engine_error(outcome: dict[str, Any]) -> ApiError:
+    """An engine's refusal (400: the request can never run there) or failure (500: no detail)."""
+    if outcome["status"] < 500:
+        return ApiError(outcome["status"], _public(str(outcome["error"])))
+    logger.error("engine replica %s failed a request: %s", outcome.get("replica"), outcome["error"])
+    return ApiError(500, "the engine failed to serve the request; the server log has the details",
+                    kind="server_error", code="engine_error")
 
 
 class _Call:
     """One routed agent call, from start_call to end_call."""
 
     def __init__(self, tenant: str, client_id: str, agent: str, workflow: str, replica: str, outcome: str,
-                 prefix_hash: str | None, prefix_tokens: int) -> None:
+                 prefix_hash: str | None, prefix_tokens: int, salt: str) -> None:
         self.tenant, self.client_id, self.agent, self.workflow = tenant, client_id, agent, workflow
         self.replica, self.outcome = replica, outcome
-        self.prefix_hash, self.prefix_tokens = prefix_hash, prefix_tokens
+        self.prefix_hash, self.prefix_tokens, self.salt = prefix_hash, prefix_tokens, salt
         self.served_by: str | None = None
 
 

@@ -1,147 +1,217 @@
-"""The OpenAI-compatible wire format (DESIGN.md §7): request parsing and validation, the `kvflow`
+"""The OpenAI-compatible wire format (DESIGN.md §7): request bodies as pydantic models, the `kvflow`
 metadata, the fixed-prompt boundary of chat requests, and response / error bodies.
 
-Pure functions over plain JSON values, so the ingress stays a thin HTTP layer and every rule here is
-tested without a server. Bad input raises `ApiError`, which the ingress turns into a 4xx with
-OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`.
+Validation is strict, as OpenAI's API is: types and ranges as OpenAI documents them, unknown
+top-level fields are errors, and parameters this server cannot honour (`tools`, `logprobs`, ...) are
+rejected by name rather than silently ignored. The only extensions are `kvflow` (DESIGN.md §7),
+`ignore_eos` (as in vLLM) and `custom_params` (SGLang's carrier, here only for `kvflow`). Bad input
+raises `ApiError`, which the ingress turns into a 4xx with OpenAI's error body:
+`{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, field_validator, model_validator
 
 from kvflow_ray.engines.base import GenerateResult
 
 MAX_TOKENS_LIMIT = 32_768
-META_KEYS = {"client_id", "workflow", "agent", "fixed_prefix_tokens", "workflow_spec"}
+MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_MESSAGES = 4096
+# OpenAI parameters this server knows but does not implement: named in a 400 instead of ignored
+UNSUPPORTED = frozenset({
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logprobs", "top_logprobs",
+    "logit_bias", "presence_penalty", "frequency_penalty", "response_format", "audio", "modalities",
+    "prediction", "reasoning_effort", "service_tier", "store", "metadata", "web_search_options", "suffix",
+    "echo", "best_of"})
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.kind = kind
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-@dataclass(frozen=True)
-class KvflowMeta:
-    client_id: str
-    agent: str
-    workflow: str | None = None
-    fixed_prefix_tokens: int | None = None
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class KvflowMeta(_Strict):
+    """The `kvflow` object of a request (DESIGN.md §7)."""
+
+    client_id: StrictStr = Field(min_length=1, max_length=128)
+    agent: StrictStr = Field(min_length=1, max_length=128)
+    workflow: StrictStr | None = Field(None, min_length=1, max_length=128)
+    fixed_prefix_tokens: int | None = Field(None, ge=0)
     workflow_spec: dict[str, Any] | None = None
 
 
-@dataclass
-class ParsedRequest:
-    chat: bool
-    model: str | None
-    messages: list[dict[str, str]] = field(default_factory=list)  # chat
-    prompt: str | None = None  # completions
-    max_tokens: int = 16
-    temperature: float = 1.0
+class CustomParams(_Strict):
+    kvflow: KvflowMeta | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: StrictStr
+    name: StrictStr | None = Field(None, max_length=64)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+StopParam = StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)]
+
+
+class _Completion(_Strict):
+    model: StrictStr | None = Field(None, max_length=256)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: Literal[1] = 1
+    stop: StopParam | None = None
     seed: int | None = None
     stream: bool = False
-    include_usage: bool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = Field(None, max_length=256)
     ignore_eos: bool = False  # extension (as in vLLM): generate exactly max_tokens
-    meta: KvflowMeta | None = None
+    kvflow: KvflowMeta | None = None
+    custom_params: CustomParams | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        for stop in [value] if isinstance(value, str) else value or []:
+            if not stop:
+                raise ValueError("stop strings must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _one_meta(self) -> _Completion:
+        if self.kvflow is not None and self.custom_params is not None and self.custom_params.kvflow is not None:
+            raise ValueError("give the kvflow metadata once: 'kvflow' or 'custom_params.kvflow'")
+        return self
 
 
-def _get(body: dict[str, Any], key: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise ApiError(400, f"'{key}' must be {_kind_name(kinds)}, got a boolean", key)
-    if not isinstance(value, kinds):
-        raise ApiError(400, f"'{key}' must be {_kind_name(kinds)}, got {type(value).__name__}", key)
-    return value
+class ChatCompletionRequest(_Completion):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
 
 
-def _kind_name(kinds: type | tuple[type, ...]) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "an array",
-             dict: "an object"}
-    seq = kinds if isinstance(kinds, tuple) else (kinds,)
-    return " or ".join(dict.fromkeys(names.get(k, k.__name__) for k in seq))
+class CompletionRequest(_Completion):
+    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
+        if not (value if isinstance(value, str) else value[0]):
+            raise ValueError("the prompt must not be empty")
+        return value
 
 
-def parse_meta(raw: Any) -> KvflowMeta | None:
-    """The `kvflow` object of a request body (absent: a plain request)."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise ApiError(400, "'kvflow' must be an object with client_id and agent", "kvflow")
-    unknown = sorted(set(raw) - META_KEYS)
-    if unknown:
-        raise ApiError(400, f"'kvflow' has unknown keys {unknown} (known: {sorted(META_KEYS)})", "kvflow")
-    for key in ("client_id", "agent"):
-        if not isinstance(raw.get(key), str) or not raw[key]:
-            raise ApiError(400, f"'kvflow.{key}' is required and must be a non-empty string", f"kvflow.{key}")
-    workflow = raw.get("workflow")
-    if workflow is not None and (not isinstance(workflow, str) or not workflow):
-        raise ApiError(400, "'kvflow.workflow' must be a non-empty string", "kvflow.workflow")
-    fixed = raw.get("fixed_prefix_tokens")
-    if fixed is not None and (isinstance(fixed, bool) or not isinstance(fixed, int) or fixed < 0):
-        raise ApiError(400, "'kvflow.fixed_prefix_tokens' must be a non-negative integer", "kvflow.fixed_prefix_tokens")
-    spec = raw.get("workflow_spec")
-    if spec is not None and not isinstance(spec, dict):
-        raise ApiError(400, "'kvflow.workflow_spec' must be a workflow spec object", "kvflow.workflow_spec")
-    return KvflowMeta(raw["client_id"], raw["agent"], workflow, fixed, spec)
+class ParsedRequest:
+    """A validated request, in the shape the ingress uses."""
+
+    def __init__(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+        self.chat = isinstance(body, ChatCompletionRequest)
+        self.model = body.model
+        self.messages: list[dict[str, str]] = (
+            [{"role": m.role, "content": m.content} for m in body.messages]
+            if isinstance(body, ChatCompletionRequest) else [])
+        self.prompt: str | None = (None if isinstance(body, ChatCompletionRequest)
+                                   else body.prompt if isinstance(body.prompt, str) else body.prompt[0])
+        chat_max = body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None
+        self.max_tokens: int = chat_max or body.max_tokens or 16
+        self.max_tokens_param = "max_completion_tokens" if chat_max else "max_tokens"
+        self.temperature = float(body.temperature)
+        self.top_p = float(body.top_p)
+        self.stop: list[str] = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        self.seed = body.seed
+        self.stream = body.stream
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.ignore_eos = body.ignore_eos
+        self.meta: KvflowMeta | None = body.kvflow or (body.custom_params.kvflow if body.custom_params else None)
 
 
 def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
     """Validate a `/v1/chat/completions` (chat) or `/v1/completions` body."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    req = ParsedRequest(chat=chat, model=_get(body, "model", str))
-    if chat:
-        messages = _get(body, "messages", list)
-        if not messages:
-            raise ApiError(400, "'messages' is required and must be a non-empty array", "messages")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise ApiError(400, f"messages[{i}] must be an object with a 'role'", f"messages[{i}]")
-            if message["role"] not in ("system", "user", "assistant"):
-                raise ApiError(400, f"messages[{i}].role {message['role']!r} is not supported "
-                                    "(system, user, assistant)", f"messages[{i}].role")
-            if not isinstance(message.get("content"), str):
-                raise ApiError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
-            req.messages.append({"role": message["role"], "content": message["content"]})
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise ApiError(400, "'prompt' is required and must be a non-empty string", "prompt")
-        req.prompt = prompt
-    n = _get(body, "n", int, 1)
-    if n != 1:
-        raise ApiError(400, "only n=1 is supported", "n")
-    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    req.max_tokens = _get(body, key, int, 16)
-    if not 1 <= req.max_tokens <= MAX_TOKENS_LIMIT:
-        raise ApiError(400, f"'{key}' must be between 1 and {MAX_TOKENS_LIMIT}", key)
-    req.temperature = float(_get(body, "temperature", (int, float), 1.0))
-    if not 0 <= req.temperature <= 2:
-        raise ApiError(400, "'temperature' must be between 0 and 2", "temperature")
-    req.seed = _get(body, "seed", int)
-    req.stream = _get(body, "stream", bool, False)
-    options = _get(body, "stream_options", dict, {})
-    req.include_usage = bool(options.get("include_usage", False))
-    req.ignore_eos = _get(body, "ignore_eos", bool, False)
-    req.meta = parse_meta(body.get("kvflow"))
-    return req
+    model = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        return ParsedRequest(model.model_validate(body))
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def parse_meta(raw: Any) -> KvflowMeta | None:
+    """The `kvflow` object alone (absent: a plain request)."""
+    if raw is None:
+        return None
+    try:
+        return KvflowMeta.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_error(exc, prefix="kvflow") from None
+
+
+def validation_error(exc: ValidationError, prefix: str = "") -> ApiError:
+    """The first problem of a pydantic error as a 400 naming the parameter; values are never echoed."""
+    error = exc.errors(include_url=False, include_input=False)[0]
+    loc = [str(p) for p in error["loc"] if not _is_union_tag(p)]
+    if prefix:
+        loc.insert(0, prefix)
+    param = _param(loc)
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        name = loc[-1] if loc else "?"
+        if len(loc) == 1 and name in UNSUPPORTED:
+            return ApiError(400, f"'{name}' is not supported by this server", name, code="unsupported_parameter")
+        return ApiError(400, f"unknown parameter '{_clip(param)}'", param, code="unknown_parameter")
+    if kind == "missing":
+        return ApiError(400, f"'{_clip(param)}' is required", param, code="missing_required_parameter")
+    if param in UNION_MESSAGES:
+        return ApiError(400, f"'{param}' {UNION_MESSAGES[param]}", param, code="invalid_value")
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return ApiError(400, f"'{_clip(param)}': {message}" if param else message, param or None,
+                    code="invalid_value")
+
+
+UNION_MESSAGES = {  # parameters of several shapes: one message for all of them
+    "stop": f"must be a non-empty string or an array of at most {MAX_STOP_STRINGS} non-empty strings",
+    "prompt": "must be a non-empty string (or an array holding one)",
+}
+
+
+def _is_union_tag(part: object) -> bool:
+    # pydantic names the union member in a location (`stop.str`, `stop.list[str]`): not a parameter
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+def _param(loc: list[str]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if part.isdigit() else (f".{part}" if out else part)
+    return out
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    text = re.sub(r"[\x00-\x1f\x7f]", "", text)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def fixed_boundary(render: Callable[[list[dict[str, str]]], str], encode: Callable[[str], list[int]],

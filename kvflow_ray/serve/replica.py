@@ -71,7 +71,7 @@ class EngineReplica:
         self.metrics = ReplicaMetrics(self.name)
         self.router = get_router(self.config.redis, ttl_s=self.config.state_ttl_s,
                                  balance_threshold=self.config.balance_threshold,
-                                 prefetch_horizon=self.config.horizon)
+                                 prefetch_horizon=self.config.horizon, limits=self.config.limits.model_dump())
         self._prefix_cache: dict[str, tuple[int, ...]] = {}  # agent prompt text -> its token ids
         self._stop = threading.Event()
         self._events_lock = threading.Lock()  # one drain of the engine's events at a time, in order
@@ -168,7 +168,7 @@ class EngineReplica:
     def _to_hints(self, batch: dict[str, Any]) -> Hints:
         prompts = {(key, agent): self._prompt_tokens(text)
                    for key, agents in batch["prompts"].items() for agent, text in agents.items()}
-        return Hints(steps=batch["steps"], prompts=prompts, retire=batch["retire"])
+        return Hints(steps=batch["steps"], prompts=prompts, retire=batch["retire"], salts=batch.get("salts", {}))
 
     def _hint_loop(self) -> None:
         while not self._stop.is_set():

@@ -24,6 +24,7 @@ import ray
 
 from kvflow_ray.core.routing import PrefixAffinityRouter
 from kvflow_ray.engines.base import CacheEvent, Hints
+from kvflow_ray.serve.config import TenantLimits
 from kvflow_ray.serve.metrics import RouterMetrics, merge_expositions
 from kvflow_ray.serve.router_core import RouterCore
 from kvflow_ray.serve.store import RedisStore, open_store
@@ -32,6 +33,7 @@ ROUTER_NAME = "kvflow-router"
 ROUTER_NAMESPACE = "kvflow"
 HEARTBEAT_MAX_AGE_S = 60.0  # replicas a restarted router trusts
 STALE_REPLICA_S = 15.0  # a live replica reports every second; this long without a word means it is gone
+EXPOSITION_MAX_AGE_S = 1.0  # Prometheus scrapes every 15 s (1 s in the tests): a second-old view is fresh
 
 
 def _hints(pairs: list[tuple[str, Hints]]) -> list[tuple[str, dict[str, Any]]]:
@@ -41,12 +43,13 @@ def _hints(pairs: list[tuple[str, Hints]]) -> list[tuple[str, dict[str, Any]]]:
 @ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0, max_concurrency=10_000)
 class WorkflowRouterActor:
     def __init__(self, store_url: str | None = None, ttl_s: float = 3600.0, balance_threshold: int = 2,
-                 prefetch_horizon: int = 1) -> None:
+                 prefetch_horizon: int = 1, limits: dict[str, Any] | None = None) -> None:
         self.instance = uuid.uuid4().hex  # changes on every (re)start
         self.core = RouterCore(open_store(store_url, ttl_s), PrefixAffinityRouter(balance_threshold=balance_threshold),
-                               prefetch_horizon=prefetch_horizon)
+                               prefetch_horizon=prefetch_horizon, limits=TenantLimits(**(limits or {})))
         self.metrics = RouterMetrics()
         self.expositions: dict[str, bytes] = {}  # replica -> its latest metrics
+        self._exposition: tuple[float, bytes] = (-1e9, b"")  # (built at, text): scrapes within a second share it
         self._wakeups: dict[str, asyncio.Event] = {}
         self._pruned_at = time.monotonic()
         for replica in self.core.store.replicas(HEARTBEAT_MAX_AGE_S):  # a restart: who was serving
@@ -100,10 +103,11 @@ class WorkflowRouterActor:
         return self.core.client_workflow(tenant, client_id)
 
     async def start_call(self, tenant: str, client_id: str, agent: str, *, workflow: str | None = None,
-                         prefix_hash: str | None = None, prefix_tokens: int = 0) -> dict[str, Any]:
+                         prefix_hash: str | None = None, prefix_tokens: int = 0, cache_salt: str = ""
+                         ) -> dict[str, Any]:
         self._prune()
         route = self.core.start_call(tenant, client_id, agent, workflow=workflow, prefix_hash=prefix_hash,
-                                     prefix_tokens=prefix_tokens)
+                                     prefix_tokens=prefix_tokens, cache_salt=cache_salt)
         self.metrics.observe_decision(route.outcome, self.core.decision_seconds[-1], tenant, route.deviation)
         self._wake()
         out = dataclasses.asdict(route)
@@ -123,13 +127,20 @@ class WorkflowRouterActor:
 
     # ------------------------------------------------------------------ observability
     async def metrics_text(self) -> bytes:
-        """The router's metrics and every live replica's, as one Prometheus exposition."""
+        """The router's metrics and every live replica's, as one Prometheus exposition. Built from
+        what the router holds in memory, at most once a second however many scrapers ask (a store
+        ping is the only round trip), so scrapes cannot slow anyone's calls down."""
+        built_at, text = self._exposition
+        if time.monotonic() - built_at < EXPOSITION_MAX_AGE_S:
+            return text
         self.metrics.set_active(self.core.active_clients())
         store = self.core.store
         self.metrics.set_health(len(self.core.loads), "redis" if isinstance(store, RedisStore) else "memory",
                                 store.ping())
         live = [text for name, text in self.expositions.items() if name in self.core.loads]
-        return merge_expositions([self.metrics.exposition(), *live])
+        text = merge_expositions([self.metrics.exposition(), *live])
+        self._exposition = (time.monotonic(), text)
+        return text
 
     async def decision_latencies(self) -> list[float]:
         return list(self.core.decision_seconds)
@@ -163,14 +174,14 @@ class WorkflowRouterActor:
 
 
 def get_router(store_url: str | None = None, *, create: bool = True, ttl_s: float = 3600.0,
-               balance_threshold: int = 2, prefetch_horizon: int = 1) -> Any:
+               balance_threshold: int = 2, prefetch_horizon: int = 1, limits: dict[str, Any] | None = None) -> Any:
     """The deployment's router actor, created on first use (named, so every process finds the same
     one; the first creator's settings win)."""
     if not create:
         return ray.get_actor(ROUTER_NAME, namespace=ROUTER_NAMESPACE)
     return WorkflowRouterActor.options(name=ROUTER_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True,
                                        lifetime="detached").remote(store_url, ttl_s, balance_threshold,
-                                                                             prefetch_horizon)
+                                                                             prefetch_horizon, limits)
 
 
 def stop_router() -> None:

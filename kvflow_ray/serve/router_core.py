@@ -16,14 +16,15 @@ served; the live state follows what actually ran, and the deviation is counted.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow_ray.core.graph import UnknownAgentError, WorkflowSpec, WorkflowState, parse_spec
+from kvflow_ray.core.graph import SpecLimits, UnknownAgentError, WorkflowSpec, WorkflowState, parse_spec
 from kvflow_ray.core.routing import PrefixAffinityRouter
 from kvflow_ray.engines.base import CacheEvent, Hints
+from kvflow_ray.serve.config import TenantLimits
 from kvflow_ray.serve.store import Store, check_name
 
 
@@ -40,6 +41,14 @@ class UnknownClientError(_NotFound):
 
 class UnknownWorkflowError(_NotFound):
     """A workflow template this tenant never registered."""
+
+
+class TenantLimitError(ValueError):
+    """A tenant asked for more than its limits allow (`TenantLimits`); `limit` names the field."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(f"{message} (limits.{limit})")
+        self.limit = limit
 
 
 class NoReplicaError(RuntimeError):
@@ -65,6 +74,7 @@ class HintBatch:
     steps: dict[str, dict[str, float]] = field(default_factory=dict)
     prompts: dict[str, dict[str, str]] = field(default_factory=dict)
     retire: list[str] = field(default_factory=list)
+    salts: dict[str, str] = field(default_factory=dict)  # instance -> its cache namespace (with its prompts)
 
     def __bool__(self) -> bool:
         return bool(self.steps or self.prompts or self.retire)
@@ -75,8 +85,14 @@ def workflow_key(tenant: str, client_id: str) -> str:
 
 
 class RouterCore:
-    def __init__(self, store: Store, policy: PrefixAffinityRouter | None = None, prefetch_horizon: int = 1) -> None:
+    def __init__(self, store: Store, policy: PrefixAffinityRouter | None = None, prefetch_horizon: int = 1,
+                 limits: TenantLimits | None = None) -> None:
         self.store = store
+        self.limits = limits or TenantLimits()
+        self.spec_limits = SpecLimits(max_agents=self.limits.max_agents_per_spec,
+                                      max_prompt_bytes=self.limits.max_prompt_bytes,
+                                      max_agents_setting="limits.max_agents_per_spec",
+                                      max_prompt_bytes_setting="limits.max_prompt_bytes")
         self.policy = policy or PrefixAffinityRouter()
         self.prefetch_horizon = prefetch_horizon  # the engines prefetch agents this many steps ahead
         self.loads: dict[str, int] = {}  # live replicas -> requests queued or running there
@@ -92,6 +108,14 @@ class RouterCore:
         self._locations: dict[str, dict[str, str]] = {}  # prefix hash -> {replica: best tier}
         self._outbox: dict[str, HintBatch] = {}  # replica -> hints not yet pulled
         self._told: set[tuple[str, str]] = set()  # (replica, workflow key) whose prompts were sent
+        # per tenant: live clients, least recently called first (expired ones leave from the front, so
+        # counting them is O(what expired)), template names, and the template-write token bucket
+        self._live: dict[str, OrderedDict[str, float]] = {}
+        self._template_names: dict[str, set[str]] = {}
+        self._write_tokens: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at)
+        now = time.monotonic()
+        for tenant, client_id, _record in store.clients():  # once, at (re)start
+            self._live.setdefault(tenant, OrderedDict())[client_id] = now
 
     # ------------------------------------------------------------------ replicas
     def add_replica(self, name: str) -> None:
@@ -129,10 +153,42 @@ class RouterCore:
 
     # ------------------------------------------------------------------ templates
     def put_template(self, tenant: str, spec: Mapping[str, Any]) -> WorkflowSpec:
-        parsed = parse_spec(dict(spec))  # raises SpecError naming the field
+        """Register (or re-register) a template from the network: within the tenant's limits, and
+        without touching the filesystem (`prompt_file` is refused). Re-sending the same spec (an
+        inline `workflow_spec` on every call) writes nothing."""
+        check_name("tenant", tenant)
+        parsed = parse_spec(dict(spec), limits=self.spec_limits)  # raises SpecError naming the field
+        try:
+            current = self.template(tenant, parsed.name)
+        except UnknownWorkflowError:
+            current = None
+        if current is not None and current.to_dict() == parsed.to_dict():
+            return current
+        names = self._templates_of(tenant)
+        if current is None and len(names) >= self.limits.max_templates:
+            raise TenantLimitError("max_templates", f"tenant has {len(names)} workflow templates, the most allowed")
+        self._take_write_token(tenant)
         self.store.put_template(tenant, parsed.name, parsed.to_dict())
         self._specs[(tenant, parsed.name)] = parsed
+        names.add(parsed.name)
         return parsed
+
+    def _templates_of(self, tenant: str) -> set[str]:
+        names = self._template_names.get(tenant)
+        if names is None:  # once per tenant and router lifetime: what the store already has
+            names = self._template_names[tenant] = set(self.store.templates(tenant))
+        return names
+
+    def _take_write_token(self, tenant: str) -> None:
+        rate = self.limits.template_writes_per_s
+        burst = max(1.0, rate)
+        now = time.monotonic()
+        tokens, at = self._write_tokens.get(tenant, (burst, now))
+        tokens = min(burst, tokens + (now - at) * rate)
+        if tokens < 1:
+            raise TenantLimitError("template_writes_per_s",
+                                   f"workflow registrations are limited to {rate:g} per second per tenant")
+        self._write_tokens[tenant] = (tokens - 1, now)
 
     def template(self, tenant: str, name: str) -> WorkflowSpec:
         key = (check_name("tenant", tenant), check_name("workflow", name))
@@ -183,8 +239,10 @@ class RouterCore:
         self._remember_client(tenant, client_id, record)
 
     def start_call(self, tenant: str, client_id: str, agent: str, *, workflow: str | None = None,
-                   prefix_hash: str | None = None, prefix_tokens: int = 0) -> Route:
-        """An agent call arrives: update the client's state, pick a replica, compute the hints."""
+                   prefix_hash: str | None = None, prefix_tokens: int = 0, cache_salt: str = "") -> Route:
+        """An agent call arrives: update the client's state, pick a replica, compute the hints.
+        `cache_salt`: the cache namespace of the tenant's requests (the engines' prompts for prefetch
+        live there); `prefix_hash` is already salted. Every check runs before any state changes."""
         started = time.perf_counter()
         check_name("client_id", client_id)
         record = self._get_client(tenant, client_id)
@@ -200,12 +258,14 @@ class RouterCore:
             fresh = False
         if agent not in spec.agents:
             raise UnknownAgentError(agent, spec.name, spec.agents)
+        if not self.loads:
+            raise NoReplicaError("no live engine replica to route to (starting up or all lost); retry shortly")
+        self._touch_live(tenant, client_id)
+        record["salt"] = cache_salt
         deviation = not (agent in state.running or state.ready(agent) or (fresh and agent in spec.start_agents()))
         if deviation:
             self.deviations += 1
         state.start(agent)
-        if not self.loads:
-            raise NoReplicaError("no live engine replica to route to (starting up or all lost); retry shortly")
         holders = self._holders(prefix_hash) if prefix_hash else {}
         decision = self.policy.route(holders, self.loads, prefix_tokens, home=record.get("home"))
         record["placement"][agent] = decision.replica
@@ -241,6 +301,7 @@ class RouterCore:
         """`POST /v1/clients/{id}/finish`: the workflow instance is over; its prompts are retired."""
         check_name("client_id", client_id)
         self._clients.pop((tenant, client_id), None)
+        self._live.get(tenant, OrderedDict()).pop(client_id, None)
         if not self.store.delete_client(tenant, client_id):
             raise UnknownClientError(f"unknown client {client_id!r}")
         key = workflow_key(tenant, client_id)
@@ -249,6 +310,7 @@ class RouterCore:
             batch = self._outbox.setdefault(replica, HintBatch())
             batch.steps.pop(key, None)
             batch.prompts.pop(key, None)
+            batch.salts.pop(key, None)
             batch.retire.append(key)
         retire = Hints(retire=[key])
         return [(replica, retire) for replica in sorted(self.loads)]
@@ -262,8 +324,31 @@ class RouterCore:
         return [replica for replica, batch in self._outbox.items() if batch]
 
     def active_clients(self) -> Counter[str]:
-        """Live workflow instances per tenant (the `kvflow_workflows_active` gauge)."""
-        return Counter(tenant for tenant, _client, _state in self.store.clients())
+        """Live workflow instances per tenant (the `kvflow_workflows_active` gauge), from memory:
+        O(tenants + what expired since the last count), never a store scan."""
+        for tenant in self._live:
+            self._expire_live(tenant)
+        return Counter({tenant: len(live) for tenant, live in self._live.items() if live})
+
+    def _touch_live(self, tenant: str, client_id: str) -> None:
+        """Count a call of a live client; a new one must fit within the tenant's limit."""
+        live = self._live.setdefault(tenant, OrderedDict())
+        if client_id not in live:
+            self._expire_live(tenant)
+            if len(live) >= self.limits.max_live_clients:
+                raise TenantLimitError("max_live_clients", f"tenant has {len(live)} live workflow clients, the most "
+                                                           "allowed; finish some (POST /v1/clients/{id}/finish)")
+        live[client_id] = time.monotonic()
+        live.move_to_end(client_id)
+
+    def _expire_live(self, tenant: str) -> None:
+        live = self._live[tenant]
+        horizon = time.monotonic() - self.store.ttl_s
+        while live:
+            client_id, at = next(iter(live.items()))
+            if at > horizon:
+                break
+            del live[client_id]
 
     # ------------------------------------------------------------------ helpers
     def _holders(self, prefix_hash: str) -> dict[str, str]:
@@ -285,6 +370,7 @@ class RouterCore:
         steps_now = state.steps_to_execution()
         targets = self._prefetch_targets(steps_now, record)
         prompts = {agent: a.prompt for agent, a in spec.agents.items() if a.prompt}
+        salt = str(record.get("salt", ""))
         out = []
         for replica in sorted(self.loads):
             steps = dict(steps_now)
@@ -296,7 +382,8 @@ class RouterCore:
             if prompts and (replica, key) not in self._told:
                 self._told.add((replica, key))
                 batch.prompts[key] = prompts
-            out.append((replica, Hints(steps={key: steps})))
+                batch.salts[key] = salt
+            out.append((replica, Hints(steps={key: steps}, salts={key: salt})))
         return out
 
     def _prefetch_targets(self, steps: dict[str, float], record: dict[str, Any]) -> dict[str, str]:
