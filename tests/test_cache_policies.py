@@ -35,17 +35,17 @@ INF = math.inf
 
 
 # ---------------------------------------------------------------------- helpers
-def put(cache: TieredCache, tokens: list[int] | tuple[int, ...]) -> list[RadixNode]:
+def put(cache: TieredCache, tokens: list[int] | tuple[int, ...], namespace: str = "") -> list[RadixNode]:
     """What an engine does for one request: match, lock, make room for the rest, compute, commit."""
     key = cache.tree.page_aligned(tokens)
-    m = cache.match(key)
+    m = cache.match(key, namespace)
     cache.tree.lock(m.last)
     try:
         need = len(key) - sum(len(n) for n in m.path if n.gpu is not GpuState.NONE)
         ok, writebacks = cache.make_room(need)
         assert ok and not writebacks, "test setup: not enough device room"
         cache.alloc(need)
-        return cache.commit(key, need, gpu_value=key)
+        return cache.commit(key, need, gpu_value=key, namespace=namespace)
     finally:
         cache.tree.unlock(m.last)
 
@@ -75,9 +75,9 @@ def tokens_of(text: str, base: int = 0) -> list[int]:
     return [base + b for b in text.encode()]
 
 
-def to_host(cache: TieredCache, tokens: list[int]) -> None:
+def to_host(cache: TieredCache, tokens: list[int] | tuple[int, ...], namespace: str = "") -> None:
     """Move the (already split-off) node ending `tokens` and its descendants to the host tier."""
-    node = cache.tree.match_prefix(tokens).last
+    node = cache.tree.match_prefix(tokens, namespace=namespace).last
     assert node is not None and cache.host_tier
     stack, nodes = [node], []
     while stack:
@@ -321,8 +321,8 @@ class CacheMachine(RuleBasedStateMachine):
         assert tuple(t for n in m.path for t in n.key) == key[: m.length]
         assert m.length <= expected
         if m.length < expected:  # stopped before a partially matching node it may not split
-            child = (m.last or self.tree.root).children[key[m.length:m.length + self.page]]
-            assert not split or child.in_flight
+            child = self.tree.child(m.last or self.tree.root, key[m.length:m.length + self.page])
+            assert child is not None and (not split or child.in_flight)
             assert m.length + len(child) > expected
 
     # -------------------------------------------------------------- invariants
@@ -750,6 +750,29 @@ def test_prefetch_loads_host_prompts_within_the_horizon_nearest_first() -> None:
     (op,) = plan_prefetch(cache, StepsAheadPrefetch(horizon=2), book, inflight=0)
     assert op.tag == ("w", "c")
     assert plan_prefetch(cache, NoPrefetch(), book, inflight=0) == []
+
+
+def test_prefetch_loads_the_prompt_in_its_workflows_namespace() -> None:
+    """A workflow's prompt is prefetched where its requests look (its salt), never another tenant's
+    copy of the same tokens; and a copy on the device in another namespace does not count as loaded."""
+    book = StepBook()
+    book.apply({"w": {"a": 0}}, {("w", "a"): (7,) * 8}, [], salts={"w": "tenant"})
+    assert book.salt("w") == "tenant" and book.salt("other") == ""
+    cache = TieredCache(100, KVFlowPolicy(book), cpu_capacity=100, host_tier=True)
+    put(cache, (7,) * 8, "tenant")
+    cache.tree.tag_prefix((7,) * 8, ("w", "a"), namespace="tenant")
+    to_host(cache, (7,) * 8, "tenant")
+    put(cache, (7,) * 8)  # the same tokens on the device in the default namespace
+    (op,) = plan_prefetch(cache, StepsAheadPrefetch(horizon=1), book, inflight=0)
+    assert op.tag == ("w", "a") and [(n.namespace, n.tier) for n in op.nodes] == [("tenant", Tier.LOADING)]
+    assert not cache.prompt_on_device(("w", "a"), "tenant")
+    cache.finish_load(op.nodes[0], (7,) * 8)
+    assert cache.prompt_on_device(("w", "a"), "tenant") and not cache.prompt_on_device(("w", "a"))
+    assert cache.match((7,) * 8, "tenant").path == op.nodes
+    # retiring the workflow forgets its namespace with the rest of it
+    book.retire("w")
+    assert book.salt("w") == ""
+    cache.tree.check_invariants()
 
 
 def test_prefetch_respects_max_inflight() -> None:

@@ -108,7 +108,8 @@ def test_match_is_longest_page_aligned_prefix(page: int, sequences: list[list[in
             assert m.length <= expected
             parent = m.last or tree.root
             if m.length < expected:
-                child = parent.children[tuple(q[m.length:m.length + page])]
+                child = tree.child(parent, q[m.length:m.length + page])
+                assert child is not None
                 assert m.length + len(child.key) > expected
         assert m.length % page == 0
         tree.check_invariants()
@@ -308,7 +309,8 @@ class TierMachine(RuleBasedStateMachine):
         # nodes with a copy in flight are never split: a match stops before them instead
         expected = longest_match(tuple(seq), list(all_sequences(self.tree).values()), self.page)
         if m.length < expected:
-            assert (m.last or self.tree.root).children[tuple(seq[m.length:m.length + self.page])].in_flight
+            child = self.tree.child(m.last or self.tree.root, seq[m.length:m.length + self.page])
+            assert child is not None and child.in_flight
 
     @invariant()
     def invariants(self) -> None:
@@ -446,3 +448,92 @@ def test_split_keeps_a_deferred_eviction_on_both_halves() -> None:
     upper = tree.match_prefix([1, 2, 9]).last
     assert upper is not node and upper.evict_pending and node.evict_pending
     assert len(upper) + len(node) == 4
+
+
+# ---------------------------------------------------------------------- namespaces (tenant isolation)
+NAMESPACES = ("", "tenant-a", "tenant-b")
+
+
+@settings(max_examples=150, deadline=None)
+@given(page=PAGE_SIZES,
+       inserts=st.lists(st.tuples(st.sampled_from(NAMESPACES), TOKENS), max_size=12),
+       queries=st.lists(st.tuples(st.sampled_from(NAMESPACES), TOKENS), min_size=1, max_size=8),
+       split=st.booleans())
+def test_namespaces_are_disjoint_trees(page: int, inserts: list[tuple[str, list[int]]],
+                                       queries: list[tuple[str, list[int]]], split: bool) -> None:
+    """Each namespace behaves as its own tree: a match only ever sees what was inserted in the same
+    namespace, whatever the others hold (same tokens included)."""
+    tree = RadixTree(page)
+    cached: dict[str, list[tuple[int, ...]]] = {ns: [] for ns in NAMESPACES}
+    for ns, seq in inserts:
+        key = aligned(seq, page)
+        before = longest_match(key, cached[ns], page)
+        path, new = tree.insert(seq, gpu_value=key, namespace=ns)
+        assert new == len(key) - before  # KV of another namespace is never taken as already cached
+        assert all(node.namespace == ns for node in path)
+        if key:
+            cached[ns].append(key)
+        tree.check_invariants()
+    for ns, q in queries:
+        m = tree.match_prefix(q, split=split, namespace=ns)
+        check_path(m, tuple(q), tree)
+        assert all(node.namespace == ns for node in m.path)
+        expected = longest_match(tuple(q), cached[ns], page)
+        assert m.length == expected if split else m.length <= expected
+        tree.check_invariants()
+    for ns in NAMESPACES:  # each namespace holds exactly the prefixes of what it was given
+        seqs = tree.token_sequences(namespace=ns)
+        assert all(any(s[:len(seq)] == seq for s in cached[ns]) for seq in seqs)
+        assert all(s in seqs for s in cached[ns])
+    assert sorted(tree.token_sequences()) == sorted(s for ns in NAMESPACES for s in tree.token_sequences(namespace=ns))
+
+
+def test_same_tokens_in_two_namespaces_share_nothing() -> None:
+    tree = RadixTree(2)
+    path_a, new_a = tree.insert([1, 2, 3, 4], gpu_value="abcd", namespace="a")
+    assert tree.match_prefix([1, 2, 3, 4]).length == 0  # the default namespace sees none of it
+    assert tree.match_prefix([1, 2, 3, 4], namespace="b").length == 0
+    path_b, new_b = tree.insert([1, 2, 3, 4], gpu_value="wxyz", namespace="b")
+    assert new_a == new_b == 4 and tree.gpu_tokens == 8  # two copies of the KV, one per namespace
+    assert path_a[0] is not path_b[0] and path_b[0].gpu_value == "wxyz"
+    assert tree.match_prefix([1, 2, 3, 4], namespace="a").path == path_a
+    assert tree.child(tree.root, [1, 2], "a") is path_a[0] and tree.child(tree.root, [1, 2], "b") is path_b[0]
+    assert tree.child(tree.root, [1, 2]) is None
+    # a split inside one namespace leaves the other's node whole; the upper half keeps the namespace
+    m = tree.match_prefix([1, 2, 9, 9], namespace="a")
+    assert m.length == 2 and m.last is not None and m.last.namespace == "a" and m.last.parent is tree.root
+    assert path_b[0].key == (1, 2, 3, 4)
+    tree.check_invariants()
+
+
+def test_eviction_and_tags_stay_in_their_namespace() -> None:
+    tree = RadixTree(1)
+    (a,), _ = tree.insert([1, 2, 3], namespace="a")
+    (d,), _ = tree.insert([1, 2, 3])
+    tagged = tree.tag_prefix([1, 2], ("w", "agent"), namespace="a")
+    assert [n.key for n in tagged] == [(1, 2)] and tagged[0].namespace == "a"
+    assert not d.tags and d.key == (1, 2, 3)  # tagging in "a" neither tags nor splits the default copy
+    assert tree.workflow_nodes("w") == {tagged[0]}
+    tree.drop_gpu(a)  # the dynamic remainder (3,) of namespace "a"
+    tree.drop_gpu(tagged[0])
+    assert tree.match_prefix([1, 2, 3], namespace="a").length == 0
+    assert tree.match_prefix([1, 2, 3]).path == [d]  # the default namespace's copy is untouched
+    assert tree.gpu_tokens == 3 and tree.gpu_leaves == {d}
+    tree.check_invariants()
+
+
+def test_default_namespace_is_the_unsalted_tree() -> None:
+    from kvflow_ray.engines.base import prefix_hash
+    from kvflow_ray.engines.events import CacheEventLog
+
+    tree = RadixTree(1)
+    (d,), _ = tree.insert([5, 6])
+    (s,), _ = tree.insert([5, 6], namespace="tenant")
+    assert d.namespace == "" and tree.match_prefix([5, 6]).path == tree.match_prefix([5, 6], namespace="").path
+    log = CacheEventLog()
+    log.record("stored", "gpu", d)
+    log.record("stored", "gpu", s)
+    default_event, salted_event = log.drain()
+    # events keep the unsalted hash in the default namespace; the same tokens elsewhere are another prefix
+    assert default_event.prefix_hash == prefix_hash([5, 6])
+    assert salted_event.prefix_hash == prefix_hash([5, 6], "tenant") != default_event.prefix_hash

@@ -73,21 +73,24 @@ class TieredCache:
         self.private_tokens -= n
 
     # ------------------------------------------------------------------ lookup / insert
-    def match(self, tokens: Sequence[int]) -> Match:
-        m = self.tree.match_prefix(tokens)
+    def match(self, tokens: Sequence[int], namespace: str = "") -> Match:
+        """Longest cached prefix of `tokens` in `namespace` (a request's cache salt), marked used."""
+        m = self.tree.match_prefix(tokens, namespace=namespace)
         self.tree.touch(m.path)
         return m
 
     def commit(self, tokens: Sequence[int], private_tokens: int, gpu_value: object = None,
-               adopted: list[tuple[int, int]] | None = None, keep_uncovered: bool = False) -> list[RadixNode]:
+               adopted: list[tuple[int, int]] | None = None, keep_uncovered: bool = False,
+               namespace: str = "") -> list[RadixNode]:
         """Hand a request's freshly computed KV to the tree: `private_tokens` of its private
         allocation covered `tokens` past what it matched; KV someone else inserted meanwhile is freed
         (`adopted` receives the ranges of `tokens` the tree took, see `RadixTree.insert`).
 
         The tree may cover less than `tokens`: a sequence that diverges inside a node with a copy in
         flight cannot split it. With `keep_uncovered` (a prompt whose request goes on decoding), the
-        uncovered tail stays allocated to the request; otherwise it is released with the rest."""
-        path, new = self.tree.insert(tokens, gpu_value, adopted)
+        uncovered tail stays allocated to the request; otherwise it is released with the rest. The KV
+        joins `namespace` (the request's cache salt): only look-ups in that namespace reuse it."""
+        path, new = self.tree.insert(tokens, gpu_value, adopted, namespace)
         uncovered = min(private_tokens, len(tokens) - sum(len(node.key) for node in path)) if keep_uncovered else 0
         assert new <= private_tokens - uncovered, (new, private_tokens, uncovered)
         self.release(private_tokens - uncovered)
@@ -95,11 +98,14 @@ class TieredCache:
         # keep used accounting: the tree now owns `new` tokens that were private
         return path
 
-    def prompt_on_device(self, tag: Tag) -> bool:
+    def prompt_on_device(self, tag: Tag, namespace: str = "") -> bool:
+        """Whether the agent's whole fixed prompt is on the device in `namespace` (its workflow's)."""
         tail = self.prompt_tails.get(tag)
-        return tail is not None and tail.parent is not None and tail.gpu is GpuState.READY
+        return (tail is not None and tail.parent is not None and tail.gpu is GpuState.READY
+                and tail.namespace == namespace)
 
     def remember_prompt(self, tag: Tag, tokens: Sequence[int], match: Match) -> None:
+        """`match` is the look-up of the agent's fixed prompt `tokens` in its workflow's namespace."""
         if match.last is not None and match.length == len(tokens) - len(tokens) % self.tree.page_size:
             self.prompt_tails[tag] = match.last
 

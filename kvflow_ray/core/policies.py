@@ -31,6 +31,9 @@ class StepBook:
         self.version = 0
         self._steps: dict[str, dict[str, float]] = {}
         self._prompts: dict[str, dict[str, tuple[int, ...]]] = {}  # workflow -> agent -> fixed prompt
+        # workflow -> cache namespace of its requests (absent: the default ""), so its prompts are
+        # matched, tagged and prefetched where its requests will look for them
+        self._salts: dict[str, str] = {}
         self.near_horizon = near_horizon
         # agents with E <= near_horizon, so prefetch planning never scans every live workflow
         self.near: dict[Tag, float] = {}
@@ -51,6 +54,7 @@ class StepBook:
             if e <= self.near_horizon:
                 self.near.pop((workflow, agent), None)
         self._prompts.pop(workflow, None)
+        self._salts.pop(workflow, None)
         self.version += 1
 
     def steps(self, tag: Tag) -> float:
@@ -63,9 +67,11 @@ class StepBook:
         return workflow in self._steps
 
     def apply(self, steps: Mapping[str, Mapping[str, float]], prompts: Mapping[Tag, Sequence[int]],
-              retire: Iterable[str]) -> None:
+              retire: Iterable[str], salts: Mapping[str, str] | None = None) -> None:
         """One batch of hints from the workflow layer, in the order every engine applies them:
-        prompts, then new steps-to-execution, then retired instances."""
+        namespaces, prompts, then new steps-to-execution, then retired instances."""
+        for workflow, salt in (salts or {}).items():
+            self.set_salt(workflow, salt)
         for tag, tokens in prompts.items():
             self.register_prompt(tag, tokens)
         for workflow, agent_steps in steps.items():
@@ -82,6 +88,20 @@ class StepBook:
         if prompt is not None and tuple(tokens[:len(prompt)]) == prompt:
             return len(prompt)
         return 0
+
+    def set_salt(self, workflow: str, salt: str) -> None:
+        """The cache namespace of `workflow`'s requests ("" = the default namespace)."""
+        if self._salts.get(workflow, "") == salt:
+            return
+        if salt:
+            self._salts[workflow] = salt
+        else:
+            self._salts.pop(workflow, None)
+        self.version += 1  # prefetch plans look its prompts up elsewhere now
+
+    def salt(self, workflow: str) -> str:
+        """The cache namespace `workflow`'s prompts live in ("" unless a hint said otherwise)."""
+        return self._salts.get(workflow, "")
 
     def register_prompt(self, tag: Tag, tokens: Sequence[int]) -> None:
         self._prompts.setdefault(tag[0], {})[tag[1]] = tuple(tokens)

@@ -72,9 +72,10 @@ def plan_prefetch(cache: TieredCache, policy: PrefetchPolicy, book: StepBook, in
         if inflight + len(ops) >= getattr(policy, "max_inflight", 0):
             break
         tokens = book.prompt(tag)
-        if tokens is None or cache.prompt_on_device(tag):
+        namespace = book.salt(tag[0])  # the prompt is cached where its workflow's requests put it
+        if tokens is None or cache.prompt_on_device(tag, namespace):
             continue
-        match = cache.tree.match_prefix(tokens)
+        match = cache.tree.match_prefix(tokens, namespace=namespace)
         cache.remember_prompt(tag, tokens, match)
         _ready, _loading, host = match.split_by_tier()
         if not host:

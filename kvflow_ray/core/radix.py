@@ -6,7 +6,11 @@ driving a policy from `policies.py`. Engines attach their own payload (page indi
 `gpu_value` / `cpu_value`; the tree slices it on node splits, so any sliceable payload works.
 
 Invariants (checked by `check_invariants`, exercised by property tests):
-- every key length is a multiple of `page_size`; children are keyed by their first page;
+- every key length is a multiple of `page_size`; children are keyed by their first page, the
+  root's children by (namespace, *first page) (`child_key`);
+- namespaces: every node carries the cache namespace of its sequence (a tenant's salt, "" by default);
+  a node's namespace is its parent's, so the same tokens under two namespaces are two disjoint
+  subtrees and a look-up in one never reaches the other's KV;
 - a node is in the tree only while it holds KV somewhere (device, host or a load in flight);
 - device residency is prefix-closed: a node that is on (or loading to) the device has a parent that is;
 - `gpu_tokens` / `cpu_tokens` equal the sums over nodes; a locked node's ancestors are locked.
@@ -21,6 +25,9 @@ from dataclasses import dataclass, field
 
 Tag = tuple[str, str]
 """(workflow key, agent): the node is part of that agent's fixed prompt in that workflow instance."""
+
+ChildKey = tuple[int | str, ...]
+"""A node's key in its parent's `children`: its first page, led by its namespace under the root."""
 
 
 class GpuState(enum.Enum):
@@ -54,7 +61,9 @@ class PrefetchOp:
 class RadixNode:
     key: tuple[int, ...]
     parent: RadixNode | None
-    children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
+    children: dict[ChildKey, RadixNode] = field(default_factory=dict)
+    # the cache namespace of the sequence this node completes (same as its parent's below the root)
+    namespace: str = ""
     gpu: GpuState = GpuState.NONE
     cpu: bool = False  # holds a host-tier copy
     offloading: bool = False  # device -> host copy in flight
@@ -102,8 +111,9 @@ class RadixNode:
         return len(self.key)
 
     def __repr__(self) -> str:
+        ns = f", ns={self.namespace!r}" if self.namespace else ""
         return (f"RadixNode(id={self.id}, len={len(self.key)}, tier={self.tier.value}, cpu={self.cpu}, "
-                f"lock={self.lock_ref}, tags={sorted(self.tags)})")
+                f"lock={self.lock_ref}, tags={sorted(self.tags)}{ns})")
 
 
 @dataclass
@@ -184,17 +194,33 @@ class RadixTree:
         n = len(tokens) - len(tokens) % self.page_size
         return tuple(tokens[:n])
 
-    def match_prefix(self, tokens: Sequence[int], split: bool = True) -> Match:
-        """Longest cached prefix of `tokens` (whole pages). With `split`, a partially matched node is
-        split so the match ends on a node boundary; nodes with a copy in flight are never split (their
-        copy callbacks hold the node), so a match stops before them instead."""
+    def child_key(self, parent: RadixNode, key: Sequence[int], namespace: str = "") -> ChildKey:
+        """The key under which a node whose tokens start with `key` sits in `parent.children`: its first
+        page, led by the namespace under the root (below it, the parent fixes the namespace)."""
+        page = tuple(key[:self.page_size])
+        return (namespace, *page) if parent is self.root else page
+
+    def child(self, parent: RadixNode, key: Sequence[int], namespace: str = "") -> RadixNode | None:
+        """The child of `parent` whose tokens start with `key`'s first page (in `namespace` under the
+        root), or None."""
+        return parent.children.get(self.child_key(parent, key, namespace))
+
+    def _key_of(self, node: RadixNode) -> ChildKey:
+        assert node.parent is not None
+        return self.child_key(node.parent, node.key, node.namespace)
+
+    def match_prefix(self, tokens: Sequence[int], split: bool = True, namespace: str = "") -> Match:
+        """Longest cached prefix of `tokens` (whole pages) in `namespace`. With `split`, a partially
+        matched node is split so the match ends on a node boundary; nodes with a copy in flight are
+        never split (their copy callbacks hold the node), so a match stops before them instead."""
         key = self.page_aligned(tokens)
         page = self.page_size
         node = self.root
         path: list[RadixNode] = []
         i = 0
         while i < len(key):
-            child = node.children.get(key[i:i + page])
+            # only the root's children are keyed by namespace: below them, the path fixes it
+            child = node.children.get((namespace, *key[:page]) if i == 0 else key[i:i + page])
             if child is None:
                 break
             n = _common_length(child.key, key, i, page)
@@ -224,26 +250,26 @@ class RadixTree:
         self.version += 1
         upper = RadixNode(
             key=node.key[:at], parent=parent, gpu=node.gpu, cpu=node.cpu, lock_ref=node.lock_ref,
-            last_access=node.last_access, tags=set(node.tags),
+            last_access=node.last_access, tags=set(node.tags), namespace=node.namespace,
             gpu_value=_head(node.gpu_value, at), cpu_value=_head(node.cpu_value, at),
             # Fix: a deferred eviction (TieredCache counted the whole node in `pending_free`) covers
             # both halves; without this the upper half's tokens stayed in `pending_free` for good.
             evict_pending=node.evict_pending,
         )
-        parent.children[upper.key[:self.page_size]] = upper
+        parent.children[self._key_of(upper)] = upper  # replaces `node` there: same first page
         node.key = node.key[at:]
         node.gpu_value = _tail(node.gpu_value, at)
         node.cpu_value = _tail(node.cpu_value, at)
         node.parent = upper
-        upper.children[node.key[:self.page_size]] = node
+        upper.children[self._key_of(node)] = node
         upper.n_gpu_children = 1 if node.gpu is not GpuState.NONE else 0
         for wf, _agent in upper.tags:
             self._by_workflow.setdefault(wf, set()).add(upper)
         return upper
 
     def insert(self, tokens: Sequence[int], gpu_value: object = None,
-               adopted: list[tuple[int, int]] | None = None) -> tuple[list[RadixNode], int]:
-        """Insert freshly computed KV for `tokens` (whole pages) on the device.
+               adopted: list[tuple[int, int]] | None = None, namespace: str = "") -> tuple[list[RadixNode], int]:
+        """Insert freshly computed KV for `tokens` (whole pages) on the device, in `namespace`.
 
         Returns (path, newly device-resident tokens). Nodes that existed host-only become device-resident
         again (the engine recomputed them), so the count covers both new nodes and revived ones;
@@ -251,7 +277,7 @@ class RadixTree:
         `tokens` whose payload the tree took are appended to `adopted`: the engine frees the rest (KV
         that was already cached when it was computed)."""
         key = self.page_aligned(tokens)
-        match = self.match_prefix(key)
+        match = self.match_prefix(key, namespace=namespace)
         new_tokens = 0
         offset = 0
         for node in match.path:
@@ -266,10 +292,11 @@ class RadixTree:
         parent = path[-1] if path else self.root
         # A match that stopped at a partially matching node with a copy in flight (never split) leaves
         # the rest uncached: a sibling with the same first page cannot be added.
-        if match.length < len(key) and key[match.length:match.length + self.page_size] not in parent.children:
-            child = RadixNode(key=key[match.length:], parent=parent,
+        rest = key[match.length:]
+        if rest and self.child_key(parent, rest, namespace) not in parent.children:
+            child = RadixNode(key=rest, parent=parent, namespace=namespace,
                               gpu_value=_slice(gpu_value, match.length, len(key)))
-            parent.children[child.key[:self.page_size]] = child
+            parent.children[self._key_of(child)] = child
             self._set_gpu(child, GpuState.READY)
             new_tokens += len(child.key)
             if adopted is not None:
@@ -283,7 +310,7 @@ class RadixTree:
         assert node.gpu is GpuState.NONE and not node.cpu and not node.children, node
         assert node.parent is not None
         self.version += 1
-        del node.parent.children[node.key[:self.page_size]]
+        del node.parent.children[self._key_of(node)]
         for wf, _agent in node.tags:
             nodes = self._by_workflow.get(wf)
             if nodes is not None:
@@ -380,11 +407,12 @@ class RadixTree:
             node = node.parent
 
     # ------------------------------------------------------------------ tags
-    def tag_prefix(self, tokens: Sequence[int], tag: Tag, split: bool = True) -> list[RadixNode]:
-        """Tag the cached nodes that lie entirely within `tokens` (an agent's fixed prompt).
+    def tag_prefix(self, tokens: Sequence[int], tag: Tag, split: bool = True,
+                   namespace: str = "") -> list[RadixNode]:
+        """Tag the cached nodes that lie entirely within `tokens` (an agent's fixed prompt) in `namespace`.
 
         A node straddling the fixed-prompt boundary is split so the dynamic remainder stays untagged."""
-        match = self.match_prefix(tokens, split=split)
+        match = self.match_prefix(tokens, split=split, namespace=namespace)
         wf_nodes = self._by_workflow.setdefault(tag[0], set())
         self._agents_by_workflow.setdefault(tag[0], set()).add(tag[1])
         for node in match.path:
@@ -416,10 +444,12 @@ class RadixTree:
             yield node
             stack.extend(node.children.values())
 
-    def token_sequences(self, tier: Tier | None = None) -> list[tuple[int, ...]]:
-        """Every root-to-node token sequence whose last node is in `tier` (all nodes if None)."""
+    def token_sequences(self, tier: Tier | None = None, namespace: str | None = None) -> list[tuple[int, ...]]:
+        """Every root-to-node token sequence whose last node is in `tier` (all nodes if None), in
+        `namespace` (every namespace if None)."""
         out: list[tuple[int, ...]] = []
-        stack: list[tuple[RadixNode, tuple[int, ...]]] = [(c, c.key) for c in self.root.children.values()]
+        stack: list[tuple[RadixNode, tuple[int, ...]]] = [
+            (c, c.key) for c in self.root.children.values() if namespace is None or c.namespace == namespace]
         while stack:
             node, seq = stack.pop()
             if tier is None or node.tier is tier:
@@ -431,7 +461,8 @@ class RadixTree:
         gpu = cpu = 0
         leaves: set[RadixNode] = set()
         for node in self.nodes():
-            assert node.parent is not None and node.parent.children[node.key[:self.page_size]] is node
+            assert node.parent is not None and node.parent.children[self._key_of(node)] is node
+            assert node.parent is self.root or node.namespace == node.parent.namespace, node
             assert len(node.key) > 0 and len(node.key) % self.page_size == 0, node
             assert node.gpu is not GpuState.NONE or node.cpu, f"node holds no KV: {node}"
             if node.gpu is not GpuState.NONE:

@@ -54,6 +54,9 @@ class CacheRequest:
     fixed_len: int  # the agent's fixed prompt: tokens[:fixed_len] get the agent's tag
     max_new: int  # output budget: device KV reserved for the answer
     measured: bool = True  # counts in the replica's statistics (benchmarks leave warm-up out)
+    # the cache namespace (`GenerateRequest.cache_salt`): every look-up, commit and tag of this request
+    # stays in it, so it reuses KV only of requests with the same salt
+    cache_salt: str = ""
     arrival: float = 0.0
     # cache state
     locked: RadixNode | None = None
@@ -163,7 +166,7 @@ class ReplicaScheduler:
         self.check(req)
         req.arrival = self.clock()
         # split: a prefix that ends inside a node (a preamble shared by other agents) counts too
-        match = self.cache.tree.match_prefix(req.tokens)
+        match = self.cache.tree.match_prefix(req.tokens, namespace=req.cache_salt)
         ready, loading, host = match.split_by_tier()
         req.ready_at_arrival = ready
         req.cached_at_arrival = match.length
@@ -187,11 +190,12 @@ class ReplicaScheduler:
             req.locked = None
 
     def apply_hints(self, steps: Mapping[str, Mapping[str, float]], prompts: Mapping[Tag, Sequence[int]],
-                    retire: Iterable[str]) -> None:
-        """What the workflow layer says: agents' fixed prompts, new steps-to-execution, finished
-        workflow instances (their prompts lose their tags); then plan prefetches."""
+                    retire: Iterable[str], salts: Mapping[str, str] | None = None) -> None:
+        """What the workflow layer says: each workflow instance's cache namespace (`salts`), agents'
+        fixed prompts, new steps-to-execution, finished workflow instances (their prompts lose their
+        tags); then plan prefetches (each prompt in its workflow's namespace)."""
         retire = list(retire)
-        self.book.apply(steps, prompts, retire)
+        self.book.apply(steps, prompts, retire, salts)
         for workflow in retire:
             self.cache.retire_workflow(workflow)
         self.plan_prefetch()
@@ -269,7 +273,7 @@ class ReplicaScheduler:
         if tail is not None and tail.parent is not None and tail.gpu is GpuState.READY:
             state: tuple[bool, list[RadixNode]] = (True, [])
         else:
-            match = tree.match_prefix(req.tokens, split=False)
+            match = tree.match_prefix(req.tokens, split=False, namespace=req.cache_salt)
             req.tail = match.last
             _ready, loading, host = match.split_by_tier()
             state = (not (loading or host), host)
@@ -296,7 +300,7 @@ class ReplicaScheduler:
             _ready, host = self._prefix_state(req)
             if not host:
                 continue
-            match = self.cache.match(req.tokens)
+            match = self.cache.match(req.tokens, req.cache_salt)
             _ready_len, _loading, host = match.split_by_tier()
             if not host:
                 continue
@@ -325,7 +329,7 @@ class ReplicaScheduler:
         for req in holding + rest:
             if len(self.running) >= self.max_running:
                 break
-            match = self.cache.match(req.tokens)
+            match = self.cache.match(req.tokens, req.cache_salt)
             _ready, loading, host = match.split_by_tier()
             private = self._private_need(req, match.length)
             need = private + sum(len(n.key) for n in host)
@@ -405,11 +409,13 @@ class ReplicaScheduler:
         if req.prefilling:
             return False
         computed = len(req.tokens) - min(req.matched, len(req.tokens) - 1)
-        path = self.cache.commit(req.tokens, computed, gpu_value, adopted, keep_uncovered=True)
+        path = self.cache.commit(req.tokens, computed, gpu_value, adopted, keep_uncovered=True,
+                                 namespace=req.cache_salt)
         req.committed = sum(len(node.key) for node in path)
         req.private -= computed - min(computed, len(req.tokens) - req.committed)
         if req.fixed_len and req.workflow is not None and req.agent is not None:
-            self.cache.tree.tag_prefix(req.tokens[:req.fixed_len], (req.workflow, req.agent))
+            self.cache.tree.tag_prefix(req.tokens[:req.fixed_len], (req.workflow, req.agent),
+                                       namespace=req.cache_salt)
         self.cache.tree.lock(path[-1] if path else None)
         self.cache.tree.unlock(req.locked)
         req.locked = path[-1] if path else None
@@ -426,7 +432,7 @@ class ReplicaScheduler:
         of its private memory is released. The engine then hands the request's leftover device slots
         back and calls `plan_prefetch()` (memory freed: a prefetch that did not fit may fit now); a
         prefetch planned before that would be given slots the engine has not freed yet."""
-        self.cache.commit(sequence, req.private, gpu_value, adopted)
+        self.cache.commit(sequence, req.private, gpu_value, adopted, namespace=req.cache_salt)
         req.private = 0
         self.cache.tree.unlock(req.locked)
         req.locked = None

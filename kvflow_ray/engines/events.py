@@ -17,7 +17,9 @@ class CacheEventLog:
 
     def record(self, kind: str, tier: str, node: RadixNode) -> None:
         if node.parent is not None:
-            self._events.append(CacheEvent(kind, tier, prefix_hash(node.sequence()), len(node.key)))
+            # the namespace is part of the prefix's identity: a router never sends one tenant's
+            # request to a replica for KV that only another tenant may use
+            self._events.append(CacheEvent(kind, tier, prefix_hash(node.sequence(), node.namespace), len(node.key)))
 
     def on_free(self, node: RadixNode, tier: str) -> None:
         """The tree dropped `node`'s copy in `tier` (its `on_free` hook)."""

@@ -48,7 +48,10 @@ class TenantLimitError(ValueError):
 
     def __init__(self, limit: str, message: str) -> None:
         super().__init__(f"{message} (limits.{limit})")
-        self.limit = limit
+        self.limit, self.detail = limit, message
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # crosses Ray intact
+        return type(self), (self.limit, self.detail)
 
 
 class NoReplicaError(RuntimeError):

@@ -45,8 +45,9 @@ class CacheRig:
 
     # ------------------------------------------------------------------ requests
     def serve(self, tokens: Sequence[int], client_id: str | None = None, agent: str | None = None,
-              fixed: int | None = None) -> Req:
-        """One finished request whose whole prompt stays cached, with `custom_params.kvflow`."""
+              fixed: int | None = None, cache_salt: str | None = None) -> Req:
+        """One finished request whose whole prompt stays cached, with `custom_params.kvflow`, in the
+        cache namespace `cache_salt` (SGLang's request field; None = the default namespace)."""
         custom = ({protocol.CUSTOM_PARAMS_KEY: protocol.request_params(client_id, agent, fixed)}
                   if client_id is not None else None)
         req = Req(rid=f"r{next(_rids)}", origin_input_text="", origin_input_ids=array("q", tokens),
@@ -58,6 +59,7 @@ class CacheRig:
         req.kv.cache_protected_len = 0
         req.lock = None
         req.extra_key = None
+        req.cache_salt = cache_salt
         if self.allocator.available_size() < len(tokens):  # SGLang's own path under memory pressure
             evict_from_tree_cache(self.cache, len(tokens))
         indices = self.allocator.alloc(len(tokens))
@@ -74,11 +76,11 @@ class CacheRig:
         return self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=value))
 
     # ------------------------------------------------------------------ inspection
-    def match(self, tokens: Sequence[int]) -> Any:
-        return self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+    def match(self, tokens: Sequence[int], cache_salt: str | None = None) -> Any:
+        return self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens), cache_salt=cache_salt)))
 
-    def matched(self, tokens: Sequence[int]) -> int:
-        return self.match(tokens).device_prefix_len
+    def matched(self, tokens: Sequence[int], cache_salt: str | None = None) -> int:
+        return self.match(tokens, cache_salt).device_prefix_len
 
     def node(self, handle: Any) -> Any:
         return self.cache.tree_core.node_by_id(handle) if isinstance(handle, int) else handle

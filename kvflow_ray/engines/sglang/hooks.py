@@ -211,14 +211,16 @@ def start_prefetches(cache: Any, scheduler: Any) -> int:
     queued requests still need (core.prefetch's rule). Returns the number of loads started."""
     st = state()
     started = 0
-    for tag, steps, tokens in st.prefetch_candidates():
+    for tag, steps, tokens, salt in st.prefetch_candidates():
         if len(st.loading) >= st.prefetcher.max_inflight or not cache.has_free_load_back_slot():
             break
         page = max(int(cache.page_size), 1)
         n = len(tokens) // page * page
         if n <= 0:
             continue
-        match = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens[:n]))))
+        # in the workflow's namespace: its requests carry this salt, so only that copy serves them
+        key = RadixKey(array("q", tokens[:n]), cache_salt=salt or None)
+        match = cache.match_prefix(MatchPrefixParams(key=key))
         if match.host_hit_length <= 0:
             continue  # on the device already, or not cached anywhere
         anchor = _node(cache, match.best_match_node)

@@ -3,7 +3,9 @@ SGLang engine with it (the kvflow-ray engine adapter, the GPU smoke script). Pur
 no torch, so both sides and the tests import it anywhere.
 
 - **Per request**: `sampling_params["custom_params"]["kvflow"] = request_params(...)`, a *flat* dict
-  (SGLang's msgpack IPC rejects nested values in `custom_params`).
+  (SGLang's msgpack IPC rejects nested values in `custom_params`). The request's cache namespace is
+  SGLang's own `cache_salt` (an `async_generate` argument): SGLang keys its radix tree by it, so
+  requests under different salts never share KV, and the plugin reads it back from the tree keys.
 - **Control** (hints without a request): `sglang.Engine.collective_rpc(RPC_APPLY_HINTS,
   payload=encode_hints(...))` runs `Scheduler.kvflow_apply_hints(payload)` on every scheduler rank,
   on the scheduler thread, between batches.
@@ -60,19 +62,22 @@ def parse_request_params(custom_params: Mapping[str, Any] | None) -> tuple[Tag, 
 
 def encode_hints(steps: Mapping[str, Mapping[str, float]] | None = None,
                  prompts: Mapping[Tag, Sequence[int]] | None = None,
-                 retire: Iterable[str] = ()) -> str:
+                 retire: Iterable[str] = (), salts: Mapping[str, str] | None = None) -> str:
     """JSON for `kvflow_apply_hints`: the fields of `engines.base.Hints` (an infinite
-    steps-to-execution travels as null)."""
+    steps-to-execution travels as null; `salts`: each workflow instance's cache namespace)."""
     return json.dumps({
         "steps": {wf: {a: (None if math.isinf(e) else e) for a, e in agents.items()}
                   for wf, agents in (steps or {}).items()},
         "prompts": [[wf, agent, [int(t) for t in tokens]] for (wf, agent), tokens in (prompts or {}).items()],
         "retire": list(retire),
+        "salts": {str(wf): str(salt) for wf, salt in (salts or {}).items()},
     }, separators=(",", ":"))
 
 
-def decode_hints(payload: str) -> tuple[dict[str, dict[str, float]], dict[Tag, tuple[int, ...]], list[str]]:
-    """Inverse of `encode_hints`; raises ValueError on a malformed payload."""
+def decode_hints(payload: str) -> tuple[dict[str, dict[str, float]], dict[Tag, tuple[int, ...]], list[str],
+                                        dict[str, str]]:
+    """Inverse of `encode_hints`: (steps, prompts, retire, salts); raises ValueError on a malformed
+    payload."""
     try:
         data = json.loads(payload)
         steps = {str(wf): {str(a): (math.inf if e is None else float(e)) for a, e in agents.items()}
@@ -80,9 +85,10 @@ def decode_hints(payload: str) -> tuple[dict[str, dict[str, float]], dict[Tag, t
         prompts = {(str(wf), str(agent)): tuple(int(t) for t in tokens)
                    for wf, agent, tokens in data.get("prompts", [])}
         retire = [str(wf) for wf in data.get("retire", [])]
+        salts = {str(wf): str(salt) for wf, salt in data.get("salts", {}).items()}
     except (TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"malformed kvflow hints payload: {exc}") from exc
-    return steps, prompts, retire
+    return steps, prompts, retire, salts
 
 
 # How each policy of the comparison maps onto SGLang server arguments. Every policy runs on the

@@ -38,6 +38,17 @@ def node_tags(node: Any) -> frozenset[Tag]:
     return getattr(node, TAGS_ATTR, frozenset())
 
 
+def node_namespace(node: Any) -> str:
+    """The cache namespace of a SGLang tree node, as `prefix_hash` takes it: its key's `cache_salt`
+    (what the adapter sends as the request's `cache_salt`; "" = none). SGLang also namespaces the tree
+    by `extra_key` (LoRA adapters), which kvflow never sets; a node under one gets a namespace no salt
+    of the router's can equal, so its prefix is never taken for an un-keyed one."""
+    key = getattr(node, "key", None)
+    salt = getattr(key, "cache_salt", None) or ""
+    extra = getattr(key, "extra_key", None)
+    return salt if extra is None else json.dumps(["sglang-extra-key", extra, salt])
+
+
 def path_to_root(node: Any) -> Iterator[Any]:
     """`node` and its ancestors, root excluded (the root has no parent)."""
     while node is not None and node.parent is not None:
@@ -108,8 +119,8 @@ class PluginState:
 
     # ------------------------------------------------------------------ hints (control path)
     def apply_hints(self, payload: str) -> None:
-        steps, prompts, retire = protocol.decode_hints(payload)
-        self.book.apply(steps, prompts, retire)
+        steps, prompts, retire, salts = protocol.decode_hints(payload)
+        self.book.apply(steps, prompts, retire, salts)
 
     # ------------------------------------------------------------------ eviction
     def node_distance(self, node: Any) -> float:
@@ -146,10 +157,12 @@ class PluginState:
             setattr(new_parent, PRIO_ATTR, None)
 
     def watch_boundary(self, node: Any, tokens: Sequence[int]) -> None:
-        """`node` ends a fixed prompt (`tokens`): report it stored now, and its tier changes later."""
+        """`node` ends a fixed prompt (`tokens`): report it stored now, and its tier changes later.
+        The prefix is named in the node's namespace (its tenant's salt), so router locations stay
+        per tenant: the same prompt of another tenant is another prefix."""
         if node.id in self.boundaries:
             return
-        boundary = Boundary(node, prefix_hash(tokens), len(tokens))
+        boundary = Boundary(node, prefix_hash(tokens, node_namespace(node)), len(tokens))
         self.boundaries[node.id] = boundary
         self.events.append({"kind": "stored", "tier": "gpu", "prefix_hash": boundary.prefix_hash,
                             "tokens": boundary.tokens})
@@ -198,13 +211,14 @@ class PluginState:
         return stall
 
     # ------------------------------------------------------------------ prefetch
-    def prefetch_candidates(self) -> list[tuple[Tag, float, tuple[int, ...]]]:
-        """Agents whose fixed prompt should be on the device soon, nearest first (core policy)."""
+    def prefetch_candidates(self) -> list[tuple[Tag, float, tuple[int, ...], str]]:
+        """Agents whose fixed prompt should be on the device soon, nearest first (core policy), each
+        with its workflow's cache namespace (the `cache_salt` its requests carry; "" = none)."""
         out = []
         for tag, steps in self.prefetcher.choose(self.book, len(self.loading)):
             tokens = self.book.prompt(tag)
             if tokens:
-                out.append((tag, steps, tokens))
+                out.append((tag, steps, tokens, self.book.salt(tag[0])))
         return out
 
     def loading_started(self, tag: Tag, anchor: Any, nodes: list[Any], tokens: int, now: float) -> None:
@@ -302,4 +316,5 @@ def monotonic() -> float:
     return time.monotonic()
 
 
-__all__ = ["INF", "PRIO_ATTR", "TAGS_ATTR", "PluginState", "node_tags", "path_to_root", "reset_state", "state"]
+__all__ = ["INF", "PRIO_ATTR", "TAGS_ATTR", "PluginState", "node_namespace", "node_tags", "path_to_root",
+           "reset_state", "state"]
