@@ -231,6 +231,12 @@ BAD_REQUESTS = {
     "token over vocab": (GenerateRequest(tokens=[1, 260]), "260 is outside the model's vocabulary"),
     "negative token": (GenerateRequest(tokens=[-1, 2]), "-1 is outside the model's vocabulary"),
     "negative temperature": (GenerateRequest(tokens=[1, 2], temperature=-0.5), "temperature"),
+    "NaN temperature": (GenerateRequest(tokens=[1, 2], temperature=float("nan")), "temperature"),
+    "top_p 0": (GenerateRequest(tokens=[1, 2], top_p=0.0), r"top_p must be in \(0, 1\]"),
+    "top_p over 1": (GenerateRequest(tokens=[1, 2], top_p=1.5), "top_p"),
+    "five stop strings": (GenerateRequest(tokens=[1, 2], stop=["a", "b", "c", "d", "e"]), "at most 4 stop strings"),
+    "empty stop string": (GenerateRequest(tokens=[1, 2], stop=["ok", ""]), "stop strings must be non-empty"),
+    "one stop string, not a list": (GenerateRequest(tokens=[1, 2], stop="###"), "stop must be a list"),
     "workflow without agent": (GenerateRequest(tokens=[1, 2], workflow="wf"), "agent"),
     "agent without workflow": (GenerateRequest(tokens=[1, 2], agent="a0"), "workflow"),
     "fixed prefix past the prompt": (GenerateRequest(tokens=[1, 2], fixed_prefix_tokens=3), "fixed_prefix_tokens"),
@@ -324,6 +330,64 @@ def test_stream_from_the_background_loop(served: CpuEngine, reference: Reference
     ids = ByteTokenizer().encode(prompt)
     items = list(served.stream(GenerateRequest(prompt=prompt, max_tokens=5, ignore_eos=True)))
     _check_stream(items, reference(ids, 5), len(ids))
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+STOP_PROMPT = ByteTokenizer().encode("Hello, KV world")
+STOP_BUDGET = 24
+
+
+def _stop_in(text: str) -> tuple[str, int]:
+    """A two-character stop string taken from `text`, first found at position >= 2 (so some text comes
+    before it), without replacement characters (bytes that are no UTF-8); and where it starts."""
+    for at in range(2, len(text) - 1):
+        stop = text[at:at + 2]
+        if "\ufffd" not in stop and text.find(stop) == at:
+            return stop, at
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+@pytest.mark.parametrize("how", ["generate", "stream"])
+def test_a_stop_string_ends_the_output_before_it(model: CpuModel, reference: Reference, how: str) -> None:
+    tokenizer = ByteTokenizer()
+    full = reference(STOP_PROMPT, STOP_BUDGET)  # greedy, no stop
+    text = tokenizer.decode(full)
+    stop, at = _stop_in(text)
+    generated = next(n for n in range(1, len(full) + 1) if stop in tokenizer.decode(full[:n]))
+    request = GenerateRequest(tokens=STOP_PROMPT, max_tokens=STOP_BUDGET, ignore_eos=True, stop=["\x00never", stop])
+    with CpuEngine(_config("kvflow", 400), model=model) as engine:
+        if how == "generate":
+            result = engine.generate(request)
+        else:
+            *streamed, result = list(engine.stream(request))
+            assert isinstance(result, GenerateResult)
+            assert streamed == result.tokens  # a streaming client never sees the stop string's tokens
+        assert engine.forward_steps == generated  # the prefill's token, then one decode step each: none after
+        assert not engine.busy and engine.stats()["cache_tokens"]["private"] == 0
+    assert result.finish_reason == "stop"
+    assert result.text == text[:at] and stop not in result.text
+    assert tokenizer.decode(result.tokens) == result.text and result.tokens == full[:len(result.tokens)]
+    assert len(result.tokens) < generated < STOP_BUDGET
+
+
+def test_a_stop_string_that_never_comes_changes_nothing(served: CpuEngine, reference: Reference) -> None:
+    full = reference(STOP_PROMPT, 12)
+    result = served.generate(GenerateRequest(tokens=STOP_PROMPT, max_tokens=12, ignore_eos=True, stop=["\x00never"]))
+    assert result.tokens == full and result.text == ByteTokenizer().decode(full)
+    assert result.finish_reason == "length"
+
+
+def test_top_p_tiny_and_temperature_tiny_are_greedy(served: CpuEngine, reference: Reference) -> None:
+    prompt = _tokens(30, 7)
+    greedy = reference(prompt, 8)
+    nucleus = GenerateRequest(tokens=prompt, max_tokens=8, temperature=1.0, seed=5, top_p=1e-9, ignore_eos=True)
+    assert served.generate(nucleus).tokens == greedy
+    sampled = GenerateRequest(tokens=prompt, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    assert served.generate(sampled).tokens != greedy  # top_p is what made it greedy
+    for temperature in (1e-300, 5e-324):  # crashed: logits / T overflowed to inf, softmax to NaN
+        tiny = GenerateRequest(tokens=prompt, max_tokens=8, temperature=temperature, seed=5, ignore_eos=True)
+        result = served.generate(tiny)
+        assert result.tokens == greedy and result.finish_reason == "length"
 
 
 # ---------------------------------------------------------------------------------------------------- accounting
@@ -526,6 +590,59 @@ def test_cache_events_report_tier_changes_and_drain(model: CpuModel) -> None:
         stats["evicted_tokens"]["written_back"]
     assert sum(e.tokens for e in events if e.kind == "removed" and e.tier == "gpu") == stats["evicted_tokens"]["gpu"]
     assert sum(e.tokens for e in events if e.kind == "removed" and e.tier == "cpu") == stats["evicted_tokens"]["cpu"]
+
+
+def test_cache_salt_isolates_prefix_reuse(model: CpuModel, reference: Reference) -> None:
+    """The same prompt under two salts is computed twice (no shared KV, whatever the timing); under
+    the same salt it is reused. Events name each copy by its own salted hash."""
+    prompt = _tokens(80, 50)
+    with CpuEngine(_config("kvflow", 1_000), model=model) as engine:
+        def run(salt: str) -> GenerateResult:
+            return engine.generate(GenerateRequest(tokens=prompt, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                   cache_salt=salt))
+
+        first_a, b, plain, second_a = run("a"), run("b"), run(""), run("a")
+        events = engine.cache_events()
+        tree = engine.cache.tree
+        assert {node.namespace for node in tree.root.children.values()} == {"", "a", "b"}
+        tree.check_invariants()
+
+    for result in (first_a, b, plain):
+        assert (result.gpu_hit_tokens, result.cpu_hit_tokens, result.miss_tokens) == (0, 0, len(prompt))
+    assert second_a.gpu_hit_tokens == len(prompt) and second_a.miss_tokens == 0
+    # reuse changes no output: every copy gives the no-cache tokens
+    assert all(r.tokens == reference(prompt, MAX_TOKENS) for r in (first_a, b, plain, second_a))
+    stored = {e.prefix_hash for e in events if (e.kind, e.tier) == ("stored", "gpu")}
+    assert {prefix_hash(prompt, "a"), prefix_hash(prompt, "b"), prefix_hash(prompt)} <= stored
+    assert len({prefix_hash(prompt, "a"), prefix_hash(prompt, "b"), prefix_hash(prompt)}) == 3
+
+
+def test_hint_salts_prefetch_a_prompt_in_its_workflows_namespace(model: CpuModel) -> None:
+    """A workflow's registered prompt is tagged and prefetched in the namespace `Hints.salts` gives it,
+    where its requests find it: the call after an eviction is served from the device."""
+    fixed = _tokens(100, 60)
+    with CpuEngine(_config("kvflow", 300, host=2_000), model=model) as engine:
+        engine.apply_hints(Hints(steps={"wf": {"a": 0.0}}, prompts={("wf", "a"): fixed}, salts={"wf": "t"}))
+        engine.generate(GenerateRequest(tokens=fixed + _tokens(5, 61), max_tokens=2, ignore_eos=True,
+                                        workflow="wf", agent="a", cache_salt="t"))
+        tree = engine.cache.tree
+        assert tree.workflow_nodes("wf") and all(n.namespace == "t" for n in tree.workflow_nodes("wf"))
+        engine.generate(GenerateRequest(tokens=_tokens(250, 62), max_tokens=5, ignore_eos=True))  # evicts the prompt
+        assert tree.match_prefix(fixed, namespace="t").gpu_length() < len(fixed)
+        engine.cache_events()
+        engine.apply_hints(Hints(steps={"wf": {"a": 0.0}}))  # the agent is about to run: prefetch its prompt
+        while engine.busy:
+            engine.step(timeout=0.01)
+        assert tree.match_prefix(fixed, namespace="t").gpu_length() == len(fixed)
+        loaded = engine.cache_events()
+        result = engine.generate(GenerateRequest(tokens=fixed + _tokens(5, 63), max_tokens=2, ignore_eos=True,
+                                                 workflow="wf", agent="a", cache_salt="t"))
+        stats = engine.stats()
+        tree.check_invariants()
+
+    assert stats["prefetch"]["issued"] >= 1 and stats["prefetch"]["used"] >= 1
+    assert result.gpu_hit_tokens >= len(fixed) and result.cpu_hit_tokens == 0
+    assert ("stored", "gpu", prefix_hash(fixed, "t")) in {(e.kind, e.tier, e.prefix_hash) for e in loaded}
 
 
 # ---------------------------------------------------------------------------------------------------- bench and CLI

@@ -138,6 +138,34 @@ def test_sample() -> None:
     assert draws == [sample(logits, 1.0, torch.Generator().manual_seed(s)) for s in range(50)]
 
 
+def test_top_p_draws_from_the_smallest_set_reaching_it() -> None:
+    logits = torch.log(torch.tensor([0.2, 0.5, 0.1, 0.05, 0.15]))  # ranking: 1, 0, 4, 2, 3
+
+    def drawn(top_p: float) -> set[int]:
+        return {sample(logits, 1.0, torch.Generator().manual_seed(s), top_p) for s in range(300)}
+
+    assert drawn(1.0) == {0, 1, 2, 3, 4}
+    assert drawn(0.9) == {0, 1, 4, 2}  # 0.5 + 0.2 + 0.15 = 0.85 < 0.9: the fourth is needed
+    assert drawn(0.6) == {1, 0}  # 0.5 alone does not reach 0.6
+    assert drawn(0.45) == {1}  # the top token alone reaches it
+    assert drawn(1e-9) == {1}  # a tiny top_p is greedy
+    with pytest.raises(ValueError, match="top_p"):
+        sample(logits, 1.0, None, 0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        sample(logits, 1.0, None, 1.5)
+
+
+def test_tiny_temperatures_are_greedy_and_sampling_never_overflows() -> None:
+    logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
+    for temperature in (1e-300, 5e-324, 1e-7):  # logits / T overflowed to inf -> softmax NaN -> crash
+        assert sample(logits, temperature, torch.Generator().manual_seed(0)) == 1
+    huge = torch.tensor([-3e38, 3e38, 0.0, 1e38])  # scaled naively, these overflow at any T < 1
+    assert {sample(huge, 1e-3, torch.Generator().manual_seed(s)) for s in range(20)} == {1}
+    assert {sample(huge, 1e-3, torch.Generator().manual_seed(s), 0.5) for s in range(20)} == {1}
+    with pytest.raises(ValueError, match="temperature"):
+        sample(logits, float("nan"), None)
+
+
 def test_byte_tokenizer_round_trip() -> None:
     tok = load_tokenizer(None)
     assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 260

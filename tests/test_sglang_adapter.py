@@ -21,9 +21,11 @@ from kvflow_ray.engines.base import CacheEvent, GenerateRequest, Hints
 from kvflow_ray.engines.sglang import protocol
 from kvflow_ray.engines.sglang.engine import (
     SglangEngine,
+    SglangRequest,
     build_server_args,
     empty_snapshot,
     finish_reason,
+    generate_kwargs,
     merge_stats,
     new_output_tokens,
     parse_event,
@@ -59,7 +61,27 @@ smoke = _load_smoke()
 # ---------------------------------------------------------------------------------------------- requests
 def test_a_plain_request_has_no_custom_params() -> None:
     params = sampling_params(GenerateRequest(tokens=[1, 2, 3], max_tokens=7, temperature=0.0, seed=5))
-    assert params == {"max_new_tokens": 7, "temperature": 0.0, "ignore_eos": False}  # greedy: no seed
+    assert params == {"max_new_tokens": 7, "temperature": 0.0, "top_p": 1.0, "ignore_eos": False}  # greedy: no seed
+
+
+def test_top_p_and_stop_strings_travel_as_sglangs_own() -> None:
+    request = GenerateRequest(tokens=[1, 2, 3], max_tokens=7, temperature=0.7, top_p=0.9, stop=["###", "\n\n"])
+    params = sampling_params(request)
+    assert params["top_p"] == 0.9 and params["stop"] == ["###", "\n\n"]
+    assert "stop" not in sampling_params(GenerateRequest(tokens=[1], stop=()))  # none: SGLang's default
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed: the names are not checked against its SamplingParams")
+    # SGLang's own SamplingParams takes them under these names (in a subprocess: importing sglang
+    # patches transformers for the whole process)
+    check = ("import json, sys\n"
+             "from sglang.srt.sampling.sampling_params import SamplingParams\n"
+             "p = SamplingParams(**json.loads(sys.argv[1]))\n"
+             "p.verify(1000)\n"
+             "print(json.dumps({'top_p': p.top_p, 'stop_strs': p.stop_strs}))\n")
+    out = subprocess.run([sys.executable, "-c", check, json.dumps(params)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"top_p": 0.9, "stop_strs": ["###", "\n\n"]}
 
 
 def test_workflow_metadata_travels_flat_in_custom_params() -> None:
@@ -74,6 +96,20 @@ def test_workflow_metadata_travels_flat_in_custom_params() -> None:
     assert all(not isinstance(v, dict) for v in params["custom_params"]["kvflow"].values())
     no_boundary = sampling_params(GenerateRequest(tokens=[1], workflow="w", agent="a"))
     assert no_boundary["custom_params"] == {"kvflow": {"client_id": "w", "agent": "a"}}
+
+
+def test_the_cache_salt_travels_as_sglangs_own_cache_salt() -> None:
+    """SGLang 0.5.23 namespaces its radix tree by `async_generate(cache_salt=...)`; the default namespace
+    sends none (SGLang treats "" as none too). Hints carry each workflow's salt to the plugin."""
+    salted = SglangRequest(rid="kvflow-1", tokens=(1, 2, 3), params={"max_new_tokens": 2}, cache_salt="tenant-a")
+    assert generate_kwargs(salted) == {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2},
+                                       "stream": True, "rid": "kvflow-1", "cache_salt": "tenant-a"}
+    plain = SglangRequest(rid="kvflow-2", tokens=(1, 2, 3), params={})
+    assert "cache_salt" not in generate_kwargs(plain)
+    payload = protocol.encode_hints({"c1": {"a": 0}}, {("c1", "a"): [1, 2]}, ["c0"], {"c1": "tenant-a"})
+    assert protocol.decode_hints(payload) == ({"c1": {"a": 0.0}}, {("c1", "a"): (1, 2)}, ["c0"],
+                                              {"c1": "tenant-a"})
+    assert protocol.decode_hints(protocol.encode_hints())[3] == {}
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -409,7 +445,8 @@ class StandInEngine:
     """Stands in for `sglang.Engine`, which needs CUDA: the surface the adapter uses, with SGLang's
     behaviour where the adapter depends on it (async_generate streams the whole output so far in one
     growing list; meta_info reports cached tokens by tier; aborts; collective_rpc; a plugin-like status
-    writer). A prompt's longest prefix seen before counts as a device hit."""
+    writer). A prompt's longest prefix seen before under the same `cache_salt` counts as a device hit
+    (SGLang keys its tree by the salt)."""
 
     instances: ClassVar[list[StandInEngine]] = []
 
@@ -420,7 +457,7 @@ class StandInEngine:
         self.kwargs = kwargs
         self.status_dir = Path(os.environ[protocol.STATUS_DIR_ENV])  # what the scheduler would inherit
         self.rpcs: list[tuple[str, dict[str, Any]]] = []
-        self.seen: list[list[int]] = []
+        self.seen: list[tuple[str | None, list[int]]] = []
         self.shut = False
         self.server_args = types.SimpleNamespace(incremental_streaming_output=False)
         self.tokenizer_manager = types.SimpleNamespace(
@@ -429,12 +466,13 @@ class StandInEngine:
         StandInEngine.instances.append(self)
 
     async def async_generate(self, *, input_ids: list[int], sampling_params: dict[str, Any], stream: bool,
-                             rid: str) -> Any:
+                             rid: str, cache_salt: str | None = None) -> Any:
         import asyncio
 
         assert stream and rid.startswith("kvflow-")
-        hit = max((_common(input_ids, s) for s in self.seen), default=0)
-        self.seen.append(list(input_ids))
+        assert cache_salt is None or (isinstance(cache_salt, str) and cache_salt)  # SGLang: "" means none
+        hit = max((_common(input_ids, s) for salt, s in self.seen if salt == cache_salt), default=0)
+        self.seen.append((cache_salt, list(input_ids)))
         kv = sampling_params.get("custom_params", {}).get("kvflow")
         if kv is not None:  # the plugin's status: a stored event for the fixed prompt, its counters
             with (self.status_dir / "events.jsonl").open("a") as f:
@@ -453,12 +491,18 @@ class StandInEngine:
             for i in range(n):
                 await asyncio.sleep(0.001)
                 out.append((input_ids[-1] + i) % 256)
-                last = i == n - 1
+                # SGLang ends at a stop string and still sends its tokens (it trims only its text)
+                text = bytes(out).decode("utf-8", errors="replace")
+                matched = next((s for s in sampling_params.get("stop", []) if s in text), None)
+                last = i == n - 1 or matched is not None
+                reason = {"type": "stop", "matched": matched} if matched else {"type": "length", "length": n}
                 meta = {"prompt_tokens": len(input_ids), "cached_tokens": hit,
-                        "finish_reason": {"type": "length", "length": n} if last else None}
+                        "finish_reason": reason if last else None}
                 if hit:
                     meta["cached_tokens_details"] = {"device": hit, "host": 0}
                 yield {"output_ids": out, "meta_info": meta}  # the same list, growing (SGLang's default)
+                if last:
+                    return
 
         return chunks()
 
@@ -536,9 +580,9 @@ def test_the_adapter_serves_requests_hints_events_and_stats(stand_in_sglang: typ
                              retire=["w0"]))
     engine.apply_hints(Hints())  # nothing to say: no round trip
     assert [m for m, _ in sg.rpcs] == [protocol.RPC_APPLY_HINTS]
-    steps, prompts, retire = protocol.decode_hints(sg.rpcs[0][1]["payload"])
+    steps, prompts, retire, salts = protocol.decode_hints(sg.rpcs[0][1]["payload"])
     assert steps == {"w1": {"planner": 0, "writer": math.inf}} and prompts == {("w1", "planner"): tuple(prompt)}
-    assert retire == ["w0"]
+    assert retire == ["w0"] and salts == {}
     # the plugin's events, drained
     assert engine.cache_events() == [CacheEvent("stored", "gpu", "planner", 50)]
     assert engine.cache_events() == []
@@ -564,3 +608,38 @@ def test_the_adapter_owns_a_default_status_dir_and_skips_hints_for_stock_policie
         assert engine.generate(GenerateRequest(prompt="hello", max_tokens=1)).prompt_tokens == 5
         assert engine.stats()["status_age_s"] is None and engine.stats()["running"] == 0
     assert not engine.status_dir.exists()
+
+
+def test_the_adapter_sends_each_requests_cache_salt(stand_in_sglang: type[StandInEngine], tmp_path: Path) -> None:
+    """The salt reaches SGLang with the request (the stand-in, like SGLang, reuses KV only under the same
+    salt), and hints that only name salts still go to the plugin."""
+    with SglangEngine("/models/m", policy="kvflow", status_dir=tmp_path / "status", send_hints=True,
+                      max_total_tokens=2048) as engine:
+        sg = stand_in_sglang.instances[0]
+        prompt = list(range(10, 60))
+
+        def run(salt: str) -> Any:
+            return engine.generate(GenerateRequest(tokens=prompt, max_tokens=2, cache_salt=salt))
+
+        first_a, b, plain, second_a = run("a"), run("b"), run(""), run("a")
+        assert [salt for salt, _tokens in sg.seen] == ["a", "b", None, "a"]
+        assert first_a.gpu_hit_tokens == b.gpu_hit_tokens == plain.gpu_hit_tokens == 0
+        assert second_a.gpu_hit_tokens == len(prompt)
+        engine.apply_hints(Hints(salts={"c1": "a"}))
+        assert protocol.decode_hints(sg.rpcs[-1][1]["payload"])[3] == {"c1": "a"}
+
+
+def test_the_adapter_cuts_the_output_before_a_stop_string(stand_in_sglang: type[StandInEngine]) -> None:
+    """SGLang ends the request at the stop string but sends its tokens; the result excludes them, and a
+    streaming client never gets them (held back while they may start the stop string)."""
+    with SglangEngine("/models/m", policy="lru", skip_tokenizer_init=True) as engine:
+        prompt = list(b"say: a")  # the stand-in answers with the next bytes: "abcdefgh..."
+        full = engine.generate(GenerateRequest(tokens=prompt, max_tokens=8))
+        assert full.text == "abcdefgh" and full.finish_reason == "length"
+        request = GenerateRequest(tokens=prompt, max_tokens=8, stop=["ef", "cx"])  # "c" is held, then "d" frees it
+        result = engine.generate(request)
+        assert result.text == "abcd" and result.tokens == list(b"abcd") and result.finish_reason == "stop"
+        *streamed, last = list(engine.stream(request))
+        assert streamed == result.tokens and last.text == "abcd"  # type: ignore[union-attr]
+        unmet = engine.generate(GenerateRequest(tokens=prompt, max_tokens=8, stop=["zz"]))
+        assert unmet.text == full.text and unmet.tokens == full.tokens and unmet.finish_reason == "length"

@@ -68,11 +68,49 @@ def test_bad_requests_are_value_errors_and_change_nothing() -> None:
         engine.close()
 
 
-def _prefetch_after_eviction(engine: SimEngine, fixed: list[int]) -> None:
+def test_a_stop_string_ends_the_made_up_output_before_it() -> None:
+    engine = SimEngine("a10g-llama3.1-8b", time_scale=FAST)
+    try:
+        prompt = list(b"Tell me a story")
+        full = engine.generate(GenerateRequest(tokens=prompt, max_tokens=32, seed=3))
+        assert full.finish_reason == "length" and len(full.tokens) == 32
+        at = 5
+        stop = full.text[at:at + 3]
+        at = full.text.find(stop)  # its first occurrence
+        later = full.text[-2:]
+        assert full.text.find(later) > at  # also in the output, but later: the earliest stop wins
+        request = GenerateRequest(tokens=prompt, max_tokens=32, seed=3, stop=[later, stop])
+        result = engine.generate(request)
+        assert result.finish_reason == "stop"
+        assert result.text == full.text[:at] and result.tokens == full.tokens[:at]
+        *streamed, last = list(engine.stream(request))
+        assert streamed == result.tokens and last.text == result.text  # type: ignore[union-attr]
+        # the simulated request generated up to the end of the stop string, not its whole budget: that
+        # is the output the cache holds (prompt + output), fresh engine by fresh engine
+        fresh = SimEngine("a10g-llama3.1-8b", time_scale=FAST)
+        try:
+            fresh.generate(request)
+            assert fresh.stats()["cache_tokens"]["gpu"] == len(prompt) + at + len(stop)
+        finally:
+            fresh.close()
+        # top_p and temperature are accepted; the made-up output does not depend on them
+        sampled = engine.generate(GenerateRequest(tokens=prompt, max_tokens=32, seed=3, temperature=0.7, top_p=0.5))
+        assert sampled.tokens == full.tokens
+        with pytest.raises(ValueError, match="top_p"):
+            engine.submit(GenerateRequest(tokens=prompt, top_p=0.0))
+        with pytest.raises(ValueError, match="at most 4 stop strings"):
+            engine.submit(GenerateRequest(tokens=prompt, stop=["a", "b", "c", "d", "e"]))
+    finally:
+        engine.close()
+
+
+def _prefetch_after_eviction(engine: SimEngine, fixed: list[int], salt: str = "") -> None:
     """Agent a's prompt runs, goes to the host (a long plain request needs the room while a is far
-    away), then comes back by prefetch when a is next; returns once the prefetch landed."""
-    engine.apply_hints(Hints(prompts={("wf", "a"): tuple(fixed)}, steps={"wf": {"a": 0}}))
-    engine.generate(_request([*fixed, 9], workflow="wf", agent="a"))  # boundary from the registered prompt
+    away), then comes back by prefetch when a is next; returns once the prefetch landed. With a `salt`,
+    the workflow's calls and its registered prompt live in that cache namespace."""
+    engine.apply_hints(Hints(prompts={("wf", "a"): tuple(fixed)}, steps={"wf": {"a": 0}}, salts={"wf": salt}))
+    # boundary from the registered prompt
+    engine.generate(_request([*fixed, 9], workflow="wf", agent="a", cache_salt=salt))
     engine.apply_hints(Hints(steps={"wf": {"a": 5}}))  # far away now
     engine.generate(_request([8] + [i % 200 for i in range(1500)]))  # pushes the prompt to the host
     stats = engine.stats()
@@ -106,5 +144,40 @@ def test_a_prefetch_evicted_before_its_agent_runs_counts_as_wasted() -> None:
         engine.generate(_request([4] + [i % 190 for i in range(1700)]))  # needs the room: the prompt goes
         prefetch = engine.stats()["prefetch"]
         assert (prefetch["used"], prefetch["wasted"]) == (0, 1), prefetch
+    finally:
+        engine.close()
+
+
+def test_cache_salt_isolates_prefix_reuse() -> None:
+    """The same prompt under two salts shares no KV; under the same salt it is reused."""
+    engine = SimEngine("a10g-llama3.1-8b", time_scale=FAST)
+    try:
+        fixed = [i % 256 for i in range(3000)]
+        first_a = engine.generate(_request(fixed, cache_salt="a"))
+        b = engine.generate(_request(fixed, cache_salt="b"))
+        plain = engine.generate(_request(fixed))
+        second_a = engine.generate(_request(fixed, cache_salt="a"))
+        for result in (first_a, b, plain):
+            assert (result.gpu_hit_tokens, result.cpu_hit_tokens, result.miss_tokens) == (0, 0, 3000)
+        assert second_a.gpu_hit_tokens == 3000 and second_a.miss_tokens == 0
+        stored = {e.prefix_hash for e in engine.cache_events() if (e.kind, e.tier) == ("stored", "gpu")}
+        assert {prefix_hash(fixed, "a"), prefix_hash(fixed, "b"), prefix_hash(fixed)} <= stored
+        assert engine.stats()["cache_tokens"]["gpu"] >= 3 * 3000  # one copy per namespace
+    finally:
+        engine.close()
+
+
+def test_hint_salts_prefetch_a_prompt_in_its_workflows_namespace() -> None:
+    engine = SimEngine("a10g-llama3.1-8b", time_scale=FAST, device_kv_tokens=2000)
+    try:
+        fixed = [6] + [i % 256 for i in range(1199)]
+        _prefetch_after_eviction(engine, fixed, salt="t")  # waits for the prefetch: it found the salted copy
+        loaded = {(e.kind, e.tier, e.prefix_hash) for e in engine.cache_events()}
+        assert ("stored", "gpu", prefix_hash(fixed, "t")) in loaded
+        again = engine.generate(_request([*fixed, 10], workflow="wf", agent="a", cache_salt="t"))
+        assert again.gpu_hit_tokens >= 1200 and again.miss_tokens <= 1
+        assert engine.stats()["prefetch"]["used"] == 1
+        # the same tokens outside the namespace find nothing
+        assert engine.generate(_request([*fixed, 10])).gpu_hit_tokens == 0
     finally:
         engine.close()

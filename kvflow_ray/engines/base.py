@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+MAX_STOP_STRINGS = 4  # stop strings one request may give (OpenAI's limit)
+
 
 @dataclass
 class GenerateRequest:
@@ -91,8 +93,16 @@ def request_tokens(request: GenerateRequest, *, model_name: str, encode: Callabl
         raise ValueError("the prompt is empty")
     if request.max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {request.max_tokens}")
-    if request.temperature < 0:
+    if not request.temperature >= 0:  # NaN too
         raise ValueError(f"temperature must be >= 0, got {request.temperature}")
+    if not 0 < request.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {request.top_p}")
+    if isinstance(request.stop, str):
+        raise ValueError("stop must be a list of strings, not one string")
+    if len(request.stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
+    if any(not isinstance(s, str) or not s for s in request.stop):
+        raise ValueError("stop strings must be non-empty strings")
     bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})")

@@ -19,10 +19,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, field_validator, model_validator
 
-from kvflow_ray.engines.base import GenerateResult
+from kvflow_ray.engines.base import MAX_STOP_STRINGS, GenerateResult
 
 MAX_TOKENS_LIMIT = 32_768
-MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_MESSAGES = 4096
 # OpenAI parameters this server knows but does not implement: named in a 400 instead of ignored
 UNSUPPORTED = frozenset({

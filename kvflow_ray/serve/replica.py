@@ -111,6 +111,11 @@ class EngineReplica:
         while True:
             item = await tokens.get()
             if not isinstance(item, int):
+                # the result's text is authoritative: a stop string that begins inside a token leaves
+                # that token out of the stream but its text before the stop in the result
+                text = item.result.text if item.error is None else ""
+                if text.startswith(sent) and len(text) > len(sent):
+                    yield {"text": text[len(sent):]}
                 yield self._outcome(item)
                 return
             out.append(item)

@@ -33,11 +33,14 @@ from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream, KVPool
 from kvflow_ray.engines.cpu.model import CpuModel, sample
 from kvflow_ray.engines.cpu.tokenizer import load_tokenizer
 from kvflow_ray.engines.events import CacheEventLog
+from kvflow_ray.engines.stops import StopTokens
 
 
 @dataclass(eq=False)
 class CpuRequest(CacheRequest):
     temperature: float = 0.0
+    top_p: float = 1.0
+    stops: StopTokens | None = None  # the request's stop strings over its output (set by the engine)
     ignore_eos: bool = False
     generator: torch.Generator | None = None
     on_token: Callable[[int], None] | None = None
@@ -224,7 +227,10 @@ class CpuEngine(BackgroundEngine):
             generator = torch.Generator().manual_seed(request.seed if request.seed is not None else 0)
         return CpuRequest(workflow=request.workflow, agent=request.agent, tokens=tokens,
                           fixed_len=fixed if fixed is not None else -1, max_new=request.max_tokens,
-                          temperature=request.temperature, ignore_eos=request.ignore_eos, generator=generator,
+                          cache_salt=request.cache_salt,
+                          temperature=request.temperature, top_p=request.top_p,
+                          stops=StopTokens(request.stop, self.tokenizer.decode),
+                          ignore_eos=request.ignore_eos, generator=generator,
                           submitted_at=time.perf_counter())
 
     def _drain_inbox(self) -> None:
@@ -245,7 +251,7 @@ class CpuEngine(BackgroundEngine):
             self._fail(req, exc)
 
     def _apply(self, hints: Hints) -> None:
-        self.scheduler.apply_hints(hints.steps, hints.prompts, hints.retire)
+        self.scheduler.apply_hints(hints.steps, hints.prompts, hints.retire, hints.salts)
 
     # ------------------------------------------------------------------ copies (the Copier protocol)
     def load(self, nodes: list[RadixNode], tokens: int, prefetch: bool) -> None:
@@ -344,13 +350,19 @@ class CpuEngine(BackgroundEngine):
                 self._finish(req)
 
     def _sample(self, req: CpuRequest, logits: torch.Tensor) -> int:
-        return sample(logits, req.temperature, req.generator)
+        return sample(logits, req.temperature, req.generator, req.top_p)
 
     def _emit(self, req: CpuRequest, token: int) -> bool:
-        """Record an output token; True if it ends the request (end of sequence)."""
+        """Record an output token; True if it ends the request (a stop string or end of sequence).
+        Tokens reach `on_token` once their text cannot be part of a stop string (`StopTokens`)."""
+        assert req.stops is not None
         req.out.append(token)
-        if req.on_token is not None:
-            req.on_token(token)
+        released, stopped = req.stops.push(token)
+        for out in released if req.on_token is not None else ():
+            req.on_token(out)
+        if stopped:
+            req.finish_reason = "stop"
+            return True
         if not req.ignore_eos and token == self.tokenizer.eos_id:
             req.finish_reason = "stop"
             return True
@@ -369,9 +381,14 @@ class CpuEngine(BackgroundEngine):
         # failed, under load, in the serving tests.
         self.scheduler.plan_prefetch()
         req.ctx = req.own = None
+        assert req.stops is not None
+        released = req.stops.finish()  # what was held back in case it started a stop string
+        for out in released if req.on_token is not None else ():
+            req.on_token(out)
         now = time.perf_counter()
+        # the output as the client sees it: cut before a stop string (the KV above kept every token)
         req.result = GenerateResult(
-            tokens=list(req.out), text=self.tokenizer.decode(req.out), prompt_tokens=prompt_len,
+            tokens=req.stops.tokens, text=req.stops.text, prompt_tokens=prompt_len,
             gpu_hit_tokens=req.gpu_hit, cpu_hit_tokens=req.cpu_hit, miss_tokens=req.miss, stall_s=req.stall,
             ttft_s=req.first_token_at - req.submitted_at, latency_s=now - req.submitted_at,
             finish_reason=req.finish_reason)

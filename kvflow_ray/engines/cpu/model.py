@@ -220,11 +220,31 @@ class _BufferLayer(DynamicLayer):
         return self.length
 
 
-def sample(logits: Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    """Next token from `[vocab]` logits: argmax when temperature == 0, else a draw from softmax(logits / T)."""
-    if temperature < 0:
+# Temperatures below this are greedy. Dividing float32 logits by a temperature near zero overflows
+# (1e-300 is 0 in float32: logits / T became inf and softmax NaN, and the draw crashed), and long
+# before that softmax(logits / T) is one-hot on the largest logit: with T = 1e-6 a logit 1e-4 below
+# the top one already has probability e^-100. 1e-6 is SGLang's own cut-off (`_SAMPLING_EPS`, below
+# which it sets top_k = 1), so the CPU engine and the SGLang engine agree on which requests are greedy.
+GREEDY_TEMPERATURE = 1e-6
+
+
+def sample(logits: Tensor, temperature: float, generator: torch.Generator | None, top_p: float = 1.0) -> int:
+    """Next token from `[vocab]` logits: argmax when temperature < GREEDY_TEMPERATURE (0 = greedy), else a
+    draw from softmax(logits / T), restricted to the nucleus when top_p < 1: the smallest set of most
+    likely tokens whose probabilities add up to at least top_p (always the top token)."""
+    if not temperature >= 0:  # NaN too
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature == 0:
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if temperature < GREEDY_TEMPERATURE:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    logits = logits.float()
+    # shift first: every scaled logit is <= 0 and the largest exactly 0, so nothing overflows and the
+    # softmax's sum is at least 1 (no inf, no NaN) for any temperature
+    probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
+    if top_p >= 1:
+        return int(torch.multinomial(probs, 1, generator=generator))
+    sorted_probs, order = torch.sort(probs, descending=True)
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # probability of the tokens ranked above
+    kept = sorted_probs[before < top_p]  # a prefix of the ranking, never empty (before[0] == 0)
+    return int(order[torch.multinomial(kept, 1, generator=generator)])

@@ -3,7 +3,8 @@ Ray replica (one per GPU). The KVFlow policy itself runs inside SGLang's schedul
 `plugin.py`); this adapter only speaks the contract in `protocol.py`:
 
 - requests: `input_ids` + sampling params, with `custom_params["kvflow"] = protocol.request_params(...)`
-  when the request carries workflow metadata;
+  when the request carries workflow metadata, and SGLang's own `cache_salt` for the request's cache
+  namespace (`generate_kwargs`);
 - hints: `Engine.collective_rpc(RPC_APPLY_HINTS, payload=encode_hints(...))`;
 - stats and cache events: files the plugin writes into a status directory (`STATUS_DIR_ENV`).
 
@@ -51,6 +52,7 @@ from typing import Any
 
 from kvflow_ray.engines.base import BackgroundEngine, CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
 from kvflow_ray.engines.sglang import protocol
+from kvflow_ray.engines.stops import StopTokens
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +116,9 @@ def sampling_params(request: GenerateRequest, fixed_prefix_tokens: int | None = 
     """SGLang sampling params for one request; workflow metadata travels in `custom_params` as the
     plugin reads it (a flat dict: SGLang's msgpack IPC rejects nested values there)."""
     params: dict[str, Any] = {"max_new_tokens": int(request.max_tokens), "temperature": float(request.temperature),
-                              "ignore_eos": bool(request.ignore_eos)}
+                              "top_p": float(request.top_p), "ignore_eos": bool(request.ignore_eos)}
+    if request.stop:  # SGLang ends the request at a stop string (`stop`: its API alias of `stop_strs`)
+        params["stop"] = list(request.stop)
     if request.seed is not None and request.temperature > 0:  # a seed only matters when sampling
         params["sampling_seed"] = int(request.seed)
     if request.workflow is not None and request.agent is not None:
@@ -122,6 +126,18 @@ def sampling_params(request: GenerateRequest, fixed_prefix_tokens: int | None = 
         params["custom_params"] = {protocol.CUSTOM_PARAMS_KEY: protocol.request_params(request.workflow,
                                                                                        request.agent, fixed)}
     return params
+
+
+def generate_kwargs(req: SglangRequest) -> dict[str, Any]:
+    """`sglang.Engine.async_generate` arguments for one request. A non-empty cache salt travels as
+    SGLang's own `cache_salt`: SGLang 0.5.23 keys its radix tree (and HiCache storage, KV events) by
+    it, so the same prompt under two salts is two disjoint subtrees and no request reuses KV of
+    another namespace."""
+    kwargs: dict[str, Any] = {"input_ids": list(req.tokens), "sampling_params": req.params, "stream": True,
+                              "rid": req.rid}
+    if req.cache_salt:
+        kwargs["cache_salt"] = req.cache_salt
+    return kwargs
 
 
 def tier_split(meta_info: Mapping[str, Any], prompt_tokens: int) -> tuple[int, int, int]:
@@ -281,11 +297,13 @@ class SglangRequest:
     rid: str
     tokens: tuple[int, ...]
     params: dict[str, Any]
+    cache_salt: str = ""  # the request's cache namespace (`GenerateRequest.cache_salt`)
     on_token: Callable[[int], None] | None = None
     on_done: Callable[[SglangRequest], None] | None = None
     submitted_at: float = 0.0
     first_token_at: float = 0.0
-    out: list[int] = field(default_factory=list)
+    out: list[int] = field(default_factory=list)  # every output id SGLang sent
+    stops: StopTokens | None = None  # the stop strings over `out`: what is streamed, and the result
     result: GenerateResult | None = None
     error: BaseException | None = None
 
@@ -455,7 +473,9 @@ class SglangEngine(BackgroundEngine):
                 self.requests_rejected += 1
             raise
         req = SglangRequest(rid=f"kvflow-{os.getpid()}-{next(self._rids)}", tokens=tokens,
-                            params=sampling_params(request), on_token=on_token, on_done=on_done,
+                            params=sampling_params(request), cache_salt=request.cache_salt,
+                            stops=StopTokens(request.stop, self.tokenizer.decode),
+                            on_token=on_token, on_done=on_done,
                             submitted_at=time.perf_counter())
         with self._lock:
             self._inflight.add(req)
@@ -465,9 +485,9 @@ class SglangEngine(BackgroundEngine):
     def apply_hints(self, hints: Hints) -> None:
         """Steps-to-execution, agents' prompts and retired workflows to the plugin on every scheduler
         rank (blocks until the scheduler took them, between two batches)."""
-        if not self.send_hints or not (hints.steps or hints.prompts or hints.retire):
+        if not self.send_hints or not (hints.steps or hints.prompts or hints.retire or hints.salts):
             return
-        payload = protocol.encode_hints(hints.steps, hints.prompts, hints.retire)
+        payload = protocol.encode_hints(hints.steps, hints.prompts, hints.retire, hints.salts)
         with self._rpc_lock:
             try:
                 self._engine.collective_rpc(protocol.RPC_APPLY_HINTS, payload=payload)
@@ -503,21 +523,27 @@ class SglangEngine(BackgroundEngine):
     async def _run(self, req: SglangRequest) -> None:
         try:
             meta: Mapping[str, Any] = {}
-            stream = await self._engine.async_generate(input_ids=list(req.tokens), sampling_params=req.params,
-                                                       stream=True, rid=req.rid)
+            stream = await self._engine.async_generate(**generate_kwargs(req))
             async for chunk in stream:
                 new = new_output_tokens(chunk, len(req.out), self._incremental)
                 if new and not req.first_token_at:
                     req.first_token_at = time.perf_counter()
                 req.out.extend(new)
-                for token in new if req.on_token is not None else ():
-                    req.on_token(token)
+                self._emit(req, new)
                 meta = chunk.get("meta_info") or meta
             now = time.perf_counter()
             first = req.first_token_at or now
-            req.result = result_from_output(req.out, meta, prompt_tokens=len(req.tokens),
-                                            text=self.tokenizer.decode(req.out), ttft_s=first - req.submitted_at,
+            assert req.stops is not None
+            held = req.stops.finish()  # held back in case they started a stop string; none came
+            for token in held if req.on_token is not None else ():
+                req.on_token(token)
+            # SGLang stops at a stop string but sends its tokens (it trims only its own text): the
+            # result is cut before it, as the other engines cut theirs
+            req.result = result_from_output(req.stops.tokens, meta, prompt_tokens=len(req.tokens),
+                                            text=req.stops.text, ttft_s=first - req.submitted_at,
                                             latency_s=now - req.submitted_at)
+            if req.stops.stopped:
+                req.result.finish_reason = "stop"
         except Exception as exc:  # the request fails; the engine keeps serving the others
             req.error = exc
         with self._lock:
@@ -525,6 +551,18 @@ class SglangEngine(BackgroundEngine):
                 return  # close() already failed it
             self._inflight.discard(req)
         self._finish(req)
+
+    @staticmethod
+    def _emit(req: SglangRequest, new: list[int]) -> None:
+        """Stream the output ids that cannot be part of a stop string (held back until they are known not
+        to be; ids after a stop string are dropped)."""
+        assert req.stops is not None
+        for token in new:
+            if req.stops.stopped:
+                return
+            released, _stopped = req.stops.push(token)
+            for out in released if req.on_token is not None else ():
+                req.on_token(out)
 
     def _finish(self, req: SglangRequest) -> None:
         with self._lock:

@@ -129,12 +129,19 @@ class SimReplica:
                 req.first_token_at = self.sim.now
                 if self.events is not None:
                     self.events.committed(req.locked, req.committed, adopted)
-            if finished:
+            if finished or self._output_done(req, 0):
                 self._finish(req)
         for req in batch.decode:
-            if self.scheduler.decoded(req):
+            if self.scheduler.decoded(req, eos=self._output_done(req, 1)):
                 self._finish(req)
         self.kick()
+
+    @staticmethod
+    def _output_done(req: CacheRequest, step: int) -> bool:
+        """Its output is all out once `step` more tokens are decoded: a stop string (serving.py) may
+        end it before its max_new budget is used up."""
+        assert isinstance(req, SimRequest)
+        return bool(req.output_tokens) and req.decoded + step >= len(req.output_tokens)
 
     def _finish(self, req: CacheRequest) -> None:
         assert isinstance(req, SimRequest)

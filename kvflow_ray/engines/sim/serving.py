@@ -28,6 +28,7 @@ from kvflow_ray.engines.cpu.tokenizer import ByteTokenizer
 from kvflow_ray.engines.events import CacheEventLog
 from kvflow_ray.engines.sim.profile import Profile, load_profile
 from kvflow_ray.engines.sim.replica import SimReplica, SimRequest
+from kvflow_ray.engines.stops import StopTokens
 
 MAX_CONTEXT = 131_072  # the profiles' models (Llama 3.1, Qwen 2.5) take 128k tokens
 
@@ -125,9 +126,19 @@ class SimEngine(BackgroundEngine):
         except ValueError:
             self.requests_rejected += 1
             raise
-        # made-up output: printable bytes, a function of the prompt (and the seed), so replays agree
+        # made-up output: printable bytes, a function of the prompt (and the seed), so replays agree;
+        # temperature and top_p do not change it. A stop string ends it where a real engine would: the
+        # tokens up to the one that completes the stop string are generated (and simulated), the
+        # result is cut before it.
         rng = random.Random(hash((tokens, request.seed or 0)))
-        output = tuple(rng.randrange(32, 127) for _ in range(request.max_tokens))
+        stops = StopTokens(request.stop, self.tokenizer.decode)
+        generated: list[int] = []
+        while len(generated) < request.max_tokens and not stops.stopped:
+            generated.append(rng.randrange(32, 127))
+            stops.push(generated[-1])
+        stops.finish()
+        output = tuple(generated)
+        reason = "stop" if stops.stopped else "length"
         submitted = time.perf_counter()
         fixed = request.fixed_prefix_tokens
 
@@ -136,19 +147,19 @@ class SimEngine(BackgroundEngine):
             now = time.perf_counter()
             ttft = (req.first_token_at - req.arrival) * self.clock.time_scale
             req.result = GenerateResult(
-                tokens=list(output), text=self.tokenizer.decode(list(output)), prompt_tokens=len(tokens),
+                tokens=stops.tokens, text=stops.text, prompt_tokens=len(tokens),
                 gpu_hit_tokens=req.gpu_hit, cpu_hit_tokens=req.cpu_hit, miss_tokens=req.miss,
                 stall_s=req.stall * self.clock.time_scale, ttft_s=ttft, latency_s=now - submitted,
-                finish_reason="length")
+                finish_reason=reason)
             self.requests_done += 1
-            for token in output if on_token is not None else ():
+            for token in req.result.tokens if on_token is not None else ():
                 on_token(token)
             if on_done is not None:
                 on_done(req)
 
         req = ServedRequest(workflow=request.workflow, agent=request.agent, tokens=tokens,
                             fixed_len=fixed if fixed is not None else -1, max_new=request.max_tokens,
-                            output_tokens=output, on_done=done)
+                            cache_salt=request.cache_salt, output_tokens=output, on_done=done)
 
         self.clock.soon(lambda: self.replica.submit(req))
         return req
@@ -160,7 +171,7 @@ class SimEngine(BackgroundEngine):
 
     def apply_hints(self, hints: Hints) -> None:
         def apply() -> None:
-            self.scheduler.apply_hints(hints.steps, hints.prompts, hints.retire)
+            self.scheduler.apply_hints(hints.steps, hints.prompts, hints.retire, hints.salts)
             self.replica.kick()
 
         self.clock.soon(apply)
