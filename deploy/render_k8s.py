@@ -13,8 +13,10 @@ pod, so the group has as many pods as the Serve config has engine replicas).
 
 In-cluster changes to the deploy file (and nothing else; tests/test_k8s.py checks it):
 - every overlay: `http_options.host: 0.0.0.0` (proxies listen on the pod IP), and in the kvflow app's
-  args `redis: redis://kvflow-redis:6379/0` (k8s/base/redis.yaml) and `api_keys_env: KVFLOW_API_KEYS`
-  (keys from the Secret kvflow-api-keys, mounted as that env var in every Ray container);
+  args `redis: redis://kvflow-redis:6379/0` (k8s/base/redis.yaml), `api_keys_env: KVFLOW_API_KEYS`
+  (keys from the Secret kvflow-api-keys, mounted as that env var in every Ray container) and
+  `metrics_token_env: KVFLOW_METRICS_TOKEN` (the /metrics token from the Secret kvflow-metrics-token,
+  mounted the same way; the PodMonitor kvflow-serve sends it from that Secret);
 - overlay-specific `args` below (OVERLAYS), e.g. CPU-engine threads sized to the worker pods.
 """
 
@@ -34,6 +36,7 @@ IMPORT_PATH = "kvflow_ray.serve.app:build_app"
 HOST = "0.0.0.0"
 REDIS_URL = "redis://kvflow-redis:6379/0"  # the Service of k8s/base/redis.yaml, same namespace
 API_KEYS_ENV = "KVFLOW_API_KEYS"  # the env var every Ray container gets from the Secret kvflow-api-keys
+METRICS_TOKEN_ENV = "KVFLOW_METRICS_TOKEN"  # the same, from the Secret kvflow-metrics-token
 GENERATED_NAME = "serve-config.generated.yaml"
 ENGINE_GROUP = 0  # index of the engine worker group in spec.rayClusterConfig.workerGroupSpecs
 
@@ -60,7 +63,7 @@ OVERLAYS = (
 
 
 def _app_config() -> type:
-    """kvflow_ray.serve.config.AppConfig (a light import: a dataclass, no Ray), also from a plain checkout."""
+    """kvflow_ray.serve.config.AppConfig (a light import: no Ray), also from a plain checkout."""
     sys.path.insert(0, str(ROOT))
     try:
         from kvflow_ray.serve.config import AppConfig
@@ -83,8 +86,9 @@ def in_cluster_config(serve_config: dict[str, Any], extra_args: dict[str, Any] |
     config.setdefault("http_options", {})["host"] = HOST
     app = kvflow_app(config)
     args = app.setdefault("args", {})
-    args.update({"redis": REDIS_URL, "api_keys_env": API_KEYS_ENV, **(extra_args or {})})
-    unknown = sorted(set(args) - {f.name for f in dataclasses.fields(_app_config())})
+    args.update({"redis": REDIS_URL, "api_keys_env": API_KEYS_ENV, "metrics_token_env": METRICS_TOKEN_ENV,
+                 **(extra_args or {})})
+    unknown = sorted(set(args) - set(_app_config().field_names()))
     if unknown:
         raise ValueError(f"args {unknown} are not fields of kvflow_ray.serve.config.AppConfig")
     return config
@@ -93,7 +97,7 @@ def in_cluster_config(serve_config: dict[str, Any], extra_args: dict[str, Any] |
 def engine_replicas(serve_config: dict[str, Any]) -> int:
     """How many engine replicas the Serve config deploys."""
     args = kvflow_app(serve_config).get("args") or {}
-    return int(args.get("replicas", _app_config().replicas))
+    return int(args.get("replicas", _app_config()().replicas))
 
 
 class _Dumper(yaml.SafeDumper):

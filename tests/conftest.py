@@ -98,13 +98,15 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def prometheus_factory() -> Iterator:
     """Start real Prometheus servers (Debian's `prometheus`, installed by scripts/test.sh) as the product
     runs them (`kvflow-ray serve --with-monitoring`: the repository's config and rules), on free loopback
-    ports, each scraping one `host:port` target every second; all are stopped after the session."""
+    ports, each scraping one `host:port` target every second (sending `metrics_token`, when given, as the
+    app's /metrics wants it); all are stopped after the session."""
     if shutil.which("prometheus") is None:
         pytest.fail("prometheus is not installed: scripts/test.sh installs it (apt-get install prometheus)")
     started: list[LocalPrometheus] = []
 
-    def start(target: str) -> LocalPrometheus:
-        server = LocalPrometheus(target, port=_free_port(), scrape_interval="1s", evaluation_interval="1s")
+    def start(target: str, metrics_token: str | None = None) -> LocalPrometheus:
+        server = LocalPrometheus(target, port=_free_port(), scrape_interval="1s", evaluation_interval="1s",
+                                 metrics_token=metrics_token)
         started.append(server)
         return server.start()
 

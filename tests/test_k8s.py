@@ -3,7 +3,8 @@ objects validate against Kubernetes' own OpenAPI schemas (kubernetes-validate, s
 against KubeRay v1.7.0's CRD schema (shared/data/kuberay, with the API server's strict field validation),
 the RayService's serveConfigV2 is the deploy/ Serve config with the documented in-cluster changes and the
 generated files are not stale; and (slow) the cpu-demo's serveConfigV2 runs on a local Ray cluster,
-deployed the way KubeRay deploys it: PUT to the dashboard's Serve REST API."""
+deployed the way KubeRay deploys it: PUT to the dashboard's Serve REST API, its API keys and /metrics token
+from the environment as the Secrets give them."""
 
 from __future__ import annotations
 
@@ -35,12 +36,15 @@ KUBERNETES_VERSION = "1.32"  # kubernetes-validate ships schemas for 1.25 .. 1.3
 CRD_GROUPS = ("ray.io", "monitoring.coreos.com")  # kinds kubernetes-validate has no schema for
 NAMESPACE = "kvflow"
 API_KEYS_ENV = "KVFLOW_API_KEYS"
+METRICS_TOKEN_ENV = "KVFLOW_METRICS_TOKEN"
+METRICS_TOKEN_SECRET = ("kvflow-metrics-token", "token")  # (Secret, key) the app and the PodMonitor read
 REDIS_URL = "redis://kvflow-redis:6379/0"
 # What each overlay deploys, and the app args it changes beyond the ones every overlay changes
 # (deploy/render_k8s.py documents why).
 SOURCES = {"cpu-demo": ("deploy/serve-cpu.yaml", {"replica_num_cpus": 2, "threads": 2}),
            "gpu": ("deploy/serve-sglang.yaml", {})}
 IMAGES = {"cpu-demo": "kvflow-ray:cpu", "gpu": "kvflow-ray:gpu"}
+K8S_TEST_METRICS_TOKEN = "k8s-test-metrics-token"  # what the slow test's "Secret" (env var) holds
 
 
 def _load_render_k8s() -> Any:
@@ -207,7 +211,8 @@ def _expected_serve_config(overlay: str) -> dict[str, Any]:
     config = yaml.safe_load((ROOT / source).read_text())
     config["http_options"]["host"] = "0.0.0.0"
     (app,) = config["applications"]
-    app["args"].update({"redis": REDIS_URL, "api_keys_env": API_KEYS_ENV, **extra})
+    app["args"].update({"redis": REDIS_URL, "api_keys_env": API_KEYS_ENV, "metrics_token_env": METRICS_TOKEN_ENV,
+                        **extra})
     return config
 
 
@@ -281,9 +286,11 @@ def test_workers_fit_the_engine_replicas(built: dict[str, list[dict[str, Any]]],
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_pods_have_resources_probes_keys_and_the_image(built: dict[str, list[dict[str, Any]]], overlay: str) -> None:
     objects = built[overlay]
-    secret = _one(objects, "Secret")
-    keys = json.loads(secret["stringData"]["api-keys.json"])
+    secrets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Secret"}
+    assert set(secrets) == {"kvflow-api-keys", METRICS_TOKEN_SECRET[0]}
+    keys = json.loads(secrets["kvflow-api-keys"]["stringData"]["api-keys.json"])
     assert isinstance(keys, dict) and keys
+    assert secrets[METRICS_TOKEN_SECRET[0]]["stringData"][METRICS_TOKEN_SECRET[1]]
     for where, template in _pod_templates(objects).items():
         for container in template["spec"]["containers"]:
             resources = container.get("resources", {})
@@ -294,7 +301,11 @@ def test_pods_have_resources_probes_keys_and_the_image(built: dict[str, list[dic
         container = template["spec"]["containers"][0]
         assert container["image"] == IMAGES[overlay], group
         assert {"name": API_KEYS_ENV, "valueFrom": {"secretKeyRef": {
-            "name": secret["metadata"]["name"], "key": "api-keys.json"}}} in container["env"], group
+            "name": "kvflow-api-keys", "key": "api-keys.json"}}} in container["env"], group
+        # the ingress may run on any Ray pod: each has the /metrics token its serveConfigV2 names
+        name, key = METRICS_TOKEN_SECRET
+        assert {"name": METRICS_TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}} in container[
+            "env"], group
         assert any(p["name"] == "serve" and p["containerPort"] == 8000 for p in container["ports"]), group
         if group == "head":
             # KubeRay deploys serveConfigV2 only once the head is ready: a head probe on /health never passes
@@ -334,6 +345,15 @@ def test_the_serve_endpoint_and_its_scrape(built: dict[str, list[dict[str, Any]]
     assert serve_monitor["apiVersion"] == "monitoring.coreos.com/v1"
     (endpoint,) = serve_monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["path"] == "/metrics" and endpoint["port"] == "serve"
+    # /metrics wants the token the app reads from metrics_token_env: Prometheus sends the same Secret's key
+    # (monitoring.coreos.com/v1 PodMetricsEndpoint.authorization; the Secret is in the PodMonitor's namespace)
+    name, key = METRICS_TOKEN_SECRET
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": name, "key": key}}
+    assert not {"bearerTokenSecret", "basicAuth", "oauth2"} & set(endpoint)  # exclusive with authorization
+    secret = next(o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == name)
+    assert secret["metadata"]["namespace"] == serve_monitor["metadata"]["namespace"] and key in secret["stringData"]
+    args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["metrics_token_env"] == METRICS_TOKEN_ENV and "metrics_token" not in args
     selector = serve_monitor["spec"]["selector"]["matchLabels"]
     # the merged /metrics is scraped once: the head pod alone matches
     matching = [group for group, template in _ray_pod_templates(service).items()
@@ -376,12 +396,14 @@ def _until(what: str, check: Callable[[], bool], timeout_s: float) -> None:
 @pytest.fixture
 def local_ray(monkeypatch: pytest.MonkeyPatch, free_port: Callable[[], int]) -> Iterator[int]:
     """Local Ray with its dashboard (whose Serve REST API KubeRay calls); yields the dashboard's port. The
-    Secret's env var is set first, so Ray's workers (the ingress, the replicas) inherit it as in the pods."""
+    Secrets' env vars (API keys, metrics token) are set first, so Ray's workers (the ingress, the replicas)
+    inherit them as in the pods."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
     assert not ray.is_initialized(), "another test left Ray running"
     monkeypatch.setenv(API_KEYS_ENV, json.dumps({"k8s-test-key": "acme"}))
+    monkeypatch.setenv(METRICS_TOKEN_ENV, K8S_TEST_METRICS_TOKEN)
     if "RAY_AUTH_MODE" not in os.environ:
         monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     dashboard_port = free_port()
@@ -440,6 +462,11 @@ def test_the_cpu_demo_serve_config_runs_on_ray(built: dict[str, list[dict[str, A
     assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] >= 1
     # the keys came from the env var (the Secret), not from the config
     assert _http("POST", url + "/v1/chat/completions", request, key="wrong-key")[0] == 401
+    # so did the /metrics token: the scrape the PodMonitor makes gets the metrics, any other a 401
+    status, body = _http("GET", url + "/metrics", key=K8S_TEST_METRICS_TOKEN)
+    assert status == 200 and b"kvflow_router_replicas" in body, body[:500]
+    assert _http("GET", url + "/metrics")[0] == 401
+    assert _http("GET", url + "/metrics", key="k8s-test-key")[0] == 401  # an API key is not the metrics token
 
 
 def test_cluster_monitoring_is_the_repository_rules_and_dashboards(built: dict[str, list[dict[str, Any]]],

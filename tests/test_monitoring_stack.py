@@ -1,19 +1,24 @@
 """The local monitoring stack (kvflow_ray/serve/monitoring.py, `kvflow-ray serve --with-monitoring`):
 the rendered Prometheus config is valid and points at the app; a real Prometheus started by
 `LocalPrometheus` scrapes kvflow metrics, loads every rule and evaluates every recording rule; the CLI
-starts Prometheus next to the app, prints its URL and stops both on SIGTERM."""
+starts Prometheus next to the app, prints its URL and stops both on SIGTERM. With a metrics token
+(`--metrics-token`), Prometheus scrapes with it, from a 0600 file, never from its config."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -24,6 +29,7 @@ import pytest
 import yaml
 from metrics_http import serve_metrics
 
+from kvflow_ray.commands import serve as serve_command
 from kvflow_ray.serve.monitoring import (
     RULES_DIR,
     LocalPrometheus,
@@ -36,6 +42,16 @@ from kvflow_ray.serve.monitoring import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "scrape-" + secrets.token_hex(8)
+
+
+def _get_status(url: str, token: str | None = None) -> int:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def _query(base: str, expr: str) -> list[dict[str, Any]]:
@@ -76,6 +92,38 @@ def test_rendered_config_points_at_the_app_and_passes_promtool(tmp_path: Path) -
     fast = yaml.safe_load(render_config("127.0.0.1:8123", scrape_interval="1s", evaluation_interval="1s"))
     assert fast["scrape_configs"][0]["scrape_interval"] == "1s" and "scrape_timeout" not in fast["scrape_configs"][0]
     assert fast["global"]["evaluation_interval"] == "1s"
+    assert "authorization" not in job  # no metrics token: /metrics is open, Prometheus sends nothing
+
+    # with a metrics token: sent from a file (promtool checks the file exists), never written into the config
+    token_file = tmp_path / "metrics-token"
+    token_file.write_text(TOKEN)
+    text = render_config("127.0.0.1:8123", credentials_file=token_file)
+    assert TOKEN not in text
+    (job,) = yaml.safe_load(text)["scrape_configs"]
+    assert job["authorization"] == {"type": "Bearer", "credentials_file": str(token_file.resolve())}
+    path.write_text(text)
+    done = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_metrics_token_flag_sets_the_app_config_and_the_scrape_token(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    serve_command.add_arguments(parser)
+    config = serve_command.app_config(parser.parse_args(["--metrics-token", TOKEN, "--with-monitoring"]))
+    assert config.metrics_token == TOKEN and config.metrics_token_value() == TOKEN
+    plain = serve_command.app_config(parser.parse_args([]))
+    assert plain.metrics_token is None and plain.metrics_token_value() is None
+    with pytest.raises(ValueError, match="--metrics-token"):
+        serve_command.app_config(parser.parse_args(["--metrics-token", " "]))
+    # from --config: metrics_token_env names the variable that holds it (a Kubernetes Secret mounted as env);
+    # --with-monitoring hands Prometheus the same value (metrics_token_value)
+    monkeypatch.setenv("KVFLOW_TEST_METRICS_TOKEN", TOKEN)
+    config_file = tmp_path / "app.yaml"
+    config_file.write_text("metrics_token_env: KVFLOW_TEST_METRICS_TOKEN\n")
+    from_env = serve_command.app_config(parser.parse_args(["--config", str(config_file)]))
+    assert from_env.metrics_token is None and from_env.metrics_token_value() == TOKEN
+    assert TOKEN not in json.dumps(from_env.to_dict()), "the token never travels in Ray's deployment args"
 
 
 def test_scrape_target_reaches_wildcard_binds_on_loopback() -> None:
@@ -111,11 +159,29 @@ def test_serve_without_prometheus_fails_fast_with_the_install_hint(tmp_path: Pat
     assert "apt-get install prometheus" in done.stderr and done.stdout == ""
 
 
+def test_the_load_generator_reads_metrics_with_the_token(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvflow-ray run` reads hit ratios from /metrics: it sends --metrics-token, and without the right one
+    it stops before the first call with a message that says so."""
+    from kvflow_ray.cli import main
+    from kvflow_ray.client.loadgen import scrape
+
+    with serve_metrics(lambda: b"kvflow_router_replicas 2\n", token=TOKEN) as address:
+        url = f"http://{address}"
+        assert scrape(url, TOKEN) == {("kvflow_router_replicas", ()): 2.0}
+        with pytest.raises(PermissionError, match="--metrics-token"):
+            scrape(url)
+        with pytest.raises(PermissionError, match="not it"):
+            scrape(url, "an-api-key")
+        assert main(["run", str(ROOT / "workflows" / "peer.yaml"), "--url", url]) == 2
+        assert "401" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------- a real Prometheus
 @pytest.fixture
 def fake_app() -> Iterator[str]:
     """An HTTP /metrics with the router's and two replicas' real metric families (kvflow_ray/serve/metrics.py),
-    merged as the app merges them; every scrape is one more request per replica and routing decision."""
+    merged as the app merges them; every scrape is one more request per replica and routing decision. It
+    wants the metrics token TOKEN, as the app started with `--metrics-token TOKEN` does."""
     pytest.importorskip("prometheus_client")
     from kvflow_ray.engines.base import GenerateResult
     from kvflow_ray.serve.metrics import ReplicaMetrics, RouterMetrics, merge_expositions
@@ -142,19 +208,28 @@ def fake_app() -> Iterator[str]:
             router.set_active({"default": 3})
             return merge_expositions([router.exposition(), *(r.exposition() for r in replicas)])
 
-    with serve_metrics(render) as address:
+    with serve_metrics(render, token=TOKEN) as address:
+        assert _get_status(f"http://{address}/metrics") == 401
         yield address
 
 
 def test_local_prometheus_scrapes_loads_every_rule_and_records(fake_app: str, free_port: Callable[[], int]) -> None:
     if shutil.which("prometheus") is None:
         pytest.fail("prometheus is not installed: scripts/test.sh installs it (apt-get install prometheus)")
-    prometheus = LocalPrometheus(fake_app, port=free_port(), scrape_interval="1s", evaluation_interval="1s")
+    prometheus = LocalPrometheus(fake_app, port=free_port(), scrape_interval="1s", evaluation_interval="1s",
+                                 metrics_token=TOKEN)
     with prometheus:
         assert prometheus.proc is not None and prometheus.workdir is not None
         workdir, proc = prometheus.workdir, prometheus.proc
         base = prometheus.url
+        # the token: in a file only its owner reads, named by the config, not in it
+        token_file = workdir / "metrics-token"
+        assert token_file.read_text() == TOKEN and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        assert TOKEN not in (workdir / "prometheus.yml").read_text()
+        # up only if every scrape carries the token: the endpoint answers 401 without it
         _wait("the kvflow target up", lambda: [s["value"][1] for s in _query(base, 'up{job="kvflow"}')] == ["1"])
+        (target,) = prometheus_api(base, "targets", state="active")["activeTargets"]
+        assert target["health"] == "up" and target["lastError"] == "", target
 
         groups = _rule_groups(base)
         assert set(groups) == {"kvflow-recording", "kvflow-alerts"}
@@ -219,7 +294,8 @@ def test_serve_with_monitoring_starts_prometheus_and_stops_it_on_sigterm(free_po
     log = tmp_path / "serve.log"
     with open(log, "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "kvflow_ray.cli", "serve", "--with-monitoring", "--port",
-                                 str(port), "--prometheus-port", str(prometheus_port), "--replicas", "1"],
+                                 str(port), "--prometheus-port", str(prometheus_port), "--replicas", "1",
+                                 "--metrics-token", TOKEN],
                                 stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=ROOT)
     try:
         info = json.loads(proc.stdout.readline())  # type: ignore[union-attr]  # unchanged: the app's URL first
@@ -230,8 +306,16 @@ def test_serve_with_monitoring_starts_prometheus_and_stops_it_on_sigterm(free_po
 
         (pid, argv), = _pids_with(f"--web.listen-address=127.0.0.1:{prometheus_port}").items()
         config = Path(next(a for a in argv if a.startswith("--config.file=")).split("=", 1)[1])
-        assert yaml.safe_load(config.read_text())["scrape_configs"][0]["static_configs"] == [
-            {"targets": [f"127.0.0.1:{port}"]}]
+        (job,) = yaml.safe_load(config.read_text())["scrape_configs"]
+        assert job["static_configs"] == [{"targets": [f"127.0.0.1:{port}"]}]
+        assert job["authorization"]["type"] == "Bearer"
+        assert Path(job["authorization"]["credentials_file"]).resolve() == (config.parent / "metrics-token").resolve()
+        assert TOKEN not in config.read_text()
+        # the app wants the token on /metrics (and only there); Prometheus sends it
+        assert _get_status(info["url"] + "/metrics") == 401
+        assert _get_status(info["url"] + "/metrics", token="not-" + TOKEN) == 401
+        assert _get_status(info["url"] + "/metrics", token=TOKEN) == 200
+        assert _get_status(info["url"] + "/health") == 200
 
         def target_up() -> bool:
             return [s["value"][1] for s in _query(base, 'up{job="kvflow"}')] == ["1"]

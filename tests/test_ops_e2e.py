@@ -2,13 +2,18 @@
 real redis-server, driven by the load generator, scraped by a real Prometheus that loads the
 project's own rule files. Every PromQL expression of every dashboard panel and every recording rule
 must return data, and Prometheus must evaluate every rule (recording and alerting) without error.
+`/metrics` is protected by a metrics token from the environment (`metrics_token_env`, as the Kubernetes
+Secret provides it), which Prometheus sends; without it a scrape is refused.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import secrets
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,8 @@ from kvflow_ray.serve.monitoring import RULES_DIR, recording_rules  # noqa: E402
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 PEER = Workflow.from_yaml(ROOT / "workflows" / "peer.yaml")
+METRICS_TOKEN_ENV = "KVFLOW_TEST_OPS_METRICS_TOKEN"
+METRICS_TOKEN = "ops-" + secrets.token_hex(8)
 
 
 def _dashboards() -> Any:
@@ -47,16 +54,21 @@ def stack(redis_url: str, free_port: Callable[[], int], prometheus_factory: Any)
     import redis
 
     redis.Redis.from_url(redis_url).flushdb()
-    # a small device pool, so eviction, the host tier and prefetch all show up in the series
-    config = AppConfig(replicas=2, redis=redis_url, api_keys={"key-acme": "acme"}, device_kv_tokens=1536,
-                       host_kv_tokens=16384, max_running=8, threads=1)
-    with LocalServer(config, port=free_port(), num_cpus=2) as server:
-        prometheus = prometheus_factory(urllib.parse.urlsplit(server.url).netloc)  # loads RULES_DIR
-        load = LoadConfig(clients=4, iterations=2, max_tokens=8, task_chars=300, api_key="key-acme")
-        result = run_load(PEER, server.url, load, progress=False)
-        summary = summarise(result, PEER, load)
-        assert summary["errors"] == 0, summary["first_error"]
-        yield server, prometheus
+    with pytest.MonkeyPatch.context() as env:
+        # set before Ray starts, so its workers (the ingress) inherit it, as the Ray pods get the Secret
+        env.setenv(METRICS_TOKEN_ENV, METRICS_TOKEN)
+        # a small device pool, so eviction, the host tier and prefetch all show up in the series
+        config = AppConfig(replicas=2, redis=redis_url, api_keys={"key-acme": "acme"}, device_kv_tokens=1536,
+                           host_kv_tokens=16384, max_running=8, threads=1, metrics_token_env=METRICS_TOKEN_ENV)
+        with LocalServer(config, port=free_port(), num_cpus=2) as server:
+            prometheus = prometheus_factory(urllib.parse.urlsplit(server.url).netloc,  # loads RULES_DIR
+                                            metrics_token=METRICS_TOKEN)
+            load = LoadConfig(clients=4, iterations=2, max_tokens=8, task_chars=300, api_key="key-acme",
+                              metrics_token=METRICS_TOKEN)  # it reads hit ratios from /metrics
+            result = run_load(PEER, server.url, load, progress=False)
+            summary = summarise(result, PEER, load)
+            assert summary["errors"] == 0, summary["first_error"]
+            yield server, prometheus
 
 
 def _wait_for_data(prometheus: Any, exprs: dict[str, str], timeout_s: float = 90) -> dict[str, str]:
@@ -108,3 +120,22 @@ def test_prometheus_evaluates_every_rule_without_error(stack: tuple[LocalServer,
     assert alerts["KVFlowRedisUnreachable"] == "inactive"
     assert prometheus.query('kvflow_store_up{backend="redis"}')[0]["value"][1] == "1"
     assert prometheus.query("kvflow_router_replicas")[0]["value"][1] == "2"
+
+
+def _metrics_status(server: LocalServer, token: str | None) -> int:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    request = urllib.request.Request(server.url + "/metrics", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_metrics_need_the_token_prometheus_sends(stack: tuple[LocalServer, Any]) -> None:
+    server, prometheus = stack
+    assert _metrics_status(server, METRICS_TOKEN) == 200
+    assert _metrics_status(server, None) == 401
+    assert _metrics_status(server, "key-acme") == 401  # an API key is not the metrics token
+    (target,) = prometheus.api("targets", state="active")["activeTargets"]
+    assert target["health"] == "up" and target["lastError"] == "", target

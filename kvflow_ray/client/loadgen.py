@@ -16,6 +16,7 @@ import math
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections import Counter
@@ -37,6 +38,9 @@ class LoadConfig:
     max_tokens: int = 32  # output tokens per agent call (exact: ignore_eos)
     task_chars: int = 120  # dynamic task text per call, besides the previous agent's output
     api_key: str | None = None
+    # the server's /metrics token (`kvflow-ray serve --metrics-token`), for the hit ratios and routing
+    # counts read from /metrics before and after the run; None: /metrics is open
+    metrics_token: str | None = None
     model: str | None = None
     timeout_s: float = 600.0
 
@@ -71,13 +75,21 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[rank]
 
 
-def scrape(url: str, api_key: str | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of `GET /metrics` as {(name, sorted labels): value}."""
+def scrape(url: str, token: str | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of `GET /metrics` as {(name, sorted labels): value}, sending `token` (the server's
+    metrics token) as a bearer token. A 401 raises PermissionError: the server wants a (different) token."""
     request = urllib.request.Request(url.rstrip("/") + "/metrics")
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
-    with urllib.request.urlopen(request, timeout=30) as response:
-        text = response.read().decode()
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            text = response.read().decode()
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise PermissionError(f"GET {request.full_url}: 401, the server protects /metrics with a metrics "
+                                  f"token{' and this is not it' if token else ''}: pass it with "
+                                  "--metrics-token") from None
+        raise
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -182,7 +194,7 @@ def run_load(workflow: Workflow | Sequence[Workflow], base_url: str, config: Loa
     workflows = [workflow] if isinstance(workflow, Workflow) else list(workflow)
     root = base_url.rstrip("/").removesuffix("/v1")
     result = LoadResult()
-    result.metrics_before = scrape(root, config.api_key)
+    result.metrics_before = scrape(root, config.metrics_token)
     lock = threading.Lock()
     total = config.iterations * sum(_calls_per_iteration(workflows[i % len(workflows)])
                                     for i in range(config.clients))
@@ -201,7 +213,7 @@ def run_load(workflow: Workflow | Sequence[Workflow], base_url: str, config: Loa
         thread.join()
     bar.close()
     result.wall_s = time.perf_counter() - started
-    result.metrics_after = scrape(root, config.api_key)
+    result.metrics_after = scrape(root, config.metrics_token)
     return result
 
 

@@ -40,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preamble-chars", type=int, default=1200,
                         help="length of each application's preamble with --applications > 1 (default 1200)")
     parser.add_argument("--key", default=None, help="bearer API key")
+    parser.add_argument("--metrics-token", default=None, metavar="TOKEN",
+                        help="the /metrics token (`kvflow-ray serve --metrics-token`): the report's hit ratios "
+                             "and routing counts come from /metrics. With --url, the token that server wants; "
+                             "without, the embedded server is started with it")
     parser.add_argument("--port", type=int, default=8000, help="port of the embedded server (default 8000)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     group = parser.add_argument_group("embedded server (without --url)")
@@ -78,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
     except (SpecError, ValueError, OSError) as exc:
         print(f"kvflow-ray run: {exc}", file=sys.stderr)
         return 2
-    load = LoadConfig(clients=args.clients, iterations=args.iterations, max_tokens=args.max_tokens, api_key=args.key)
+    metrics_token = args.metrics_token or (config.metrics_token_value() if config is not None else None)
+    load = LoadConfig(clients=args.clients, iterations=args.iterations, max_tokens=args.max_tokens, api_key=args.key,
+                      metrics_token=metrics_token)
     from kvflow_ray.serve.app import LocalServer, stdout_to_stderr
 
     workflows = ([workflow] if args.applications == 1
@@ -90,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
             server = LocalServer(config, port=args.port).start()
         try:
             result = run_load(workflows, args.url or server.url, load)  # type: ignore[union-attr]
+        except PermissionError as exc:  # /metrics wants a metrics token we lack
+            print(f"kvflow-ray run: {exc}", file=sys.stderr)
+            return 2
         finally:
             if server is not None:
                 server.stop()

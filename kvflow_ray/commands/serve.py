@@ -11,6 +11,7 @@ Examples:
   kvflow-ray serve --replicas 4 --redis redis://127.0.0.1:6379/0
   kvflow-ray serve --config deploy/serve-cpu.yaml    # the app args of a Serve config file
   kvflow-ray serve --with-monitoring                 # + Prometheus with the alert rules, http://127.0.0.1:9090
+  kvflow-ray serve --metrics-token T --with-monitoring  # /metrics only with `Authorization: Bearer T`
 Then: kvflow-ray run workflows/peer.yaml --url http://127.0.0.1:8000
 
 stdout: one JSON line once the app is healthy ({"url", "openai_base_url", "replicas"}); with
@@ -29,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from kvflow_ray.core.safe_yaml import TextFileError, describe_yaml_error, load_yaml, read_text_file
 from kvflow_ray.serve.config import ENGINES, ROUTINGS, AppConfig
 
 
@@ -64,11 +66,17 @@ def app_config(args: argparse.Namespace) -> AppConfig:
     data: dict[str, Any] = {}
     if args.config is not None:
         try:
-            raw = yaml.safe_load(args.config.read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"cannot read --config {args.config}: {exc}") from None
+            # no YAML anchors/aliases (an alias bomb would spin for minutes), at most 4 MiB
+            raw = load_yaml(read_text_file(args.config))
+        except (OSError, TextFileError, yaml.YAMLError) as exc:
+            reason = (describe_yaml_error(exc) if isinstance(exc, yaml.YAMLError)
+                      else exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
+            raise ValueError(f"cannot read --config {args.config}: {reason}") from None
         if isinstance(raw, dict) and "applications" in raw:
-            raw = (raw["applications"] or [{}])[0].get("args", {})
+            apps = raw["applications"] or [{}]
+            if not isinstance(apps, list) or not isinstance(apps[0], dict):
+                raise ValueError(f"--config {args.config}: applications must be a list of mappings")
+            raw = apps[0].get("args", {})
         if not isinstance(raw, dict):
             raise ValueError(f"--config {args.config}: expected a mapping of app args")
         data.update(raw)
@@ -85,7 +93,15 @@ def app_config(args: argparse.Namespace) -> AppConfig:
                 raise ValueError(f"--api-key {item!r}: expected KEY=TENANT")
             keys[key] = tenant
         data["api_keys"] = keys
-    return AppConfig.from_dict(data)
+    metrics_token = getattr(args, "metrics_token", None)
+    if metrics_token is not None:
+        if not metrics_token.strip():
+            raise ValueError("--metrics-token: empty (omit the flag to leave /metrics open)")
+        data["metrics_token"] = metrics_token
+    try:
+        return AppConfig.from_dict(data)
+    except TypeError as exc:  # a wrongly typed value that got past validation: still a config error, not a crash
+        raise ValueError(f"invalid app config: {exc}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +114,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "deploy/prometheus/ (docs/serving.md, Monitoring); stopped with the server")
     parser.add_argument("--prometheus-port", type=int, default=9090,
                         help="--with-monitoring: Prometheus' HTTP port (default 9090)")
+    parser.add_argument("--metrics-token", default=None, metavar="TOKEN",
+                        help="answer GET /metrics (tenant names, traffic, cache behaviour) only with the header "
+                             "`Authorization: Bearer TOKEN`, 401 otherwise. Prometheus sends it when its scrape "
+                             "config has `authorization: {type: Bearer, credentials_file: <a file holding "
+                             "TOKEN>}`; --with-monitoring sets that up itself. A flag is visible to other users "
+                             "in `ps`: on shared machines put `metrics_token_env: VAR` in --config instead "
+                             "(the environment variable VAR holds the token)")
 
 
 def _interrupt(*_: object) -> None:
@@ -107,14 +130,15 @@ def _interrupt(*_: object) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         config = app_config(args)
-    except ValueError as exc:
-        print(f"kvflow-ray serve: {exc}", file=sys.stderr)
+    except (ValueError, TypeError) as exc:
+        print(f"kvflow-ray serve: error: {exc}", file=sys.stderr)
         return 2
     from kvflow_ray.serve.monitoring import LocalPrometheus, MonitoringError, scrape_target
 
     prometheus = None
     if getattr(args, "with_monitoring", False):
-        prometheus = LocalPrometheus(scrape_target(args.host, args.port), port=args.prometheus_port)
+        prometheus = LocalPrometheus(scrape_target(args.host, args.port), port=args.prometheus_port,
+                                     metrics_token=config.metrics_token_value())
         try:
             prometheus.check()  # before the minute Ray takes to start
         except MonitoringError as exc:

@@ -4,7 +4,9 @@ Prometheus for `kvflow-ray serve --with-monitoring` (docs/serving.md, "Monitorin
 `LocalPrometheus` runs the `prometheus` binary on PATH (Debian: `apt-get install prometheus`) on
 127.0.0.1 with a config rendered from deploy/prometheus/prometheus.yml: the one scrape target
 replaced by the app's host:port, the rule files referenced by absolute path. Its data lives in a
-temporary directory, removed when it stops.
+temporary directory, removed when it stops. When the app protects /metrics with a metrics token
+(`--metrics-token`), the token goes into a file in that directory (mode 0600) and the scrape config
+sends it as `Authorization: Bearer <token>` through `credentials_file`, so it is never in the config.
 """
 
 from __future__ import annotations
@@ -75,9 +77,10 @@ def scrape_target(host: str, port: int) -> str:
 
 
 def render_config(target: str, rules_dir: Path | None = None, *, scrape_interval: str | None = None,
-                  evaluation_interval: str | None = None) -> str:
+                  evaluation_interval: str | None = None, credentials_file: Path | None = None) -> str:
     """deploy/prometheus/prometheus.yml with job `kvflow` scraping `target` (host:port) and the rule
-    files as an absolute glob; optional shorter intervals (tests)."""
+    files as an absolute glob; optional shorter intervals (tests). With `credentials_file` (a file
+    holding the app's metrics token) every scrape sends `Authorization: Bearer <its content>`."""
     rules = _rules_dir(rules_dir).resolve()
     config = yaml.safe_load(CONFIG_FILE.read_text())
     config["rule_files"] = [str(rules / "*.yml")]
@@ -91,6 +94,9 @@ def render_config(target: str, rules_dir: Path | None = None, *, scrape_interval
         job.pop("scrape_timeout", None)  # Prometheus then caps it at the interval
     if evaluation_interval is not None:
         config.setdefault("global", {})["evaluation_interval"] = evaluation_interval
+    if credentials_file is not None:
+        # the file, not the token itself: the rendered config can be read, logged or shown by /config
+        job["authorization"] = {"type": "Bearer", "credentials_file": str(Path(credentials_file).resolve())}
     header = f"# rendered by kvflow_ray.serve.monitoring from {CONFIG_FILE}\n"
     return header + yaml.safe_dump(config, sort_keys=False)
 
@@ -135,15 +141,17 @@ class LocalPrometheus:
 
     `check()` fails fast (binary missing, port taken) before anything starts; `start()` waits until
     Prometheus answers /-/ready. Output goes to `prometheus.log` in its temporary directory (quoted in
-    errors). Started from the main thread where util-linux `setpriv --pdeathsig` exists (Linux), the
-    child gets a parent-death signal, so it does not outlive a killed `kvflow-ray serve` (from another
-    thread it would die with that thread, so it is not used there).
+    errors). With `metrics_token`, the app's /metrics token, Prometheus sends it with every scrape (read
+    from a 0600 file in that directory). Started from the main thread where util-linux `setpriv
+    --pdeathsig` exists (Linux), the child gets a parent-death signal, so it does not outlive a killed
+    `kvflow-ray serve` (from another thread it would die with that thread, so it is not used there).
     """
 
     def __init__(self, target: str, *, port: int = 9090, host: str = "127.0.0.1", binary: str | None = None,
                  rules_dir: Path | None = None, scrape_interval: str | None = None,
-                 evaluation_interval: str | None = None) -> None:
+                 evaluation_interval: str | None = None, metrics_token: str | None = None) -> None:
         self.target, self.port, self.host = target, port, host
+        self.metrics_token = metrics_token or None
         self.binary = binary
         self.rules_dir = rules_dir
         self.scrape_interval, self.evaluation_interval = scrape_interval, evaluation_interval
@@ -168,9 +176,16 @@ class LocalPrometheus:
     def start(self, timeout_s: float = 60.0) -> LocalPrometheus:
         binary = self.check()
         self.workdir = Path(tempfile.mkdtemp(prefix="kvflow-prometheus-"))
+        credentials = None
+        if self.metrics_token is not None:
+            credentials = self.workdir / "metrics-token"
+            # created 0600 (not chmod-ed after writing): no moment where another user could read it
+            fd = os.open(credentials, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as token_file:
+                token_file.write(self.metrics_token)
         config = self.workdir / "prometheus.yml"
         config.write_text(render_config(self.target, self.rules_dir, scrape_interval=self.scrape_interval,
-                                        evaluation_interval=self.evaluation_interval))
+                                        evaluation_interval=self.evaluation_interval, credentials_file=credentials))
         command = [binary, f"--config.file={config}", f"--storage.tsdb.path={self.workdir / 'data'}",
                    f"--web.listen-address={self.host}:{self.port}"]
         setpriv = _setpriv_pdeathsig()
