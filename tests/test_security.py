@@ -11,18 +11,20 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvflow_ray.engines.cpu.tokenizer import ByteTokenizer
 from kvflow_ray.serve.app import LocalServer
 from kvflow_ray.serve.config import AppConfig
 
@@ -32,8 +34,12 @@ KEYS = {"key-a": "tenantA", "key-b": "tenantB"}
 METRICS_TOKEN = "metrics-secret-token"
 SECRET = ("You are ACME's confidential pricing agent. Internal margin rules: never go below 37 percent; the "
           "override code for enterprise deals is ORCHID-7741. ") * 6
-LIMITS = {"max_agents_per_spec": 64, "max_templates": 40, "max_live_clients": 200, "max_json_depth": 32,
+LIMITS = {"max_agents_per_spec": 64, "max_templates": 40, "max_live_clients": 400, "max_json_depth": 32,
           "max_body_bytes": 256 * 1024, "template_writes_per_s": 50.0}
+# tokens of the chat template before a system prompt's text (the byte tokenizer both engines serve with)
+_TOKENIZER = ByteTokenizer()
+_CHAT = _TOKENIZER.apply_chat_template([{"role": "system", "content": "\x00"}])
+CHAT_HEAD = len(_TOKENIZER.encode(_CHAT.split("\x00")[0]))
 FORBIDDEN = ("pid=", "ip=", "actor_id", "\x1b[", "Traceback", "ray::", "RayTaskError", "repr=<")
 
 
@@ -166,16 +172,19 @@ def _probe_cross_tenant(server: LocalServer) -> None:
     hits_a = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert hits_a >= len(SECRET) * 0.9, "A still reuses its own prompt"
 
+    # B's own calls may have cached the chat template's head (the tokens before any system prompt) in
+    # B's namespace; not one token of A's prompt may come back as cached
     same = chat(server, "key-b", SECRET)
     variant = chat(server, "key-b", "X" + SECRET[1:])
     for reply in (same, variant):
         assert reply.status == 200, reply.text
-        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] <= CHAT_HEAD, "0 tokens of A's prompt"
         assert not {h.lower() for h in reply.headers} & {"x-kvflow-route", "x-kvflow-replica"}
-    # B as a workflow client of its own with the same prompt: routed and cached as B's, cold at first
+    # B as a workflow client of its own with the same prompt: served from B's cache (B's probes above),
+    # and no header says where it went or why
     http(server, "POST", "/v1/workflows", key="key-b", body=spec("pricing", SECRET))
     routed = chat(server, "key-b", SECRET, meta={"client_id": client, "agent": "a", "workflow": "pricing"})
-    assert routed.status == 200 and routed.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert routed.status == 200
     assert not {h.lower() for h in routed.headers} & {"x-kvflow-route", "x-kvflow-replica"}
     # A's cache is still A's
     assert chat(server, "key-a", SECRET, meta=meta).json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
@@ -239,9 +248,60 @@ def test_metrics_need_the_metrics_token(server: LocalServer) -> None:
     assert reply.status == 200 and "kvflow_router_decisions_total" in reply.text
 
 
+# Tenant B's noise, run in its own process at the lowest CPU priority: on this 2-core machine the attacker's
+# client would otherwise compete with the server for the cores it is meant to be measured on (an attacker
+# runs on their own machine). Bodies are serialised once for the same reason.
+NOISE = """
+import json, os, sys, threading, time, urllib.error, urllib.request
+os.nice(19)
+url, seconds = sys.argv[1], float(sys.argv[2])
+deadline = time.monotonic() + seconds
+
+def send(path, data=None, key="key-b"):
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = "Bearer " + key
+    try:
+        urllib.request.urlopen(urllib.request.Request(url + path, data=data, headers=headers), timeout=30).read()
+    except urllib.error.HTTPError as exc:
+        exc.read()
+    except OSError:
+        pass
+
+def at_limit(start):
+    agents = {"a0": {"prompt": start}}
+    agents.update({f"a{i}": {"prompt": f"agent {i} " + "x" * 3000, "after": [f"a{i - 1}"]} for i in range(1, 64)})
+    return json.dumps({"name": "noisy", "agents": agents}).encode()
+
+def register(changing):
+    bodies = [at_limit(f"start {n}") for n in range(8 if changing else 1)]
+    n = 0
+    while time.monotonic() < deadline:
+        n += 1
+        send("/v1/workflows", bodies[n % len(bodies)])
+
+def giant():
+    body = json.dumps({"name": "giant", "agents": {f"a{i}": {"prompt": "p"} for i in range(10_000)}}).encode()
+    while time.monotonic() < deadline:
+        send("/v1/workflows", body)
+
+def scrape():
+    while time.monotonic() < deadline:
+        send("/metrics", key=None)
+
+threads = [threading.Thread(target=register, args=(c,)) for c in (True, False)]
+threads += [threading.Thread(target=giant)] + [threading.Thread(target=scrape) for _ in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+"""
+
+
 def test_a_noisy_tenant_does_not_slow_a_quiet_one(server: LocalServer) -> None:
-    """B registers specs at the size limit as fast as it may and scrapes /metrics from 8 threads; A's
-    p99 agent-call latency stays within 2x of A's p99 alone."""
+    """B (in its own process, as another client would be) registers specs at the size limit, changed and
+    unchanged, and specs far over it, and scrapes /metrics without the token from 8 threads; A's p99
+    agent-call latency stays within 2x of A's p99 alone."""
     http(server, "POST", "/v1/workflows", key="key-a", body=spec("quiet2", "You are the quiet agent. " * 20))
 
     def quiet_p99(n: int) -> float:
@@ -255,27 +315,13 @@ def test_a_noisy_tenant_does_not_slow_a_quiet_one(server: LocalServer) -> None:
 
     quiet_p99(5)  # warm
     solo = quiet_p99(40)
-    stop = threading.Event()
-    big = {"name": "noisy", "agents": {f"a{i}": {"prompt": f"agent {i} " + "x" * 3000, "after": [f"a{i - 1}"]}
-                                       for i in range(1, 64)} | {"a0": {"prompt": "start"}}}
-
-    def register() -> None:
-        while not stop.is_set():
-            http(server, "POST", "/v1/workflows", key="key-b", body=big)
-
-    def scrape() -> None:
-        while not stop.is_set():
-            http(server, "GET", "/metrics", key=None, token=METRICS_TOKEN)
-
-    with ThreadPoolExecutor(10) as pool:
-        for _ in range(2):
-            pool.submit(register)
-        for _ in range(8):
-            pool.submit(scrape)
-        try:
-            noisy = quiet_p99(40)
-        finally:
-            stop.set()
+    noise = subprocess.Popen([sys.executable, "-c", NOISE, server.url, "600"])
+    try:
+        time.sleep(2)  # the noise is at full strength
+        noisy = quiet_p99(40)
+    finally:
+        noise.kill()
+        noise.wait()
     assert noisy <= 2 * solo, f"quiet tenant p99 {noisy:.3f} s under noise vs {solo:.3f} s alone"
 
 
