@@ -200,19 +200,23 @@ def _limited(store: Store, **limits: float) -> RouterCore:
 def test_templates_per_tenant_are_bounded_and_an_unchanged_spec_writes_nothing(store: Store) -> None:
     from kvflow_ray.serve.router_core import TenantLimitError
 
-    core = _limited(store, max_templates=2, template_writes_per_s=2)
+    core = _limited(store, max_templates=2, template_writes_per_s=100)
     core.put_template("acme", {"name": "a", "agents": {"x": {}}})
     core.put_template("acme", {"name": "b", "agents": {"x": {}}})
     with pytest.raises(TenantLimitError, match=r"limits\.max_templates"):
         core.put_template("acme", {"name": "c", "agents": {"x": {}}})
     assert store.get_template("acme", "c") is None  # refused: nothing written
     core.put_template("globex", {"name": "c", "agents": {"x": {}}})  # another tenant's quota is its own
-    # re-sending the same spec (an inline workflow_spec on every call) costs no write and no token
+
+    slow = _limited(store, template_writes_per_s=2)
+    slow.put_template("initech", {"name": "a", "agents": {"x": {}}})
+    slow.put_template("initech", {"name": "b", "agents": {"x": {}}})
+    # the bucket (2/s, burst 2) is spent; re-sending a registered spec as it is still works, without a write
     for _ in range(5):
-        core.put_template("acme", {"name": "a", "agents": {"x": {}}})
-    # a changed spec is a write: the bucket (2/s, burst 2) is spent after the two writes above
+        assert slow.put_template("initech", {"name": "a", "agents": {"x": {}}}).name == "a"
     with pytest.raises(TenantLimitError, match=r"limits\.template_writes_per_s"):
-        core.put_template("acme", {"name": "a", "agents": {"x": {"prompt": "new"}}})
+        slow.put_template("initech", {"name": "a", "agents": {"x": {"prompt": "new"}}})
+    assert slow.template("initech", "a").agents["x"].prompt is None  # the refused change wrote nothing
 
 
 def test_spec_size_limits_apply_to_specs_from_the_network(store: Store) -> None:

@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from kvflow_ray.core.graph import SpecLimits
+
 ENGINES = ("cpu", "sim", "sglang")
 ROUTINGS = ("workflow", "default")
 
@@ -33,6 +35,12 @@ class TenantLimits(BaseModel):
     # workflow registrations (POST /v1/workflows, inline specs that change) per tenant per second,
     # with a burst of this many: parsing and storing a large spec is the costliest thing a tenant can ask
     template_writes_per_s: float = Field(20.0, gt=0)
+
+    def spec_limits(self) -> SpecLimits:
+        """The bounds every spec from the network is parsed with (`parse_spec(..., limits=)`)."""
+        return SpecLimits(max_agents=self.max_agents_per_spec, max_prompt_bytes=self.max_prompt_bytes,
+                          max_agents_setting="limits.max_agents_per_spec",
+                          max_prompt_bytes_setting="limits.max_prompt_bytes")
 
 
 class AppConfig(BaseModel):

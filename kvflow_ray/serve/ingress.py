@@ -24,7 +24,7 @@ import re
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 
 from kvflow_ray.core.graph import SpecError, SpecLimitError, UnknownAgentError, WorkflowSpec, parse_spec
@@ -114,25 +115,45 @@ def error_response(request: Request, exc: BaseException) -> JSONResponse:
                      exc_info=(type(exc), exc, exc.__traceback__))
         api_error = ApiError(500, f"internal server error (request id {request_id}); the server log has the "
                                   "details", kind="server_error", code="internal_error")
-    headers = {"x-request-id": request_id, **api_error.headers}
-    return JSONResponse(api_error.body(), status_code=api_error.status, headers=headers)
+    return JSONResponse(api_error.body(), status_code=api_error.status, headers=api_error.headers)
 
 
 HTTP_MESSAGES = {404: ("no route {method} {path}; see the API reference (docs/serving.md)", "not_found_error"),
                  405: ("method {method} is not allowed on {path}", "invalid_request_error")}
 
 
-@api.middleware("http")
-async def request_context(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    """Every request gets an id (in the response and in the log); anything not handled below becomes
-    an OpenAI error body here, never Starlette's plain-text 500."""
-    request.state.request_id = f"req-{uuid.uuid4().hex[:24]}"
-    try:
-        response = await call_next(request)
-    except Exception as exc:
-        return error_response(request, exc)
-    response.headers["x-request-id"] = request.state.request_id
-    return response
+class RequestContext:
+    """Every request gets an id (in the response and in the log); anything not handled by the exception
+    handlers becomes an OpenAI error body here, never Starlette's plain-text 500. A plain ASGI
+    middleware: it adds a header and nothing else to the cost of a request."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = f"req-{uuid.uuid4().hex[:24]}"
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                MutableHeaders(scope=message).append("x-request-id", request_id)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            if started:  # a streamed body failed after its headers: nothing else can be sent
+                raise
+            await error_response(Request(scope), exc)(scope, receive, send_with_id)
+
+
+api.add_middleware(RequestContext)
 
 
 @api.exception_handler(ApiError)
@@ -189,6 +210,7 @@ class Ingress:
                                  balance_threshold=self.config.balance_threshold,
                                  prefetch_horizon=self.config.horizon, limits=self.config.limits.model_dump())
         self.limits = self.config.limits
+        self.spec_limits = self.limits.spec_limits()
         self._inflight: Counter[str] = Counter()  # per tenant: calls admitted here and not yet answered
         # the engines' own tokenizer and context (the engine checks a prompt against its pool too)
         self.tokenizer = load_tokenizer(self.config.tokenizer_path())
@@ -285,6 +307,15 @@ class Ingress:
         self._remember(tenant, spec)
         return spec
 
+    async def _put_template(self, tenant: str, body: dict[str, Any]) -> WorkflowSpec:
+        """Register a spec from the network. It is checked here first (pure: no file is read, limits
+        apply), so a bad or oversized spec never reaches the router; the router checks it again,
+        as the authority every ingress replica shares."""
+        spec = parse_spec(body, limits=self.spec_limits)
+        await self._call_router("put_template", tenant, body)
+        self._remember(tenant, spec)
+        return spec
+
     def _remember(self, tenant: str, spec: WorkflowSpec) -> None:
         if len(self._templates) > 10_000:
             self._templates.clear()
@@ -356,9 +387,8 @@ class Ingress:
             if workflow is not None and workflow != name:  # checked before anything is registered
                 raise ApiError(400, f"'kvflow.workflow' ({workflow!r}) differs from the inline spec's name "
                                     f"({_public(repr(name), 130)})", "kvflow.workflow")
-            spec = parse_spec(await self._call_router("put_template", tenant, meta.workflow_spec))
+            spec = await self._put_template(tenant, meta.workflow_spec)
             workflow = spec.name
-            self._remember(tenant, spec)
         if workflow is None:
             workflow = await self._call_router("client_workflow", tenant, meta.client_id)
         spec = await self._template(tenant, workflow)
@@ -484,8 +514,7 @@ class Ingress:
         body = await self._json(request, raw)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a workflow spec object", "workflow_spec")
-        spec = parse_spec(await self._call_router("put_template", tenant, body))
-        self._remember(tenant, spec)
+        spec = await self._put_template(tenant, body)
         if len(self._registered) > 10_000:
             self._registered.clear()
         self._registered[digest] = spec

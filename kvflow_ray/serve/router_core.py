@@ -15,13 +15,15 @@ served; the live state follows what actually ran, and the deviation is counted.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow_ray.core.graph import SpecLimits, UnknownAgentError, WorkflowSpec, WorkflowState, parse_spec
+from kvflow_ray.core.graph import UnknownAgentError, WorkflowSpec, WorkflowState, parse_spec
 from kvflow_ray.core.routing import PrefixAffinityRouter
 from kvflow_ray.engines.base import CacheEvent, Hints
 from kvflow_ray.serve.config import TenantLimits
@@ -83,6 +85,10 @@ class HintBatch:
         return bool(self.steps or self.prompts or self.retire)
 
 
+def _digest(spec: Mapping[str, Any]) -> bytes:
+    return hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=16).digest()
+
+
 def workflow_key(tenant: str, client_id: str) -> str:
     return f"{tenant}/{client_id}"
 
@@ -92,10 +98,7 @@ class RouterCore:
                  limits: TenantLimits | None = None) -> None:
         self.store = store
         self.limits = limits or TenantLimits()
-        self.spec_limits = SpecLimits(max_agents=self.limits.max_agents_per_spec,
-                                      max_prompt_bytes=self.limits.max_prompt_bytes,
-                                      max_agents_setting="limits.max_agents_per_spec",
-                                      max_prompt_bytes_setting="limits.max_prompt_bytes")
+        self.spec_limits = self.limits.spec_limits()
         self.policy = policy or PrefixAffinityRouter()
         self.prefetch_horizon = prefetch_horizon  # the engines prefetch agents this many steps ahead
         self.loads: dict[str, int] = {}  # live replicas -> requests queued or running there
@@ -116,6 +119,7 @@ class RouterCore:
         self._live: dict[str, OrderedDict[str, float]] = {}
         self._template_names: dict[str, set[str]] = {}
         self._write_tokens: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at)
+        self._sent: dict[tuple[str, str], bytes] = {}  # (tenant, template) -> digest of the body that set it
         now = time.monotonic()
         for tenant, client_id, _record in store.clients():  # once, at (re)start
             self._live.setdefault(tenant, OrderedDict())[client_id] = now
@@ -160,12 +164,18 @@ class RouterCore:
         without touching the filesystem (`prompt_file` is refused). Re-sending the same spec (an
         inline `workflow_spec` on every call) writes nothing."""
         check_name("tenant", tenant)
+        if self._write_tokens_left(tenant) < 1:  # a spent budget answers before any parsing
+            try:
+                return self._unchanged(tenant, spec)
+            except KeyError:
+                raise self._write_limit() from None
         parsed = parse_spec(dict(spec), limits=self.spec_limits)  # raises SpecError naming the field
         try:
             current = self.template(tenant, parsed.name)
         except UnknownWorkflowError:
             current = None
         if current is not None and current.to_dict() == parsed.to_dict():
+            self._sent[(tenant, parsed.name)] = _digest(spec)
             return current
         names = self._templates_of(tenant)
         if current is None and len(names) >= self.limits.max_templates:
@@ -173,6 +183,7 @@ class RouterCore:
         self._take_write_token(tenant)
         self.store.put_template(tenant, parsed.name, parsed.to_dict())
         self._specs[(tenant, parsed.name)] = parsed
+        self._sent[(tenant, parsed.name)] = _digest(spec)
         names.add(parsed.name)
         return parsed
 
@@ -182,16 +193,34 @@ class RouterCore:
             names = self._template_names[tenant] = set(self.store.templates(tenant))
         return names
 
-    def _take_write_token(self, tenant: str) -> None:
+    def _write_tokens_left(self, tenant: str) -> float:
+        """The tenant's template-write bucket now (rate `template_writes_per_s`, burst of one second's worth)."""
         rate = self.limits.template_writes_per_s
         burst = max(1.0, rate)
         now = time.monotonic()
         tokens, at = self._write_tokens.get(tenant, (burst, now))
         tokens = min(burst, tokens + (now - at) * rate)
+        self._write_tokens[tenant] = (tokens, now)
+        return tokens
+
+    def _take_write_token(self, tenant: str) -> None:
+        tokens = self._write_tokens_left(tenant)
         if tokens < 1:
-            raise TenantLimitError("template_writes_per_s",
-                                   f"workflow registrations are limited to {rate:g} per second per tenant")
-        self._write_tokens[tenant] = (tokens - 1, now)
+            raise self._write_limit()
+        self._write_tokens[tenant] = (tokens - 1, time.monotonic())
+
+    def _write_limit(self) -> TenantLimitError:
+        return TenantLimitError("template_writes_per_s", "workflow registrations are limited to "
+                                f"{self.limits.template_writes_per_s:g} per second per tenant")
+
+    def _unchanged(self, tenant: str, spec: Mapping[str, Any]) -> WorkflowSpec:
+        """The registered template when `spec` is exactly what registered it (KeyError otherwise): no
+        parsing, so a tenant out of write budget can still re-send what it registered."""
+        name = spec.get("name")
+        current = self._specs.get((tenant, name)) if isinstance(name, str) else None
+        if current is None or self._sent.get((tenant, current.name)) != _digest(spec):
+            raise KeyError(name)
+        return current
 
     def template(self, tenant: str, name: str) -> WorkflowSpec:
         key = (check_name("tenant", tenant), check_name("workflow", name))
