@@ -34,7 +34,7 @@ class TenantLimits(BaseModel):
     max_json_depth: int = Field(64, ge=4)  # nesting of a request body
     # workflow registrations (POST /v1/workflows, inline specs that change) per tenant per second,
     # with a burst of this many: parsing and storing a large spec is the costliest thing a tenant can ask
-    template_writes_per_s: float = Field(20.0, gt=0)
+    template_writes_per_s: float = Field(5.0, gt=0)
 
     def spec_limits(self) -> SpecLimits:
         """The bounds every spec from the network is parsed with (`parse_spec(..., limits=)`)."""
