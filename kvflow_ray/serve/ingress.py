@@ -20,7 +20,6 @@ import hashlib
 import hmac
 import json
 import logging
-import re
 import time
 import uuid
 from collections import Counter
@@ -45,6 +44,7 @@ from kvflow_ray.serve.openai_api import (
     ParsedRequest,
     fixed_boundary,
     parse_request,
+    public_text,
     response_body,
     stream_chunk,
     usage,
@@ -71,12 +71,6 @@ def _cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def _public(text: str, limit: int = 500) -> str:
-    """Text safe for a client: no control characters (terminal escapes), bounded."""
-    text = re.sub(r"[\x00-\x08\x0b-\x1f\x7f]\[?[0-9;]*m?", "", text)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def _to_api_error(exc: BaseException) -> ApiError | None:
     """Request errors (raised here or in the router): what the caller did wrong, as a 4xx/503.
     None: not the caller's fault (a bug or an outage), answered as a 500 without detail."""
@@ -84,21 +78,21 @@ def _to_api_error(exc: BaseException) -> ApiError | None:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, NoReplicaError):
-        return ApiError(503, _public(str(exc)), kind="service_unavailable", code="no_replica",
+        return ApiError(503, public_text(str(exc)), kind="service_unavailable", code="no_replica",
                         headers={"Retry-After": "1"})
     if isinstance(exc, TenantLimitError):
-        return ApiError(429, _public(str(exc)), kind="rate_limit_error", code="tenant_limit_exceeded",
+        return ApiError(429, public_text(str(exc)), kind="rate_limit_error", code="tenant_limit_exceeded",
                         headers={"Retry-After": "1"})
     if isinstance(exc, (UnknownClientError, UnknownWorkflowError)):
-        return ApiError(404, _public(str(exc)), kind="not_found_error", code="not_found")
+        return ApiError(404, public_text(str(exc)), kind="not_found_error", code="not_found")
     if isinstance(exc, SpecLimitError):
-        return ApiError(400, _public(str(exc)), "workflow_spec", code="spec_limit_exceeded")
+        return ApiError(400, public_text(str(exc)), "workflow_spec", code="spec_limit_exceeded")
     if isinstance(exc, SpecError):
-        return ApiError(400, _public(str(exc)), "workflow_spec")
+        return ApiError(400, public_text(str(exc)), "workflow_spec")
     if isinstance(exc, UnknownAgentError):
-        return ApiError(400, _public(str(exc)), "kvflow.agent")
+        return ApiError(400, public_text(str(exc)), "kvflow.agent")
     if isinstance(exc, ValueError):
-        return ApiError(400, _public(str(exc)))
+        return ApiError(400, public_text(str(exc)))
     return None
 
 
@@ -164,8 +158,8 @@ async def _api_error_handler(request: Request, exc: ApiError) -> Response:
 @api.exception_handler(HTTPException)
 async def _http_error_handler(request: Request, exc: HTTPException) -> Response:
     message, kind = HTTP_MESSAGES.get(exc.status_code, ("{detail}", "invalid_request_error"))
-    text = message.format(method=request.method, path=_public(request.url.path, 200), detail=exc.detail)
-    return error_response(request, ApiError(exc.status_code, _public(text), kind=kind,
+    text = message.format(method=request.method, path=public_text(request.url.path, 200), detail=exc.detail)
+    return error_response(request, ApiError(exc.status_code, public_text(text), kind=kind,
                                             code="not_found" if exc.status_code == 404 else None,
                                             headers=dict(exc.headers or {})))
 
@@ -175,7 +169,7 @@ async def _validation_handler(request: Request, exc: RequestValidationError) -> 
     errors = exc.errors()
     loc = ".".join(str(p) for p in errors[0].get("loc", ())) if errors else ""
     message = f"invalid {loc}: {errors[0].get('msg', '')}" if errors else "invalid request"
-    return error_response(request, ApiError(400, _public(message), loc or None))
+    return error_response(request, ApiError(400, public_text(message), loc or None))
 
 
 @api.exception_handler(Exception)
@@ -274,7 +268,7 @@ class Ingress:
         except RecursionError:
             raise too_deep from None
         except ValueError as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {_public(str(exc), 200)}") from None
+            raise ApiError(400, f"the request body is not valid JSON: {public_text(str(exc), 200)}") from None
         if json_too_deep(body, self.limits.max_json_depth):
             raise too_deep
         return body
@@ -386,7 +380,7 @@ class Ingress:
             name = meta.workflow_spec.get("name")
             if workflow is not None and workflow != name:  # checked before anything is registered
                 raise ApiError(400, f"'kvflow.workflow' ({workflow!r}) differs from the inline spec's name "
-                                    f"({_public(repr(name), 130)})", "kvflow.workflow")
+                                    f"({public_text(repr(name), 130)})", "kvflow.workflow")
             spec = await self._put_template(tenant, meta.workflow_spec)
             workflow = spec.name
         if workflow is None:
@@ -602,7 +596,7 @@ class Ingress:
 def _engine_error(outcome: dict[str, Any]) -> ApiError:
     """An engine's refusal (400: the request can never run there) or failure (500: no detail)."""
     if outcome["status"] < 500:
-        return ApiError(outcome["status"], _public(str(outcome["error"])))
+        return ApiError(outcome["status"], public_text(str(outcome["error"])))
     logger.error("engine replica %s failed a request: %s", outcome.get("replica"), outcome["error"])
     return ApiError(500, "the engine failed to serve the request; the server log has the details",
                     kind="server_error", code="engine_error")

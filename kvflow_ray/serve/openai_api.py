@@ -180,13 +180,13 @@ def validation_error(exc: ValidationError, prefix: str = "") -> ApiError:
         name = loc[-1] if loc else "?"
         if len(loc) == 1 and name in UNSUPPORTED:
             return ApiError(400, f"'{name}' is not supported by this server", name, code="unsupported_parameter")
-        return ApiError(400, f"unknown parameter '{_clip(param)}'", param, code="unknown_parameter")
+        return ApiError(400, f"unknown parameter '{public_text(param, 120)}'", param, code="unknown_parameter")
     if kind == "missing":
-        return ApiError(400, f"'{_clip(param)}' is required", param, code="missing_required_parameter")
+        return ApiError(400, f"'{public_text(param, 120)}' is required", param, code="missing_required_parameter")
     if param in UNION_MESSAGES:
         return ApiError(400, f"'{param}' {UNION_MESSAGES[param]}", param, code="invalid_value")
     message = str(error["msg"]).removeprefix("Value error, ")
-    return ApiError(400, f"'{_clip(param)}': {message}" if param else message, param or None,
+    return ApiError(400, f"'{public_text(param, 120)}': {message}" if param else message, param or None,
                     code="invalid_value")
 
 
@@ -208,8 +208,9 @@ def _param(loc: list[str]) -> str:
     return out
 
 
-def _clip(text: str, limit: int = 120) -> str:
-    text = re.sub(r"[\x00-\x1f\x7f]", "", text)
+def public_text(text: str, limit: int = 500) -> str:
+    """Text safe to send a client: no control characters or terminal escape sequences, bounded."""
+    text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]|[\x00-\x08\x0b-\x1f\x7f]", "", text)
     return text if len(text) <= limit else text[:limit] + "..."
 
 
