@@ -31,7 +31,7 @@ BAD: dict[str, tuple[Any, bool, str, str | None]] = {
     "bad role": ({"messages": [{"role": "tool", "content": "x"}]}, True, "not supported", "messages[0].role"),
     "content not text": ({"messages": [{"role": "user", "content": 3}]}, True, "must be a string",
                          "messages[0].content"),
-    "no prompt": ({"prompt": ""}, False, "'prompt' is required", "prompt"),
+    "no prompt": ({"prompt": ""}, False, "'prompt' must be a non-empty string", "prompt"),
     "max_tokens zero": ({**CHAT, "max_tokens": 0}, True, "between 1 and", "max_tokens"),
     "max_tokens text": ({**CHAT, "max_tokens": "8"}, True, "must be an integer", "max_tokens"),
     "max_tokens bool": ({**CHAT, "max_tokens": True}, True, "got a boolean", "max_tokens"),
@@ -40,7 +40,7 @@ BAD: dict[str, tuple[Any, bool, str, str | None]] = {
     "kvflow not object": ({**CHAT, "kvflow": "c1"}, True, "must be an object", "kvflow"),
     "kvflow no agent": ({**CHAT, "kvflow": {"client_id": "c1"}}, True, "kvflow.agent", "kvflow.agent"),
     "kvflow unknown key": ({**CHAT, "kvflow": {"client_id": "c", "agent": "a", "tenant": "b"}}, True,
-                           "unknown keys", "kvflow"),
+                           "unknown parameter 'kvflow.tenant'", "kvflow.tenant"),
     "kvflow fixed negative": ({**CHAT, "kvflow": {"client_id": "c", "agent": "a", "fixed_prefix_tokens": -1}}, True,
                               "non-negative", "kvflow.fixed_prefix_tokens"),
 }
@@ -53,8 +53,10 @@ def test_bad_requests_get_openai_errors(case: str) -> None:
         parse_request(body, chat=chat)
     err = info.value
     assert err.status == 400 and message in err.message and err.param == param
+    code = {"no messages": "missing_required_parameter", "kvflow no agent": "missing_required_parameter",
+            "kvflow unknown key": "unknown_parameter", "not an object": None}.get(case, "invalid_value")
     assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error", "param": param,
-                                    "code": None}}
+                                    "code": code}}
 
 
 def test_fixed_boundary_of_a_chat_request() -> None:

@@ -200,6 +200,7 @@ def test_errors_are_openai_shaped_and_leak_nothing(server: LocalServer) -> None:
         (http(server, "GET", "/v1/nope"), 404, "/v1/nope"),
         (http(server, "DELETE", "/v1/models"), 405, "DELETE"),
         (http(server, "POST", "/v1/chat/completions", key="wrong"), 401, "API key"),
+        (http(server, "GET", "/v1/models", key=None), 401, "API key"),
         (http(server, "POST", "/v1/chat/completions", raw=b"{not json"), 400, "JSON"),
         (http(server, "POST", "/v1/chat/completions", raw=b"[" * 100_000 + b"]" * 100_000), 400, "max_json_depth"),
         (http(server, "POST", "/v1/chat/completions", raw=b'{"a": "' + b"x" * 300_000 + b'"}'), 413,

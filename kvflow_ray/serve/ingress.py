@@ -58,7 +58,6 @@ logger = logging.getLogger("ray.serve")
 api = FastAPI(title="kvflow-ray", description="OpenAI-compatible, workflow-aware LLM serving")
 ROUTER_RETRY_S = 60.0  # how long calls wait for a restarting router
 TEMPLATE_CACHE_S = 10.0  # templates registered through another ingress replica show up within this
-METRICS_MAX_AGE_S = 1.0  # as the router's own exposition cache
 DEAD = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 
@@ -219,7 +218,6 @@ class Ingress:
         self._templates: dict[tuple[str, str], tuple[float, WorkflowSpec]] = {}  # -> (fetched at, spec)
         # (tenant, body hash) -> the spec it registered, while that is still the tenant's current template
         self._registered: dict[tuple[str, bytes], WorkflowSpec] = {}
-        self._metrics: tuple[float, bytes] = (-1e9, b"")  # (fetched at, exposition)
 
     # ------------------------------------------------------------------ plumbing
     async def _call_router(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -547,10 +545,7 @@ class Ingress:
                 raise ApiError(401, "/metrics needs the metrics token: send 'Authorization: Bearer <token>'",
                                kind="authentication_error", code="invalid_metrics_token",
                                headers={"WWW-Authenticate": "Bearer"})
-        fetched_at, text = self._metrics
-        if time.monotonic() - fetched_at >= METRICS_MAX_AGE_S:  # scrapes within a second share one fetch
-            text = await self._call_router("metrics_text")
-            self._metrics = (time.monotonic(), text)
+        text = await self._call_router("metrics_text")
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def models(self) -> Response:
@@ -569,7 +564,8 @@ class Ingress:
         return await self.completion(request, chat=False)
 
     @api.get("/v1/models")
-    async def models_route(self) -> Response:
+    async def models_route(self, request: Request) -> Response:
+        self._tenant(request)  # as OpenAI's: only for callers with a key
         return self.models()
 
     @api.post("/v1/workflows")

@@ -169,8 +169,9 @@ def parse_meta(raw: Any) -> KvflowMeta | None:
 
 
 def validation_error(exc: ValidationError, prefix: str = "") -> ApiError:
-    """The first problem of a pydantic error as a 400 naming the parameter; values are never echoed."""
-    error = exc.errors(include_url=False, include_input=False)[0]
+    """The first problem of a pydantic error as a 400 naming the parameter, in OpenAI's words; the
+    offending value is never echoed (only its JSON type, where that is the problem)."""
+    error = exc.errors(include_url=False)[0]
     loc = [str(p) for p in error["loc"] if not _is_union_tag(p)]
     if prefix:
         loc.insert(0, prefix)
@@ -185,15 +186,47 @@ def validation_error(exc: ValidationError, prefix: str = "") -> ApiError:
         return ApiError(400, f"'{public_text(param, 120)}' is required", param, code="missing_required_parameter")
     if param in UNION_MESSAGES:
         return ApiError(400, f"'{param}' {UNION_MESSAGES[param]}", param, code="invalid_value")
-    message = str(error["msg"]).removeprefix("Value error, ")
-    return ApiError(400, f"'{public_text(param, 120)}': {message}" if param else message, param or None,
-                    code="invalid_value")
+    return ApiError(400, f"'{public_text(param, 120)}' {_describe(param, error)}" if param
+                    else _describe(param, error), param or None, code="invalid_value")
 
 
 UNION_MESSAGES = {  # parameters of several shapes: one message for all of them
     "stop": f"must be a non-empty string or an array of at most {MAX_STOP_STRINGS} non-empty strings",
     "prompt": "must be a non-empty string (or an array holding one)",
 }
+# how a value must look, where OpenAI documents a range (checked by the models' Field bounds)
+RANGES = {"max_tokens": f"must be between 1 and {MAX_TOKENS_LIMIT}",
+          "max_completion_tokens": f"must be between 1 and {MAX_TOKENS_LIMIT}",
+          "temperature": "must be between 0 and 2", "top_p": "must be greater than 0 and at most 1",
+          "n": "must be 1 (only n=1 is supported)", "kvflow.fixed_prefix_tokens": "must be a non-negative integer"}
+TYPES = {"int": "an integer", "float": "a number", "string": "a string", "bool": "a boolean", "dict": "an object",
+         "model": "an object", "list": "an array"}
+
+
+def _describe(param: str, error: Any) -> str:
+    kind, ctx = error["type"], error.get("ctx") or {}
+    if param in RANGES and kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal",
+                                    "literal_error"):
+        return RANGES[param]
+    if kind == "literal_error" and param.endswith(".role"):
+        return "is not supported (system, user, assistant)"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected', '')}"
+    base = kind.split("_")[0]
+    if base in TYPES and kind.endswith(("_type", "_parsing", "_attributes_type")):
+        got = error.get("input")
+        return f"must be {TYPES[base]}" + (", got a boolean" if isinstance(got, bool) else "")
+    if kind in ("too_short", "string_too_short"):
+        return "must not be empty"
+    if kind == "too_long":
+        return f"must have at most {ctx.get('max_length')} items"
+    if kind == "string_too_long":
+        return f"must be at most {ctx.get('max_length')} characters"
+    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+        bound = next(iter(ctx.values()), "")
+        return {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">",
+                "less_than": "<"}[kind].join(("must be ", f" {bound}"))
+    return public_text(str(error["msg"]).removeprefix("Value error, "), 200)
 
 
 def _is_union_tag(part: object) -> bool:

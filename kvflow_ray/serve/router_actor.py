@@ -33,7 +33,6 @@ ROUTER_NAME = "kvflow-router"
 ROUTER_NAMESPACE = "kvflow"
 HEARTBEAT_MAX_AGE_S = 60.0  # replicas a restarted router trusts
 STALE_REPLICA_S = 15.0  # a live replica reports every second; this long without a word means it is gone
-EXPOSITION_MAX_AGE_S = 1.0  # Prometheus scrapes every 15 s (1 s in the tests): a second-old view is fresh
 
 
 def _hints(pairs: list[tuple[str, Hints]]) -> list[tuple[str, dict[str, Any]]]:
@@ -49,7 +48,6 @@ class WorkflowRouterActor:
                                prefetch_horizon=prefetch_horizon, limits=TenantLimits(**(limits or {})))
         self.metrics = RouterMetrics()
         self.expositions: dict[str, bytes] = {}  # replica -> its latest metrics
-        self._exposition: tuple[float, bytes] = (-1e9, b"")  # (built at, text): scrapes within a second share it
         self._wakeups: dict[str, asyncio.Event] = {}
         self._pruned_at = time.monotonic()
         for replica in self.core.store.replicas(HEARTBEAT_MAX_AGE_S):  # a restart: who was serving
@@ -127,20 +125,15 @@ class WorkflowRouterActor:
 
     # ------------------------------------------------------------------ observability
     async def metrics_text(self) -> bytes:
-        """The router's metrics and every live replica's, as one Prometheus exposition. Built from
-        what the router holds in memory, at most once a second however many scrapers ask (a store
-        ping is the only round trip), so scrapes cannot slow anyone's calls down."""
-        built_at, text = self._exposition
-        if time.monotonic() - built_at < EXPOSITION_MAX_AGE_S:
-            return text
+        """The router's metrics and every live replica's, as one Prometheus exposition, built from what
+        the router holds in memory (live clients per tenant included: no store scan; a store ping is
+        the only round trip), so a scrape costs the router next to nothing."""
         self.metrics.set_active(self.core.active_clients())
         store = self.core.store
         self.metrics.set_health(len(self.core.loads), "redis" if isinstance(store, RedisStore) else "memory",
                                 store.ping())
         live = [text for name, text in self.expositions.items() if name in self.core.loads]
-        text = merge_expositions([self.metrics.exposition(), *live])
-        self._exposition = (time.monotonic(), text)
-        return text
+        return merge_expositions([self.metrics.exposition(), *live])
 
     async def decision_latencies(self) -> list[float]:
         return list(self.core.decision_seconds)
