@@ -187,7 +187,7 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server: LocalSe
         _http(server, "POST", chat, json_body={**base, "kvflow": "peer"}), 400)
     assert "kvflow.agent" in _error(
         _http(server, "POST", chat, json_body={**base, "kvflow": {"client_id": "x"}}), 400)
-    assert "unknown keys" in _error(_http(server, "POST", chat, json_body={
+    assert "unknown parameter 'kvflow.tenant'" in _error(_http(server, "POST", chat, json_body={
         **base, "kvflow": {"client_id": "x", "agent": "planner", "tenant": "beta"}}), 400)
     assert "unknown workflow 'nope'" in _error(_http(server, "POST", chat, json_body={
         **base, "kvflow": {"client_id": "x", "agent": "planner", "workflow": "nope"}}), 404)
