@@ -208,7 +208,7 @@ def test_templates_per_tenant_are_bounded_and_an_unchanged_spec_writes_nothing(s
     assert store.get_template("acme", "c") is None  # refused: nothing written
     core.put_template("globex", {"name": "c", "agents": {"x": {}}})  # another tenant's quota is its own
 
-    slow = _limited(store, template_writes_per_s=2)
+    slow = _limited(store, template_writes_per_s=2, template_write_burst=2)
     slow.put_template("initech", {"name": "a", "agents": {"x": {}}})
     slow.put_template("initech", {"name": "b", "agents": {"x": {}}})
     # the bucket (2/s, burst 2) is spent; re-sending a registered spec as it is still works, without a write

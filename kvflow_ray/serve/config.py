@@ -32,9 +32,11 @@ class TenantLimits(BaseModel):
     max_inflight_requests: int = Field(64, ge=1)  # per tenant, per ingress replica; more get 429
     max_body_bytes: int = Field(4 << 20, ge=1024)  # one HTTP request body (read no further)
     max_json_depth: int = Field(64, ge=4)  # nesting of a request body
-    # workflow registrations (POST /v1/workflows, inline specs that change) per tenant per second,
-    # with a burst of this many: parsing and storing a large spec is the costliest thing a tenant can ask
-    template_writes_per_s: float = Field(5.0, gt=0)
+    # registrations that change a template (POST /v1/workflows, inline specs), per tenant: a sustained
+    # rate and a burst (a platform registering its applications at start-up); re-sending an unchanged
+    # spec costs nothing. Parsing and storing large specs is the costliest thing a tenant can ask for.
+    template_writes_per_s: float = Field(10.0, gt=0)
+    template_write_burst: int = Field(100, ge=1)
 
     def spec_limits(self) -> SpecLimits:
         """The bounds every spec from the network is parsed with (`parse_spec(..., limits=)`)."""

@@ -194,9 +194,9 @@ class RouterCore:
         return names
 
     def _write_tokens_left(self, tenant: str) -> float:
-        """The tenant's template-write bucket now (rate `template_writes_per_s`, burst of one second's worth)."""
+        """The tenant's template-write bucket now (`template_writes_per_s`, `template_write_burst`)."""
         rate = self.limits.template_writes_per_s
-        burst = max(1.0, rate)
+        burst = float(self.limits.template_write_burst)
         now = time.monotonic()
         tokens, at = self._write_tokens.get(tenant, (burst, now))
         tokens = min(burst, tokens + (now - at) * rate)
