@@ -51,13 +51,13 @@ def test_tenants_are_isolated(router: RouterCore) -> None:
     with pytest.raises(UnknownAgentError):
         router.start_call("globex", "c1", "planner", workflow="peer")
     assert router.start_call("globex", "c1", "solo", workflow="peer").workflow_key == "globex/c1"
-    with pytest.raises(UnknownClientError):
-        router.end_call("initech", "c1", "planner")
+    assert router.end_call("initech", "c1", "planner") == []  # no such client here: nothing to end
     with pytest.raises(UnknownClientError):
         router.finish_client("initech", "c1")
     with pytest.raises(UnknownWorkflowError):
         router.template("initech", "peer")
-    router.finish_client("globex", "c1")
+    router.finish_client("globex", "c1")  # retires once its call (solo) ends
+    router.end_call("globex", "c1", "solo")
     # acme's c1 is untouched by globex finishing its own c1
     router.end_call("acme", "c1", "planner")
     assert router.active_clients() == {"acme": 1}
@@ -150,6 +150,7 @@ def test_hints_wait_in_an_outbox_per_replica_with_prompts_sent_once(router: Rout
     router.start_call("acme", "c1", "executor")
     batch = router.take_hints("r1")
     assert batch is not None and batch.steps["acme/c1"]["executor"] == 0 and not batch.prompts  # told already
+    router.end_call("acme", "c1", "executor", "r1")
     router.finish_client("acme", "c1")
     batch = router.take_hints("r2")
     assert batch is not None and batch.retire == ["acme/c1"] and "acme/c1" not in batch.steps
@@ -243,6 +244,7 @@ def test_live_clients_per_tenant_are_bounded_and_a_refused_call_changes_nothing(
         core.start_call("acme", "c3", "planner", workflow="peer")
     assert store.get_client("acme", "c3") is None and core.loads["r1"] == 2
     core.start_call("acme", "c1", "executor")  # a live client still runs
+    core.end_call("acme", "c2", "planner", "r1")
     core.finish_client("acme", "c2")  # finishing one makes room
     core.start_call("acme", "c3", "planner", workflow="peer")
     assert core.active_clients() == {"acme": 2}
@@ -257,3 +259,58 @@ def test_hints_carry_the_cache_salt_of_each_instance(store: Store) -> None:
     assert all(h.salts == {"acme/c1": "tenant:acme"} for _replica, h in route.hints)
     batch = core.take_hints("r1")
     assert batch is not None and batch.salts == {"acme/c1": "tenant:acme"} and "acme/c1" in batch.prompts
+
+
+# ---------------------------------------------------------------------------------------------- lifecycles
+def test_a_client_finished_during_its_call_returns_the_answer_and_retires_after(router: RouterCore) -> None:
+    router.start_call("acme", "c1", "planner", workflow="peer")
+    router.take_hints("r1")
+    assert router.finish_client("acme", "c1") == []  # the call is still generating: nothing retired yet
+    assert router.take_hints("r1") is None
+    with pytest.raises(UnknownClientError, match="finished"):
+        router.start_call("acme", "c1", "executor")  # no new call of a finished client
+    assert router.finish_client("acme", "c1") == []  # finishing twice is harmless
+    hints = router.end_call("acme", "c1", "planner", "r1")  # the call ends normally, with its answer
+    assert {h.retire[0] for _replica, h in hints} == {"acme/c1"}
+    batch = router.take_hints("r1")
+    assert batch is not None and batch.retire == ["acme/c1"] and "acme/c1" not in batch.steps
+    assert sum(router.loads.values()) == 0 and router.active_clients() == {}
+    with pytest.raises(UnknownClientError):
+        router.finish_client("acme", "c1")
+
+
+def test_an_expired_client_is_forgotten_by_the_router_and_retired_on_every_replica(
+        store: Store, request: pytest.FixtureRequest) -> None:
+    if isinstance(store, RedisStore):
+        store = RedisStore(request.getfixturevalue("redis_url"), ttl_s=0.3)
+    else:
+        store = MemoryStore(ttl_s=0.3)
+    core = RouterCore(store)
+    for name in ("r1", "r2"):
+        core.add_replica(name)
+    core.put_template("acme", PEER)
+    core.start_call("acme", "idle", "planner", workflow="peer")
+    core.end_call("acme", "idle", "planner", "r1")
+    for name in ("r1", "r2"):
+        core.take_hints(name)
+    assert core.expire_clients() == 0
+    import time
+
+    time.sleep(0.4)
+    assert core.expire_clients() == 1 and core.active_clients() == {}
+    assert "acme/idle" not in core._told and ("acme", "idle") not in core._clients
+    for name in ("r1", "r2"):
+        batch = core.take_hints(name)
+        assert batch is not None and batch.retire == ["acme/idle"]
+    # a late end_call of an expired client is no error
+    assert core.end_call("acme", "idle", "executor", "r1") == []
+
+
+def test_a_call_retried_after_its_replica_died_is_one_call(router: RouterCore) -> None:
+    first = router.start_call("acme", "c1", "planner", workflow="peer")
+    router.remove_replica(first.replica)  # died under the call
+    again = router.start_call("acme", "c1", "planner", retry=True)
+    assert again.replica != first.replica and router.loads[again.replica] == 1
+    router.end_call("acme", "c1", "planner", again.replica)
+    assert sum(router.loads.values()) == 0
+    assert router.finish_client("acme", "c1") != []  # no call left in flight: retired at once

@@ -294,6 +294,59 @@ def _drive(server: LocalServer, client_ids: list[str], iterations: int, errors: 
     return threads
 
 
+def _loads(server: LocalServer) -> dict[str, int]:
+    from kvflow_ray.serve.router_actor import get_router
+
+    return ray.get(get_router(create=False).replicas.remote())
+
+
+def _wait_idle(server: LocalServer, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while any(_loads(server).values()):
+        assert time.monotonic() < deadline, f"{what}: the router still counts load {_loads(server)}"
+        time.sleep(0.25)
+
+
+def test_clients_that_hang_up_mid_stream_leave_no_load_behind(server: LocalServer) -> None:
+    import http.client
+    from urllib.parse import urlsplit
+
+    _wait_idle(server, "before")
+    address = urlsplit(server.url)
+    prompt = PEER.spec.agents["planner"].prompt
+    for i in range(6):
+        body = json.dumps({"model": "kvflow-cpu-random", "max_tokens": 48, "ignore_eos": True, "stream": True,
+                           "messages": [{"role": "system", "content": prompt}, {"role": "user", "content": "go"}],
+                           "kvflow": {"client_id": f"hangup-{i}", "workflow": "peer", "agent": "planner"}})
+        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=60)
+        connection.request("POST", "/v1/chat/completions", body,
+                           {"Authorization": "Bearer key-acme", "Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200
+        response.fp.readline()  # the first event has arrived: the call is running
+        connection.close()  # hang up mid-stream
+    _wait_idle(server, "after 6 clients hung up")
+
+
+def test_finishing_a_client_during_its_call_still_returns_the_answer(server: LocalServer) -> None:
+    client = _sdk(server)
+    done: list[Any] = []
+    call = threading.Thread(target=lambda: done.append(_chat(client, "finish-mid-call", "planner", max_tokens=32)))
+    call.start()
+    deadline = time.monotonic() + 60
+    while not any(_loads(server).values()):  # the call is routed and running
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert _http(server, "POST", "/v1/clients/finish-mid-call/finish").status_code == 200
+    call.join(timeout=120)
+    assert done and done[0].parse().choices[0].message.content is not None  # the answer came back
+    # the client is over: a new call of it must name its workflow again (a new instance)
+    assert "unknown client" in _error(_http(server, "POST", "/v1/chat/completions", json_body={
+        "model": "kvflow-cpu-random", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+        "kvflow": {"client_id": "finish-mid-call", "agent": "planner"}}), 404)
+    _wait_idle(server, "after the finished client's call")
+
+
 def test_router_restart_loses_no_workflow_state(server: LocalServer) -> None:
     from kvflow_ray.serve.router_actor import get_router
 

@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from starlette.background import BackgroundTask
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 
@@ -205,6 +206,7 @@ class Ingress:
         self.limits = self.config.limits
         self.spec_limits = self.limits.spec_limits()
         self._inflight: Counter[str] = Counter()  # per tenant: calls admitted here and not yet answered
+        self._tasks: set[asyncio.Task[None]] = set()  # router calls that must finish whatever the caller does
         # the engines' own tokenizer and context (the engine checks a prompt against its pool too)
         self.tokenizer = load_tokenizer(self.config.tokenizer_path())
         self.model_name = self.config.model_name()
@@ -347,8 +349,11 @@ class Ingress:
                                           "cache_salt": salt}
         call = await self._start_call(tenant, parsed, tokens, text, engine_request)
         if parsed.stream:
+            # the generator ends the call when it stops; the background task when the client hung up
+            # before the generator ever started (both act once)
             return StreamingResponse(self._stream(call, parsed, engine_request, len(tokens), release),
-                                     media_type="text/event-stream", headers=self._route_headers(call, None))
+                                     media_type="text/event-stream", headers=self._route_headers(call, None),
+                                     background=BackgroundTask(self._close, call, release))
         try:
             outcome = await self._run(call, engine_request)
         finally:
@@ -444,13 +449,26 @@ class Ingress:
         # the agent is still running (no deviation); the dead replica's load went with it
         route = await self._call_router("start_call", call.tenant, call.client_id, call.agent,
                                         workflow=call.workflow, prefix_hash=call.prefix_hash,
-                                        prefix_tokens=call.prefix_tokens, cache_salt=call.salt)
+                                        prefix_tokens=call.prefix_tokens, cache_salt=call.salt, retry=True)
         call.replica, call.outcome = route["replica"], route["outcome"]
 
+    async def _close(self, call: _Call | None, release: Callable[[], None]) -> None:
+        release()
+        await self._end_call(call)
+
     async def _end_call(self, call: _Call | None) -> None:
-        if call is not None:
-            await self._call_router("end_call", call.tenant, call.client_id, call.agent,
-                                    call.served_by or call.replica)
+        """Tell the router the call is over. A client that hangs up cancels the request (and closes a
+        stream's generator) while this runs: the router call is its own task, shielded, so it still
+        completes and the replica's load is not left counted."""
+        if call is None or call.ended:
+            return
+        call.ended = True
+        task = asyncio.get_running_loop().create_task(self._call_router(
+            "end_call", call.tenant, call.client_id, call.agent, call.served_by or call.replica))
+        self._tasks.add(task)  # held until done: a task nobody references can be collected mid-flight
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its error is the awaiter's to see
+        await asyncio.shield(task)
 
     async def _stream(self, call: _Call | None, parsed: ParsedRequest, engine_request: dict[str, Any],
                       prompt_tokens: int, release: Callable[[], None]) -> AsyncIterator[str]:
@@ -607,6 +625,7 @@ class _Call:
         self.replica, self.outcome = replica, outcome
         self.prefix_hash, self.prefix_tokens, self.salt = prefix_hash, prefix_tokens, salt
         self.served_by: str | None = None
+        self.ended = False  # end_call sent (once per call)
 
 
 # Bound here, at import, not in `build_app`: Serve pickles the FastAPI app by reference, so every

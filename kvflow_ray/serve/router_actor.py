@@ -101,11 +101,11 @@ class WorkflowRouterActor:
         return self.core.client_workflow(tenant, client_id)
 
     async def start_call(self, tenant: str, client_id: str, agent: str, *, workflow: str | None = None,
-                         prefix_hash: str | None = None, prefix_tokens: int = 0, cache_salt: str = ""
-                         ) -> dict[str, Any]:
+                         prefix_hash: str | None = None, prefix_tokens: int = 0, cache_salt: str = "",
+                         retry: bool = False) -> dict[str, Any]:
         self._prune()
         route = self.core.start_call(tenant, client_id, agent, workflow=workflow, prefix_hash=prefix_hash,
-                                     prefix_tokens=prefix_tokens, cache_salt=cache_salt)
+                                     prefix_tokens=prefix_tokens, cache_salt=cache_salt, retry=retry)
         self.metrics.observe_decision(route.outcome, self.core.decision_seconds[-1], tenant, route.deviation)
         self._wake()
         out = dataclasses.asdict(route)
@@ -150,7 +150,8 @@ class WorkflowRouterActor:
                 wakeup.set()
 
     def _prune(self) -> None:
-        """Forget replicas that stopped reporting (killed without a goodbye), at most once a second."""
+        """Forget replicas that stopped reporting (killed without a goodbye) and clients idle past the
+        state TTL, at most once a second."""
         now = time.monotonic()
         if now - self._pruned_at < 1.0:
             return
@@ -158,6 +159,8 @@ class WorkflowRouterActor:
         alive = self.core.store.replicas(STALE_REPLICA_S)
         for name in [r for r in self.core.loads if r not in alive]:
             self._forget(name)
+        if self.core.expire_clients():  # idle clients' retire hints go out to the replicas
+            self._wake()
 
     def _forget(self, name: str) -> None:
         if name in self.core.loads:

@@ -113,7 +113,11 @@ class RouterCore:
         self._clients: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}  # -> (written at, record)
         self._locations: dict[str, dict[str, str]] = {}  # prefix hash -> {replica: best tier}
         self._outbox: dict[str, HintBatch] = {}  # replica -> hints not yet pulled
-        self._told: set[tuple[str, str]] = set()  # (replica, workflow key) whose prompts were sent
+        self._told: dict[str, set[str]] = {}  # workflow key -> replicas its prompts were sent to
+        # calls started and not yet ended, per (tenant, client); a client finished meanwhile retires
+        # when its last call ends, so the call still returns its answer
+        self._calls: Counter[tuple[str, str]] = Counter()
+        self._finishing: set[tuple[str, str]] = set()
         # per tenant: live clients, least recently called first (expired ones leave from the front, so
         # counting them is O(what expired)), template names, and the template-write token bucket
         self._live: dict[str, OrderedDict[str, float]] = {}
@@ -132,7 +136,8 @@ class RouterCore:
         """A dead replica: its prefixes are forgotten, so its clients' next calls route elsewhere."""
         self.loads.pop(name, None)
         self._outbox.pop(name, None)
-        self._told = {told for told in self._told if told[0] != name}
+        for replicas in self._told.values():
+            replicas.discard(name)
         self.store.drop_replica(name)
         self._held = {key: tiers for key, tiers in self._held.items() if key[0] != name}
         for holders in self._locations.values():
@@ -271,12 +276,16 @@ class RouterCore:
         self._remember_client(tenant, client_id, record)
 
     def start_call(self, tenant: str, client_id: str, agent: str, *, workflow: str | None = None,
-                   prefix_hash: str | None = None, prefix_tokens: int = 0, cache_salt: str = "") -> Route:
+                   prefix_hash: str | None = None, prefix_tokens: int = 0, cache_salt: str = "",
+                   retry: bool = False) -> Route:
         """An agent call arrives: update the client's state, pick a replica, compute the hints.
         `cache_salt`: the cache namespace of the tenant's requests (the engines' prompts for prefetch
-        live there); `prefix_hash` is already salted. Every check runs before any state changes."""
+        live there); `prefix_hash` is already salted. Every check runs before any state changes.
+        `retry`: the same call again, after its replica died under it (one end_call ends both)."""
         started = time.perf_counter()
         check_name("client_id", client_id)
+        if (tenant, client_id) in self._finishing:
+            raise UnknownClientError(f"client {client_id!r} is finished (its last calls are completing)")
         record = self._get_client(tenant, client_id)
         if record is None or (workflow is not None and record["workflow"] != workflow):
             if workflow is None:
@@ -311,6 +320,8 @@ class RouterCore:
             self._locations.setdefault(prefix_hash, {})[decision.replica] = "gpu"
         self._save_client(tenant, client_id, spec, state, record)
         self.loads[decision.replica] += 1
+        if not retry:
+            self._calls[(tenant, client_id)] += 1
         self.decisions[decision.outcome] += 1
         key = workflow_key(tenant, client_id)
         route = Route(decision.replica, decision.outcome, key, spec.agents[agent].prompt, deviation,
@@ -319,25 +330,56 @@ class RouterCore:
         return route
 
     def end_call(self, tenant: str, client_id: str, agent: str, replica: str | None = None) -> list[tuple[str, Hints]]:
-        """The call finished (served or failed): the agent is done; new steps go to the replicas."""
+        """The call finished (served or failed): the agent is done; new steps go to the replicas. A
+        client finished (or expired) meanwhile costs the call nothing: it still returns its answer,
+        and a finished client retires once its last call has ended."""
         if replica is not None and self.loads.get(replica, 0) > 0:
             self.loads[replica] -= 1
+        client = (tenant, client_id)
+        if self._calls[client] > 0:
+            self._calls[client] -= 1
+        if not self._calls[client]:
+            del self._calls[client]
+        if client in self._finishing:
+            return self._finish(tenant, client_id) if client not in self._calls else []
+        record = self._get_client(tenant, client_id)
+        if record is None:
+            return []
         spec, state, record = self._load_client(tenant, client_id)
         if agent not in spec.agents:
             raise UnknownAgentError(agent, spec.name, spec.agents)
         state.finish(agent)
         self._save_client(tenant, client_id, spec, state, record)
+        self._touch_live(tenant, client_id, admit=False)
         return self._hints(workflow_key(tenant, client_id), state, spec, record)
 
     def finish_client(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:
-        """`POST /v1/clients/{id}/finish`: the workflow instance is over; its prompts are retired."""
+        """`POST /v1/clients/{id}/finish`: the workflow instance is over; its prompts are retired, at
+        once, or when its calls still running have ended."""
         check_name("client_id", client_id)
+        client = (tenant, client_id)
+        if client in self._finishing:
+            return []
+        if self._get_client(tenant, client_id) is None:
+            raise UnknownClientError(f"unknown client {client_id!r}")
+        if client in self._calls:
+            self._finishing.add(client)
+            return []
+        return self._finish(tenant, client_id)
+
+    def _finish(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:
+        self._finishing.discard((tenant, client_id))
+        self.store.delete_client(tenant, client_id)
+        return self._forget_client(tenant, client_id)
+
+    def _forget_client(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:
+        """Everything the router holds for a client that is over (finished or expired), O(replicas):
+        its cached record, its live entry, what replicas were told; and a retire hint for every
+        replica, so their books and tags let go of it too."""
         self._clients.pop((tenant, client_id), None)
         self._live.get(tenant, OrderedDict()).pop(client_id, None)
-        if not self.store.delete_client(tenant, client_id):
-            raise UnknownClientError(f"unknown client {client_id!r}")
         key = workflow_key(tenant, client_id)
-        self._told = {told for told in self._told if told[1] != key}
+        self._told.pop(key, None)
         for replica in self.loads:
             batch = self._outbox.setdefault(replica, HintBatch())
             batch.steps.pop(key, None)
@@ -346,6 +388,11 @@ class RouterCore:
             batch.retire.append(key)
         retire = Hints(retire=[key])
         return [(replica, retire) for replica in sorted(self.loads)]
+
+    def expire_clients(self) -> int:
+        """Retire every client idle for longer than the state TTL (its store entry expires by the same
+        TTL); O(tenants + what expired). The router actor calls it once a second."""
+        return sum(self._expire_live(tenant) for tenant in list(self._live))
 
     def take_hints(self, replica: str) -> HintBatch | None:
         """The hints waiting for `replica` (removed from the outbox), or None."""
@@ -358,14 +405,14 @@ class RouterCore:
     def active_clients(self) -> Counter[str]:
         """Live workflow instances per tenant (the `kvflow_workflows_active` gauge), from memory:
         O(tenants + what expired since the last count), never a store scan."""
-        for tenant in self._live:
+        for tenant in list(self._live):
             self._expire_live(tenant)
         return Counter({tenant: len(live) for tenant, live in self._live.items() if live})
 
-    def _touch_live(self, tenant: str, client_id: str) -> None:
-        """Count a call of a live client; a new one must fit within the tenant's limit."""
+    def _touch_live(self, tenant: str, client_id: str, admit: bool = True) -> None:
+        """Count activity of a live client; with `admit`, a new one must fit within the tenant's limit."""
         live = self._live.setdefault(tenant, OrderedDict())
-        if client_id not in live:
+        if admit and client_id not in live:
             self._expire_live(tenant)
             if len(live) >= self.limits.max_live_clients:
                 raise TenantLimitError("max_live_clients", f"tenant has {len(live)} live workflow clients, the most "
@@ -373,14 +420,18 @@ class RouterCore:
         live[client_id] = time.monotonic()
         live.move_to_end(client_id)
 
-    def _expire_live(self, tenant: str) -> None:
+    def _expire_live(self, tenant: str) -> int:
+        """Forget the tenant's clients idle past the TTL (oldest first); how many there were."""
         live = self._live[tenant]
         horizon = time.monotonic() - self.store.ttl_s
+        expired = 0
         while live:
             client_id, at = next(iter(live.items()))
-            if at > horizon:
+            if at > horizon or (tenant, client_id) in self._calls:
                 break
-            del live[client_id]
+            self._forget_client(tenant, client_id)
+            expired += 1
+        return expired
 
     # ------------------------------------------------------------------ helpers
     def _holders(self, prefix_hash: str) -> dict[str, str]:
@@ -411,8 +462,9 @@ class RouterCore:
                     steps[agent] = max(steps[agent], self.prefetch_horizon + 1)
             batch = self._outbox.setdefault(replica, HintBatch())
             batch.steps[key] = steps
-            if prompts and (replica, key) not in self._told:
-                self._told.add((replica, key))
+            told = self._told.setdefault(key, set())
+            if prompts and replica not in told:
+                told.add(replica)
                 batch.prompts[key] = prompts
                 batch.salts[key] = salt
             out.append((replica, Hints(steps={key: steps}, salts={key: salt})))
