@@ -67,7 +67,7 @@ def test_router_actor_survives_a_kill(ray_cluster: None, redis_url: str) -> None
     with pytest.raises(ValueError, match="unknown workflow 'nope'"):
         ray.get(router.start_call.remote("acme", "c2", "planner", workflow="nope"))
     with pytest.raises(ValueError, match="unknown client"):
-        ray.get(router.end_call.remote("globex", "c1", "planner"))
+        ray.get(router.finish_client.remote("globex", "c1"))
     text = ray.get(router.metrics_text.remote()).decode()
     assert 'kvflow_workflows_active{tenant="acme"} 1.0' in text
     assert "kvflow_router_replicas 2.0" in text and 'kvflow_store_up{backend="redis"} 1.0' in text
