@@ -314,3 +314,30 @@ def test_a_call_retried_after_its_replica_died_is_one_call(router: RouterCore) -
     router.end_call("acme", "c1", "planner", again.replica)
     assert sum(router.loads.values()) == 0
     assert router.finish_client("acme", "c1") != []  # no call left in flight: retired at once
+
+
+def test_a_live_client_keeps_the_template_version_it_started_with(store: Store) -> None:
+    core = RouterCore(store)
+    core.add_replica("r1")
+    core.put_template("acme", PEER)
+    core.start_call("acme", "old", "planner", workflow="peer")
+    core.end_call("acme", "old", "planner", "r1")
+    # the template changes shape while `old` is mid-workflow: no executor any more
+    reshaped = {"name": "peer", "entry": "planner", "agents": {
+        "planner": {"prompt": "You are the new Planner.", "after": ["reviewer"]},
+        "reviewer": {"after": ["planner"]}}}
+    core.put_template("acme", reshaped)
+    route = core.start_call("acme", "old", "executor")  # its own version still has the executor
+    assert not route.deviation and route.fixed_prompt is None
+    core.end_call("acme", "old", "executor", "r1")
+    # new clients get the new version
+    with pytest.raises(UnknownAgentError):
+        core.start_call("acme", "new", "executor", workflow="peer")
+    assert core.start_call("acme", "new", "planner", workflow="peer").fixed_prompt == "You are the new Planner."
+    # a restarted router (same store) still runs `old` on its version, and counts one template
+    restarted = RouterCore(store)
+    restarted.add_replica("r1")
+    assert not restarted.start_call("acme", "old", "expresser").deviation
+    assert restarted._templates_of("acme") == {"peer"}
+    restarted.end_call("acme", "old", "expresser", "r1")
+    assert restarted.finish_client("acme", "old") != []

@@ -16,6 +16,7 @@ cache namespace (`AppConfig.cache_salt`), so no tenant's KV, hit counts or routi
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import hmac
 import json
@@ -389,14 +390,15 @@ class Ingress:
         if workflow is None:
             workflow = await self._call_router("client_workflow", tenant, meta.client_id)
         spec = await self._template(tenant, workflow)
-        if meta.agent not in spec.agents:
-            raise UnknownAgentError(meta.agent, spec.name, spec.agents)
+        # an agent the current template lacks may belong to the version a live client started with:
+        # the router, which knows each client's version, decides (and names an unknown agent)
+        agent = spec.agents.get(meta.agent)
         boundary = meta.fixed_prefix_tokens
         if boundary is not None and boundary > len(tokens):
             raise ApiError(400, f"'kvflow.fixed_prefix_tokens' ({boundary}) is longer than the prompt "
                                 f"({len(tokens)} tokens)", "kvflow.fixed_prefix_tokens")
         if boundary is None:
-            boundary = self._boundary(parsed, tokens, text, spec.agents[meta.agent].prompt)
+            boundary = self._boundary(parsed, tokens, text, agent.prompt if agent is not None else None)
         salt = engine_request["cache_salt"]
         fixed_hash = prefix_hash(tokens[:boundary], salt) if boundary else None
         route = await self._call_router("start_call", tenant, meta.client_id, meta.agent, workflow=workflow,
@@ -463,8 +465,11 @@ class Ingress:
         if call is None or call.ended:
             return
         call.ended = True
+        # a fresh context: Ray counts an actor call made in the request's own context as that request's
+        # child and cancels it with the request when the client hangs up
         task = asyncio.get_running_loop().create_task(self._call_router(
-            "end_call", call.tenant, call.client_id, call.agent, call.served_by or call.replica))
+            "end_call", call.tenant, call.client_id, call.agent, call.served_by or call.replica),
+            context=contextvars.Context())
         self._tasks.add(task)  # held until done: a task nobody references can be collected mid-flight
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its error is the awaiter's to see

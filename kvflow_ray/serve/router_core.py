@@ -85,6 +85,9 @@ class HintBatch:
         return bool(self.steps or self.prompts or self.retire)
 
 
+OLD_VERSIONS_IN_MEMORY = 1024  # replaced template versions kept parsed (the store keeps them for the state TTL)
+
+
 def _digest(spec: Mapping[str, Any]) -> bytes:
     return hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=16).digest()
 
@@ -124,6 +127,9 @@ class RouterCore:
         self._template_names: dict[str, set[str]] = {}
         self._write_tokens: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at)
         self._sent: dict[tuple[str, str], bytes] = {}  # (tenant, template) -> digest of the body that set it
+        # template versions: the id of each current template, and replaced versions live clients still use
+        self._version_ids: dict[tuple[str, str], tuple[WorkflowSpec, str]] = {}
+        self._old_versions: OrderedDict[tuple[str, str], WorkflowSpec] = OrderedDict()
         now = time.monotonic()
         for tenant, client_id, _record in store.clients():  # once, at (re)start
             self._live.setdefault(tenant, OrderedDict())[client_id] = now
@@ -182,6 +188,8 @@ class RouterCore:
         if current is not None and current.to_dict() == parsed.to_dict():
             self._sent[(tenant, parsed.name)] = _digest(spec)
             return current
+        if current is not None:  # live clients keep the version they started with (_load_client)
+            self._keep_version(tenant, current)
         names = self._templates_of(tenant)
         if current is None and len(names) >= self.limits.max_templates:
             raise TenantLimitError("max_templates", f"tenant has {len(names)} workflow templates, the most allowed")
@@ -195,8 +203,46 @@ class RouterCore:
     def _templates_of(self, tenant: str) -> set[str]:
         names = self._template_names.get(tenant)
         if names is None:  # once per tenant and router lifetime: what the store already has
-            names = self._template_names[tenant] = set(self.store.templates(tenant))
+            # (`name@version` copies kept for live clients are not templates of their own)
+            names = self._template_names[tenant] = {n for n in self.store.templates(tenant) if "@" not in n}
         return names
+
+    def _version(self, tenant: str, spec: WorkflowSpec) -> str:
+        """`name@digest`: the id of one version of a template (spec names never contain '@')."""
+        cached = self._version_ids.get((tenant, spec.name))
+        if cached is not None and cached[0] is spec:
+            return cached[1]
+        version = f"{spec.name}@{_digest(spec.to_dict()).hex()[:16]}"
+        self._version_ids[(tenant, spec.name)] = (spec, version)
+        return version
+
+    def _keep_version(self, tenant: str, spec: WorkflowSpec) -> None:
+        """Keep a template version being replaced, for its live clients: in the store for the state
+        TTL (a client idle longer than that is expired anyway) and in a bounded memory cache."""
+        version = self._version(tenant, spec)
+        self.store.put_template(tenant, version, spec.to_dict(), ttl_s=self.store.ttl_s)
+        self._remember_version(tenant, version, spec)
+
+    def _remember_version(self, tenant: str, version: str, spec: WorkflowSpec) -> None:
+        self._old_versions[(tenant, version)] = spec
+        self._old_versions.move_to_end((tenant, version))
+        while len(self._old_versions) > OLD_VERSIONS_IN_MEMORY:
+            self._old_versions.popitem(last=False)
+
+    def _spec_of(self, tenant: str, record: dict[str, Any]) -> WorkflowSpec:
+        """The template version a client started with: the current one unless it changed since."""
+        spec = self.template(tenant, record["workflow"])
+        version = record.get("version")
+        if version is None or version == self._version(tenant, spec):
+            return spec
+        old = self._old_versions.get((tenant, version))
+        if old is None:
+            raw = self.store.get_template(tenant, version)
+            if raw is None:  # kept for the state TTL only: the client runs on the current version
+                return spec
+            old = parse_spec(raw)
+            self._remember_version(tenant, version, old)
+        return old
 
     def _write_tokens_left(self, tenant: str) -> float:
         """The tenant's template-write bucket now (`template_writes_per_s`, `template_write_burst`)."""
@@ -265,7 +311,7 @@ class RouterCore:
         record = self._get_client(tenant, client_id)
         if record is None:
             raise UnknownClientError(f"unknown client {client_id!r}: start it with a request that names its workflow")
-        spec = self.template(tenant, record["workflow"])
+        spec = self._spec_of(tenant, record)
         return spec, WorkflowState.from_dict(spec, record["state"]), record
 
     def _save_client(self, tenant: str, client_id: str, spec: WorkflowSpec, state: WorkflowState,
@@ -292,7 +338,7 @@ class RouterCore:
                 raise UnknownClientError(f"unknown client {client_id!r}: its first request must name the workflow")
             spec = self.template(tenant, workflow)
             state = WorkflowState(spec, running=[])
-            record = {"workflow": spec.name, "placement": {}}
+            record = {"workflow": spec.name, "version": self._version(tenant, spec), "placement": {}}
             fresh = True
         else:
             spec, state, record = self._load_client(tenant, client_id)

@@ -35,7 +35,9 @@ def check_name(kind: str, value: str) -> str:
 class Store(Protocol):
     ttl_s: float
 
-    def put_template(self, tenant: str, name: str, spec: dict[str, Any]) -> None: ...
+    def put_template(self, tenant: str, name: str, spec: dict[str, Any], ttl_s: float | None = None) -> None:
+        """`ttl_s`: the copy expires after that long (None: kept until replaced)."""
+        ...
 
     def get_template(self, tenant: str, name: str) -> dict[str, Any] | None: ...
 
@@ -125,9 +127,9 @@ class MemoryStore:
     def _set(self, key: str, value: Any, ttl: float | None = None) -> None:
         self._data[key] = (None if ttl is None else self._clock() + ttl, value)
 
-    def put_template(self, tenant: str, name: str, spec: dict[str, Any]) -> None:
+    def put_template(self, tenant: str, name: str, spec: dict[str, Any], ttl_s: float | None = None) -> None:
         with self._lock:
-            self._set(_template_key(tenant, name), json.dumps(spec))
+            self._set(_template_key(tenant, name), json.dumps(spec), ttl_s)
 
     def get_template(self, tenant: str, name: str) -> dict[str, Any] | None:
         with self._lock:
@@ -225,8 +227,9 @@ class RedisStore:
         except redis.RedisError as exc:
             raise ConnectionError(f"cannot reach Redis at {url}: {exc}") from exc
 
-    def put_template(self, tenant: str, name: str, spec: dict[str, Any]) -> None:
-        self._r.set(_template_key(tenant, name), json.dumps(spec))
+    def put_template(self, tenant: str, name: str, spec: dict[str, Any], ttl_s: float | None = None) -> None:
+        self._r.set(_template_key(tenant, name), json.dumps(spec),
+                    px=None if ttl_s is None else max(1, int(ttl_s * 1000)))
 
     def get_template(self, tenant: str, name: str) -> dict[str, Any] | None:
         raw = self._r.get(_template_key(tenant, name))
