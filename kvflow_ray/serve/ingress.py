@@ -431,8 +431,6 @@ class Ingress:
                     raise
                 await self._reroute(call)
                 continue
-            if call is not None:
-                call.served_by = outcome["replica"]
             if "error" in outcome:
                 raise _engine_error(outcome)
             return outcome
@@ -459,16 +457,17 @@ class Ingress:
         await self._end_call(call)
 
     async def _end_call(self, call: _Call | None) -> None:
-        """Tell the router the call is over. A client that hangs up cancels the request (and closes a
-        stream's generator) while this runs: the router call is its own task, shielded, so it still
-        completes and the replica's load is not left counted."""
+        """Tell the router the call is over, on the replica its start_call counted (the router's own
+        books, even where Serve's default router sent the call elsewhere). A client that hangs up
+        cancels the request (and closes a stream's generator) while this runs: the router call is its
+        own task, shielded, so it still completes and the replica's load is not left counted."""
         if call is None or call.ended:
             return
         call.ended = True
         # a fresh context: Ray counts an actor call made in the request's own context as that request's
         # child and cancels it with the request when the client hangs up
         task = asyncio.get_running_loop().create_task(self._call_router(
-            "end_call", call.tenant, call.client_id, call.agent, call.served_by or call.replica),
+            "end_call", call.tenant, call.client_id, call.agent, call.replica),
             context=contextvars.Context())
         self._tasks.add(task)  # held until done: a task nobody references can be collected mid-flight
         task.add_done_callback(self._tasks.discard)
@@ -492,8 +491,6 @@ class Ingress:
                     yield f"data: {json.dumps(chunk)}\n\n"
                     continue
                 result = item["result"]
-                if call is not None:
-                    call.served_by = item["replica"]
                 yield "data: " + json.dumps(stream_chunk("", chat=parsed.chat, model=self.model_name,
                                                          request_id=request_id,
                                                          finish_reason=result["finish_reason"], first=first)) + "\n\n"
@@ -629,7 +626,6 @@ class _Call:
         self.tenant, self.client_id, self.agent, self.workflow = tenant, client_id, agent, workflow
         self.replica, self.outcome = replica, outcome
         self.prefix_hash, self.prefix_tokens, self.salt = prefix_hash, prefix_tokens, salt
-        self.served_by: str | None = None
         self.ended = False  # end_call sent (once per call)
 
 
