@@ -98,11 +98,14 @@ class StopTokens:
     starts inside a token (multi-character tokens), that token is left out of `tokens` while its
     text before the stop stays in `text`. Without a stop, `finish()` releases the tokens still held
     back and `tokens` / `text` are the whole output. With no stop strings nothing is decoded here:
-    each token is released as it comes."""
+    each token is released as it comes. `on_release` (an engine's streaming callback) is called with
+    every released token, in order."""
 
-    def __init__(self, stops: Sequence[str], decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, stops: Sequence[str], decode: Callable[[list[int]], str],
+                 on_release: Callable[[int], None] | None = None) -> None:
         self.matcher = StopMatcher(stops)
         self._decode = decode
+        self._on_release = on_release
         self._out: list[int] = []
         self._ends: list[int] = []  # text length each token's output prefix reaches
         self._released = 0
@@ -132,8 +135,7 @@ class StopTokens:
             raise RuntimeError("generation already stopped")
         self._out.append(token)
         if not self.active:
-            self._released = len(self._out)
-            return [token], False
+            return self._release(len(self._out)), False
         decoded = self._decode(self._out)
         # a trailing replacement character is a character still being spelled out byte by byte:
         # match only the settled text, and count the token as reaching past it (held until it settles)
@@ -164,4 +166,6 @@ class StopTokens:
 
     def _release(self, upto: int) -> list[int]:
         released, self._released = self._out[self._released:upto], max(self._released, upto)
+        for token in released if self._on_release is not None else ():
+            self._on_release(token)
         return released

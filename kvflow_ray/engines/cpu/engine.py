@@ -40,10 +40,10 @@ from kvflow_ray.engines.stops import StopTokens
 class CpuRequest(CacheRequest):
     temperature: float = 0.0
     top_p: float = 1.0
-    stops: StopTokens | None = None  # the request's stop strings over its output (set by the engine)
+    # the request's stop strings over its output (set by the engine); it streams the tokens to on_token
+    stops: StopTokens | None = None
     ignore_eos: bool = False
     generator: torch.Generator | None = None
-    on_token: Callable[[int], None] | None = None
     on_done: Callable[[CpuRequest], None] | None = None
     out: list[int] = field(default_factory=list)
     ctx: torch.Tensor | None = None  # device slot of the KV at each position (prompt, then output)
@@ -115,11 +115,11 @@ class CpuEngine(BackgroundEngine):
         """Queue a request (any thread). Raises ValueError, changing nothing, for a request that can
         never run: empty, too long for the model's context or the device pool, bad parameters."""
         try:
-            req = self._make_request(request)
+            req = self._make_request(request, on_token)
         except ValueError:
             self.requests_rejected += 1
             raise
-        req.on_token, req.on_done = on_token, on_done
+        req.on_done = on_done
         self._inbox.put(("request", req))
         self._wake.set()
         return req
@@ -217,7 +217,8 @@ class CpuEngine(BackgroundEngine):
         return True
 
     # ------------------------------------------------------------------ inbox
-    def _make_request(self, request: GenerateRequest) -> CpuRequest:
+    def _make_request(self, request: GenerateRequest, on_token: Callable[[int], None] | None = None
+                      ) -> CpuRequest:
         tokens = request_tokens(request, model_name=self.model_name, encode=self.tokenizer.encode,
                                 vocab_size=self.model.vocab_size, max_context=self.model.max_context,
                                 device_tokens=self.cache.gpu_capacity)
@@ -229,7 +230,7 @@ class CpuEngine(BackgroundEngine):
                           fixed_len=fixed if fixed is not None else -1, max_new=request.max_tokens,
                           cache_salt=request.cache_salt,
                           temperature=request.temperature, top_p=request.top_p,
-                          stops=StopTokens(request.stop, self.tokenizer.decode),
+                          stops=StopTokens(request.stop, self.tokenizer.decode, on_token),
                           ignore_eos=request.ignore_eos, generator=generator,
                           submitted_at=time.perf_counter())
 
@@ -357,10 +358,7 @@ class CpuEngine(BackgroundEngine):
         Tokens reach `on_token` once their text cannot be part of a stop string (`StopTokens`)."""
         assert req.stops is not None
         req.out.append(token)
-        released, stopped = req.stops.push(token)
-        for out in released if req.on_token is not None else ():
-            req.on_token(out)
-        if stopped:
+        if req.stops.push(token)[1]:
             req.finish_reason = "stop"
             return True
         if not req.ignore_eos and token == self.tokenizer.eos_id:
@@ -382,9 +380,7 @@ class CpuEngine(BackgroundEngine):
         self.scheduler.plan_prefetch()
         req.ctx = req.own = None
         assert req.stops is not None
-        released = req.stops.finish()  # what was held back in case it started a stop string
-        for out in released if req.on_token is not None else ():
-            req.on_token(out)
+        req.stops.finish()  # streams what was held back in case it started a stop string
         now = time.perf_counter()
         # the output as the client sees it: cut before a stop string (the KV above kept every token)
         req.result = GenerateResult(

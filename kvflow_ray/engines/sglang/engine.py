@@ -298,12 +298,12 @@ class SglangRequest:
     tokens: tuple[int, ...]
     params: dict[str, Any]
     cache_salt: str = ""  # the request's cache namespace (`GenerateRequest.cache_salt`)
-    on_token: Callable[[int], None] | None = None
     on_done: Callable[[SglangRequest], None] | None = None
     submitted_at: float = 0.0
     first_token_at: float = 0.0
     out: list[int] = field(default_factory=list)  # every output id SGLang sent
-    stops: StopTokens | None = None  # the stop strings over `out`: what is streamed, and the result
+    # the stop strings over `out`: it streams the output to the caller's on_token, and cuts the result
+    stops: StopTokens | None = None
     result: GenerateResult | None = None
     error: BaseException | None = None
 
@@ -474,8 +474,8 @@ class SglangEngine(BackgroundEngine):
             raise
         req = SglangRequest(rid=f"kvflow-{os.getpid()}-{next(self._rids)}", tokens=tokens,
                             params=sampling_params(request), cache_salt=request.cache_salt,
-                            stops=StopTokens(request.stop, self.tokenizer.decode),
-                            on_token=on_token, on_done=on_done,
+                            stops=StopTokens(request.stop, self.tokenizer.decode, on_token),
+                            on_done=on_done,
                             submitted_at=time.perf_counter())
         with self._lock:
             self._inflight.add(req)
@@ -534,9 +534,7 @@ class SglangEngine(BackgroundEngine):
             now = time.perf_counter()
             first = req.first_token_at or now
             assert req.stops is not None
-            held = req.stops.finish()  # held back in case they started a stop string; none came
-            for token in held if req.on_token is not None else ():
-                req.on_token(token)
+            req.stops.finish()  # streams what was held back in case it started a stop string; none came
             # SGLang stops at a stop string but sends its tokens (it trims only its own text): the
             # result is cut before it, as the other engines cut theirs
             req.result = result_from_output(req.stops.tokens, meta, prompt_tokens=len(req.tokens),
@@ -560,9 +558,7 @@ class SglangEngine(BackgroundEngine):
         for token in new:
             if req.stops.stopped:
                 return
-            released, _stopped = req.stops.push(token)
-            for out in released if req.on_token is not None else ():
-                req.on_token(out)
+            req.stops.push(token)
 
     def _finish(self, req: SglangRequest) -> None:
         with self._lock:
