@@ -97,7 +97,7 @@ def in_cluster_config(serve_config: dict[str, Any], extra_args: dict[str, Any] |
 def engine_replicas(serve_config: dict[str, Any]) -> int:
     """How many engine replicas the Serve config deploys."""
     args = kvflow_app(serve_config).get("args") or {}
-    return int(args.get("replicas", _app_config()().replicas))
+    return int(args.get("replicas", _app_config().model_fields["replicas"].default))
 
 
 class _Dumper(yaml.SafeDumper):

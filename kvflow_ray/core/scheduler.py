@@ -31,6 +31,7 @@ class PolicyConfig:
     prefetch: bool  # proactive host -> device loads for agents about to run
     admission: str  # fcfs | status-aware
     infinite: bool = False  # no device capacity limit (lower bound on latency)
+    oracle: bool = False  # eviction reads the future access sequence (an offline bound: a reference run's trace)
 
 
 POLICIES: dict[str, PolicyConfig] = {
@@ -39,7 +40,7 @@ POLICIES: dict[str, PolicyConfig] = {
     "kvflow": PolicyConfig("kvflow", "kvflow", host_tier=True, prefetch=True, admission="status-aware"),
     "kvflow-noprefetch": PolicyConfig("kvflow-noprefetch", "kvflow", host_tier=True, prefetch=False,
                                       admission="status-aware"),
-    "belady": PolicyConfig("belady", "belady", host_tier=True, prefetch=False, admission="fcfs"),
+    "belady": PolicyConfig("belady", "belady", host_tier=True, prefetch=False, admission="fcfs", oracle=True),
     "infinite": PolicyConfig("infinite", "lru", host_tier=False, prefetch=False, admission="fcfs", infinite=True),
 }
 
@@ -117,9 +118,9 @@ class Batch:
     decode: list[CacheRequest]
 
 
-# Policies an engine serving live requests can run: `infinite` has no finite pool and `belady` needs
-# the future (both are offline bounds for the simulator).
-ENGINE_POLICIES = ("lru", "hicache", "kvflow", "kvflow-noprefetch")
+# Policies an engine serving live requests can run: not the offline bounds of the simulator (no finite
+# pool, or eviction that needs the future).
+ENGINE_POLICIES = tuple(name for name, p in POLICIES.items() if not (p.infinite or p.oracle))
 
 
 class ReplicaScheduler:

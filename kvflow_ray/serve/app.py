@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from kvflow_ray.serve.config import AppConfig
+from kvflow_ray.serve.config import ROUTINGS, AppConfig
 
 APP_NAME = "kvflow"
 
@@ -28,11 +28,10 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
 
     from kvflow_ray.serve.ingress import HttpIngress
     from kvflow_ray.serve.replica import EngineReplica
-    from kvflow_ray.serve.request_router import WorkflowRequestRouter
 
     config = AppConfig.from_dict(args)
-    router_config = (RequestRouterConfig(request_router_class=WorkflowRequestRouter)
-                     if config.routing == "workflow" else RequestRouterConfig())
+    router_class = ROUTINGS[config.routing]
+    router_config = RequestRouterConfig(**({"request_router_class": router_class} if router_class else {}))
     actor_options: dict[str, Any] = {"num_cpus": config.replica_num_cpus}
     if config.replica_num_gpus:
         actor_options["num_gpus"] = config.replica_num_gpus

@@ -15,7 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from kvflow_ray.core.graph import SpecLimits
 
 ENGINES = ("cpu", "sim", "sglang")
-ROUTINGS = ("workflow", "default")
+# routing -> the Ray Serve request router that picks each engine call's replica (an import path, as
+# Serve's RequestRouterConfig takes it; None: Serve's own power-of-two-choices router)
+ROUTINGS: dict[str, str | None] = {
+    "workflow": "kvflow_ray.serve.request_router.WorkflowRequestRouter",  # honours the workflow router's choice
+    "default": None,  # Ray Serve's own, for comparison
+}
 
 
 class TenantLimits(BaseModel):
@@ -134,7 +139,7 @@ class AppConfig(BaseModel):
             if self.time_scale <= 0:
                 raise ValueError(f"time_scale must be positive, got {self.time_scale}")
         if self.routing not in ROUTINGS:
-            raise ValueError(f"routing must be one of {ROUTINGS}, got {_short(self.routing)}")
+            raise ValueError(f"routing must be one of {tuple(ROUTINGS)}, got {_short(self.routing)}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {self.replicas}")
         self._env_keys = _keys_from_env(self.api_keys_env) if self.api_keys_env else {}

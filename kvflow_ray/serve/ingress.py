@@ -6,7 +6,7 @@ fixed-prompt boundary, asks the WorkflowRouter actor where the call goes, and ca
 replicas through a Serve handle whose request router honours that choice. When the replica dies
 mid-call, the router forgets it and the call is retried once elsewhere.
 
-Errors: every route answers OpenAI's error body, through one mapping (`api_error`) installed as
+Errors: every route answers OpenAI's error body, through one mapping (`error_response`) installed as
 FastAPI exception handlers and a last-resort middleware; messages say what the caller did wrong and
 never carry process ids, addresses, actor reprs or tracebacks. Each response carries `x-request-id`,
 and the server log has the full detail under that id. Isolation: each tenant's requests carry its
@@ -97,6 +97,12 @@ def _to_api_error(exc: BaseException) -> ApiError | None:
     return None
 
 
+def _internal_error(reference: str) -> ApiError:
+    """A 500 that says only where the server log has the detail."""
+    return ApiError(500, f"internal server error ({reference}); the server log has the details",
+                    kind="server_error", code="internal_error")
+
+
 def _request_id(request: Request) -> str:
     return getattr(request.state, "request_id", None) or "unknown"
 
@@ -108,8 +114,7 @@ def error_response(request: Request, exc: BaseException) -> JSONResponse:
     if api_error is None:
         logger.error("request %s (%s %s) failed", request_id, request.method, request.url.path,
                      exc_info=(type(exc), exc, exc.__traceback__))
-        api_error = ApiError(500, f"internal server error (request id {request_id}); the server log has the "
-                                  "details", kind="server_error", code="internal_error")
+        api_error = _internal_error(f"request id {request_id}")
     return JSONResponse(api_error.body(), status_code=api_error.status, headers=api_error.headers)
 
 
@@ -173,11 +178,6 @@ async def _validation_handler(request: Request, exc: RequestValidationError) -> 
     return error_response(request, ApiError(400, public_text(message), loc or None))
 
 
-@api.exception_handler(Exception)
-async def _unexpected_handler(request: Request, exc: Exception) -> Response:
-    return error_response(request, exc)
-
-
 def json_too_deep(value: Any, limit: int) -> bool:
     """Whether `value` nests containers deeper than `limit` (iterative: no recursion to exhaust)."""
     stack = [(value, 1)]
@@ -217,7 +217,6 @@ class Ingress:
             self.max_context = MAX_CONTEXT
         else:
             self.max_context = ModelConfig().max_context if self.config.model_path is None else 1 << 30
-        self.routed = self.config.routing == "workflow"
         self._templates: dict[tuple[str, str], tuple[float, WorkflowSpec]] = {}  # -> (fetched at, spec)
         # (tenant, body hash) -> the spec it registered, while that is still the tenant's current template
         self._registered: dict[tuple[str, bytes], WorkflowSpec] = {}
@@ -234,10 +233,14 @@ class Ingress:
                     raise
                 await asyncio.sleep(0.25)
 
-    def _tenant(self, request: Request) -> str:
+    @staticmethod
+    def _bearer(request: Request) -> str | None:
+        """The token of an `Authorization: Bearer <token>` header, if any."""
         header = request.headers.get("authorization", "")
-        key = header[7:].strip() if header.lower().startswith("bearer ") else None
-        tenant = self.config.tenant_for(key)
+        return header[7:].strip() if header.lower().startswith("bearer ") else None
+
+    def _tenant(self, request: Request) -> str:
+        tenant = self.config.tenant_for(self._bearer(request))
         if tenant is None:
             raise ApiError(401, "invalid API key: send 'Authorization: Bearer <key>' with a configured key",
                            kind="authentication_error", code="invalid_api_key")
@@ -369,8 +372,9 @@ class Ingress:
         if not self.config.route_headers:
             return {}
         headers = {"x-kvflow-route": call.outcome if call else "plain"}
-        if replica or call:
-            headers["x-kvflow-replica"] = replica or (call.replica if call else "")
+        replica = replica or (call.replica if call else None)
+        if replica:
+            headers["x-kvflow-replica"] = replica
         return headers
 
     async def _start_call(self, tenant: str, parsed: ParsedRequest, tokens: list[int], text: str,
@@ -437,8 +441,9 @@ class Ingress:
         raise AssertionError("unreachable")
 
     def _route_kwargs(self, call: _Call | None) -> dict[str, str]:
-        """The router's choice for `WorkflowRequestRouter` (under Serve's default router: nothing)."""
-        return {ROUTE_KWARG: call.replica} if call is not None and self.routed else {}
+        """The router's choice, for the request router in place: `WorkflowRequestRouter` honours it,
+        Serve's own router ignores it (and so does the replica, which only records it)."""
+        return {ROUTE_KWARG: call.replica} if call is not None else {}
 
     async def _reroute(self, call: _Call | None) -> None:
         if call is None:
@@ -505,12 +510,10 @@ class Ingress:
             error = _to_api_error(exc)
             if error is None:
                 logger.exception("stream %s failed", request_id)
-                error = ApiError(500, f"internal server error (stream {request_id}); the server log has the details",
-                                 kind="server_error", code="internal_error")
+                error = _internal_error(f"stream {request_id}")
             yield f"data: {json.dumps(error.body())}\n\n"
         finally:
-            release()
-            await self._end_call(call)
+            await self._close(call, release)
 
     # ------------------------------------------------------------------ workflows and clients
     async def register_workflow(self, request: Request) -> Response:
@@ -558,13 +561,10 @@ class Ingress:
         """Prometheus metrics: they name every tenant and replica, so with a metrics token configured
         only a scraper that sends it may read them."""
         token = self.config.metrics_token_value()
-        if token is not None:
-            header = request.headers.get("authorization", "")
-            sent = header[7:].strip() if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(sent.encode(), token.encode()):
-                raise ApiError(401, "/metrics needs the metrics token: send 'Authorization: Bearer <token>'",
-                               kind="authentication_error", code="invalid_metrics_token",
-                               headers={"WWW-Authenticate": "Bearer"})
+        if token is not None and not hmac.compare_digest((self._bearer(request) or "").encode(), token.encode()):
+            raise ApiError(401, "/metrics needs the metrics token: send 'Authorization: Bearer <token>'",
+                           kind="authentication_error", code="invalid_metrics_token",
+                           headers={"WWW-Authenticate": "Bearer"})
         text = await self._call_router("metrics_text")
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -199,14 +199,14 @@ RANGES = {"max_tokens": f"must be between 1 and {MAX_TOKENS_LIMIT}",
           "max_completion_tokens": f"must be between 1 and {MAX_TOKENS_LIMIT}",
           "temperature": "must be between 0 and 2", "top_p": "must be greater than 0 and at most 1",
           "n": "must be 1 (only n=1 is supported)", "kvflow.fixed_prefix_tokens": "must be a non-negative integer"}
+BOUNDS = {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">", "less_than": "<"}
 TYPES = {"int": "an integer", "float": "a number", "string": "a string", "bool": "a boolean", "dict": "an object",
          "model": "an object", "list": "an array"}
 
 
 def _describe(param: str, error: Any) -> str:
     kind, ctx = error["type"], error.get("ctx") or {}
-    if param in RANGES and kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal",
-                                    "literal_error"):
+    if param in RANGES and (kind in BOUNDS or kind == "literal_error"):
         return RANGES[param]
     if kind == "literal_error" and param.endswith(".role"):
         return "is not supported (system, user, assistant)"
@@ -222,10 +222,8 @@ def _describe(param: str, error: Any) -> str:
         return f"must have at most {ctx.get('max_length')} items"
     if kind == "string_too_long":
         return f"must be at most {ctx.get('max_length')} characters"
-    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
-        bound = next(iter(ctx.values()), "")
-        return {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">",
-                "less_than": "<"}[kind].join(("must be ", f" {bound}"))
+    if kind in BOUNDS:
+        return f"must be {BOUNDS[kind]} {next(iter(ctx.values()), '')}"
     return public_text(str(error["msg"]).removeprefix("Value error, "), 200)
 
 

@@ -382,10 +382,10 @@ class RouterCore:
         if replica is not None and self.loads.get(replica, 0) > 0:
             self.loads[replica] -= 1
         client = (tenant, client_id)
-        if self._calls[client] > 0:
+        if self._calls[client] > 1:
             self._calls[client] -= 1
-        if not self._calls[client]:
-            del self._calls[client]
+        else:
+            self._calls.pop(client, None)
         if client in self._finishing:
             return self._finish(tenant, client_id) if client not in self._calls else []
         record = self._get_client(tenant, client_id)
@@ -451,8 +451,7 @@ class RouterCore:
     def active_clients(self) -> Counter[str]:
         """Live workflow instances per tenant (the `kvflow_workflows_active` gauge), from memory:
         O(tenants + what expired since the last count), never a store scan."""
-        for tenant in list(self._live):
-            self._expire_live(tenant)
+        self.expire_clients()
         return Counter({tenant: len(live) for tenant, live in self._live.items() if live})
 
     def _touch_live(self, tenant: str, client_id: str, admit: bool = True) -> None:

@@ -82,14 +82,14 @@ def run_policies(scenario: Scenario, profile: Profile, policies: list[str], *, r
         if progress:
             progress(policy)
         future = None
-        if policy == "belady":
+        if POLICIES[policy].oracle:
             if trace is None:
                 _, ref = simulate(scenario, profile, "infinite", replicas=replicas)
                 trace = ref.trace
             future = trace
         result, sim = simulate(scenario, profile, policy, replicas=replicas, horizon=horizon,
                                max_inflight=max_inflight, future=future, gpu_capacity=gpu_capacity)
-        if policy == "infinite":
+        if POLICIES[policy].infinite:
             trace = sim.trace
         results[policy] = result
     return {"scenario": scenario.name, "profile": profile.name, "params": scenario.params, "results": results}

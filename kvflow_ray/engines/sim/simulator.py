@@ -72,9 +72,9 @@ class Simulation:
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
         self.book = StepBook(near_horizon=max(horizon, 2))
-        self.future = FutureAccesses(future or []) if policy.eviction == "belady" else None
-        if policy.eviction == "belady" and future is None:
-            raise ValueError("belady needs the future access sequence (run another policy first)")
+        self.future = FutureAccesses(future or []) if policy.oracle else None
+        if policy.oracle and future is None:
+            raise ValueError(f"{policy.name} needs the future access sequence (run another policy first)")
         self.replicas = [
             SimReplica(self, i, profile, policy,
                        make_eviction_policy(policy.eviction, self.book, self.future), self.book,
