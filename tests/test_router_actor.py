@@ -45,6 +45,11 @@ def test_router_actor_survives_a_kill(ray_cluster: None, redis_url: str) -> None
     assert route["workflow_key"] == "acme/c1" and route["replica"] in ("r1", "r2")
     ray.get(router.end_call.remote("acme", "c1", "planner", route["replica"]))
     route = ray.get(router.start_call.remote("acme", "c1", "executor"))
+    # the store is written behind the calls, within milliseconds (FLUSH_PERIOD_S): what it has survives
+    deadline = time.monotonic() + 10
+    while ray.get(router.stats.remote())["pending_writes"]:
+        assert time.monotonic() < deadline, "the router never flushed its writes"
+        time.sleep(0.02)
 
     before = ray.get(router.ping.remote())
     ray.kill(router, no_restart=False)  # the actor dies; Ray restarts it
@@ -59,8 +64,9 @@ def test_router_actor_survives_a_kill(ray_cluster: None, redis_url: str) -> None
         time.sleep(0.2)
     # the restarted actor: replicas from their heartbeats, templates and client state from Redis
     assert set(ray.get(router.replicas.remote())) == {"r1", "r2"}
-    hints = ray.get(router.end_call.remote("acme", "c1", "executor", route["replica"]))
-    assert hints[0][1]["steps"]["acme/c1"] == {"planner": 3, "executor": 4, "expresser": 1, "reviewer": 2}
+    ray.get(router.end_call.remote("acme", "c1", "executor", route["replica"]))
+    hints = ray.get(router.pull_hints.remote(route["replica"], 5.0))
+    assert hints["steps"]["acme/c1"] == {"planner": 3, "executor": 4, "expresser": 1, "reviewer": 2}
     route = ray.get(router.start_call.remote("acme", "c1", "expresser"))
     assert not route["deviation"]
     # errors keep their type across Ray (a bad request is a ValueError)

@@ -3,14 +3,17 @@ cache events, advisory hints with deviations counted, restart from the store, re
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+from redis_proc import RedisProcess
 
 from kvflow_ray.core.graph import SpecError, UnknownAgentError
 from kvflow_ray.engines.base import CacheEvent, Hints
 from kvflow_ray.serve.router_core import NoReplicaError, RouterCore, UnknownClientError, UnknownWorkflowError
-from kvflow_ray.serve.store import MemoryStore, RedisStore, Store
+from kvflow_ray.serve.store import BufferedStore, MemoryStore, RedisStore, Store
 
 PEER = {"name": "peer", "entry": "planner", "agents": {
     "planner": {"prompt": "You are the Planner.", "after": ["reviewer"]},
@@ -293,11 +296,11 @@ def test_an_expired_client_is_forgotten_by_the_router_and_retired_on_every_repli
     core.end_call("acme", "idle", "planner", "r1")
     for name in ("r1", "r2"):
         core.take_hints(name)
-    assert core.expire_clients() == 0
+    assert core.expire() == 0
     import time
 
     time.sleep(0.4)
-    assert core.expire_clients() == 1 and core.active_clients() == {}
+    assert core.expire() == 1 and core.active_clients() == {}
     assert "acme/idle" not in core._told and ("acme", "idle") not in core._clients
     for name in ("r1", "r2"):
         batch = core.take_hints(name)
@@ -338,6 +341,73 @@ def test_a_live_client_keeps_the_template_version_it_started_with(store: Store) 
     restarted = RouterCore(store)
     restarted.add_replica("r1")
     assert not restarted.start_call("acme", "old", "expresser").deviation
-    assert restarted._templates_of("acme") == {"peer"}
+    assert set(restarted._templates["acme"]) == {"peer"}
     restarted.end_call("acme", "old", "expresser", "r1")
     assert restarted.finish_client("acme", "old") != []
+
+
+def test_templates_unused_for_their_idle_ttl_are_dropped(store: Store) -> None:
+    """Templates do not pile up: one unused for the template TTL leaves memory and the store; one a live
+    client keeps calling stays, and so does the client's."""
+    store.ttl_s = 0.2
+    core = RouterCore(store, template_ttl_s=0.4)
+    core.add_replica("r1")
+    core.put_template("acme", PEER)
+    core.put_template("acme", {"name": "once", "agents": {"solo": {"prompt": "x" * 6000}}})
+    deadline = time.monotonic() + 5
+    while "once" in core._templates["acme"]:
+        route = core.start_call("acme", "busy", "planner", workflow="peer")  # `peer` stays in use
+        core.end_call("acme", "busy", "planner", route.replica)
+        core.expire()
+        assert time.monotonic() < deadline, "an unused template never expired"
+        time.sleep(0.05)
+    assert set(core._templates["acme"]) == {"peer"}
+    assert store.get_template("acme", "once") is None and store.get_template("acme", "peer") is not None
+    with pytest.raises(UnknownWorkflowError):
+        core.start_call("acme", "late", "solo", workflow="once")
+
+
+def test_a_lost_replica_is_forgotten_at_once_and_a_returning_one_starts_at_zero(router: RouterCore) -> None:
+    router.cache_events("r1", [CacheEvent("stored", "gpu", "h-planner", 16), CacheEvent("stored", "cpu", "h-x", 8)])
+    for client in ("c1", "c2", "c3"):
+        router.start_call("acme", client, "planner", workflow="peer", prefix_hash="h-planner", prefix_tokens=16)
+    assert router.loads["r1"] >= 2
+    router.remove_replica("r1")
+    assert "r1" not in router.loads and "r1" not in router._held and "r1" not in router._outbox
+    assert router.store.locations("h-planner") == {} and router.store.locations("h-x") == {}
+    router.add_replica("r1")  # the same name again (a restarted node): nothing of the old one's counts
+    assert router.loads["r1"] == 0 and router._holders("h-planner") == {}
+
+
+def test_the_store_lost_its_data_and_the_router_writes_its_state_back(
+        free_port: Callable[[], int], tmp_path: Path) -> None:
+    """Redis restarted without persistence under a running router (a real redis-server, killed): the
+    router keeps routing from memory meanwhile; once Redis answers, empty, the router's reconcile
+    writes templates, live clients and locations back, so a router restarted later still serves the
+    live client without anyone re-registering."""
+    server = RedisProcess(free_port(), tmp_path, aof=False).start()
+    try:
+        store = BufferedStore(RedisStore(server.url), grace_s=60)
+        core = RouterCore(store)
+        core.add_replica("r1")
+        core.put_template("acme", PEER)
+        route = core.start_call("acme", "c1", "planner", workflow="peer", prefix_hash="h-planner", prefix_tokens=8)
+        core.cache_events("r1", [CacheEvent("stored", "gpu", "h-planner", 8)])
+        assert store.flush() is None and server.keys() >= 4
+        server.kill()
+        core.end_call("acme", "c1", "planner", route.replica)  # the outage costs no call
+        assert core.start_call("acme", "c1", "executor").replica == "r1"
+        assert store.flush() is not None and not store.up
+        server.start()  # back, and empty
+        assert server.keys() == 0
+        assert store.probed(store.probe()) == "data_loss"
+        assert core.reconcile() >= 3
+        assert store.flush() is None
+        restarted = RouterCore(BufferedStore(RedisStore(server.url)))
+        restarted.add_replica("r1")
+        assert restarted._holders("h-planner") == {"r1": "gpu"}
+        route = restarted.start_call("acme", "c1", "executor")  # still running: no re-registration needed
+        restarted.end_call("acme", "c1", "executor", route.replica)
+        assert not restarted.start_call("acme", "c1", "expresser").deviation
+    finally:
+        server.stop()

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from redis_proc import RedisProcess
 
-from kvflow_ray.serve.store import MemoryStore, RedisStore, Store, open_store
+from kvflow_ray.serve.store import (
+    BufferedStore,
+    MemoryStore,
+    RedisStore,
+    Store,
+    StoreUnavailableError,
+    open_store,
+)
 
 pytest.importorskip("redis")
 
@@ -92,9 +98,44 @@ def test_prefix_locations_and_replica_loss(store: Store) -> None:
     store.heartbeat("replica-b", {"load": 1})
     assert set(store.replicas(max_age_s=60)) == {"replica-a", "replica-b"}
     assert store.replicas(max_age_s=60)["replica-a"]["load"] == 3
-    store.drop_replica("replica-a")
+    store.drop_replica("replica-a", ["h1", "h2"])  # the router names what the replica held
     assert store.locations("h1") == {} and store.locations("h2") == {}
     assert set(store.replicas(max_age_s=60)) == {"replica-b"}
+
+
+def test_location_keys_expire_with_the_cache_entries_they_describe(store: Store) -> None:
+    """A location whose removal is never reported (a replica lost with its cache) does not stay: the key
+    expires `ttl_s` after its last write, while one still written to stays."""
+    store.ttl_s = 0.3
+    store.set_location("lost", "replica-a", "gpu")
+    deadline = time.monotonic() + 5
+    while store.locations("lost"):
+        store.set_location("kept", "replica-b", "gpu")
+        assert time.monotonic() < deadline, "an unrefreshed location key never expired"
+        time.sleep(0.05)
+    assert store.locations("kept") == {"replica-b": "gpu"}
+    assert dict(store.location_items()) == {"kept": {"replica-b": "gpu"}}
+
+
+def test_everything_a_restarted_router_loads_and_writes_back(store: Store) -> None:
+    """The bulk reads of a (re)start and the batched writes of the router: one `apply` of several writes
+    in order (a later write of a key wins), templates with an idle TTL, and the marker whose absence
+    tells the router that the store lost its data."""
+    assert store.get_marker() is None
+    store.apply([("put_template", ("acme", "peer", SPEC, None)), ("put_template", ("acme", "gone", SPEC, 0.2)),
+                 ("put_client", ("acme", "c1", {"workflow": "peer"})), ("set_location", ("h1", "r1", "gpu")),
+                 ("set_location", ("h1", "r1", "cpu")), ("set_marker", ("kvflow-router",)),
+                 ("put_client", ("globex", "c1", {"workflow": "x"})), ("delete_client", ("globex", "c1"))])
+    assert store.get_marker() == "kvflow-router"
+    assert sorted((t, n) for t, n, _s in store.template_items()) == [("acme", "gone"), ("acme", "peer")]
+    assert [(t, c) for t, c, _r in store.clients()] == [("acme", "c1")]
+    assert dict(store.location_items()) == {"h1": {"r1": "cpu"}}
+    time.sleep(0.3)
+    assert [(t, n) for t, n, _s in store.template_items()] == [("acme", "peer")]  # idle TTL
+    store.delete_template("acme", "peer")
+    assert store.get_template("acme", "peer") is None
+    with pytest.raises(ValueError, match="not a store write"):
+        store.apply([("get_template", ("acme", "peer"))])
 
 
 def test_open_store(redis_url: str) -> None:
@@ -109,25 +150,55 @@ def test_open_store(redis_url: str) -> None:
 def test_ping_says_whether_the_store_answers(free_port: Callable[[], int], tmp_path: object) -> None:
     """`kvflow_store_up` (and the KVFlowRedisUnreachable alert) reads this: a private redis-server,
     stopped under the store's feet."""
-    import redis
-
     assert MemoryStore().ping()
-    port = free_port()
-    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-                             "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    server = RedisProcess(free_port(), tmp_path, aof=False).start()  # type: ignore[arg-type]
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(host="127.0.0.1", port=port).ping()
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-        store = RedisStore(f"redis://127.0.0.1:{port}/0")
+        store = RedisStore(server.url)
         assert store.ping()
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        server.stop()
     assert not store.ping()
+
+
+@pytest.mark.parametrize("aof", [True, False], ids=["aof", "no-persistence"])
+def test_buffered_writes_survive_an_outage(free_port: Callable[[], int], tmp_path: object, aof: bool) -> None:
+    """The router's store through a real outage: a private redis-server killed under it and started
+    again, with its data (AOF) or empty. Writes queue (latest per key) while it is down; state changes
+    pass `check()` for the grace period, then get StoreUnavailableError; once it answers, the queue
+    drains, and the probe says why the router must write its state back."""
+    now = [0.0]
+    server = RedisProcess(free_port(), tmp_path, aof=aof).start()  # type: ignore[arg-type]
+    try:
+        store = BufferedStore(RedisStore(server.url), grace_s=10, max_pending=3, clock=lambda: now[0])
+        store.set_marker("kvflow-router")
+        store.put_client("acme", "c1", {"n": 1})
+        assert store.flush() is None and store.probe() is None and store.up
+        assert store.get_client("acme", "c1") == {"n": 1}
+        time.sleep(1.2)  # an AOF fsyncs every second
+        server.kill()
+        store.put_client("acme", "c2", {"n": 1})
+        assert store.flush() is not None and not store.up and store.pending == 1  # kept, not lost
+        store.put_client("acme", "c2", {"n": 2})  # the latest write of a key replaces the queued one
+        store.put_client("acme", "c3", {"n": 1})
+        assert store.pending == 2
+        now[0] = 9.0
+        store.check()  # within the grace period: calls go on
+        assert store.probed(store.probe()) is None and not store.up
+        now[0] = 11.0
+        with pytest.raises(StoreUnavailableError, match="unreachable for more than 10 s"):
+            store.check()
+        server.start()
+        reason = store.probed(store.probe())
+        assert reason == ("reconnect" if aof else "data_loss") and store.up
+        assert store.reconciles == {reason: 1}
+        assert store.flush() is None and store.pending == 0
+        assert store.get_client("acme", "c2") == {"n": 2} and store.get_client("acme", "c3") == {"n": 1}
+        assert (store.get_client("acme", "c1") is not None) == aof  # the router's reconcile restores the rest
+        store.check()
+        for i in range(3):  # a bounded queue: past `max_pending` waiting writes, state changes wait too
+            store.sent(store.take(), ConnectionError("down"))
+            store.put_client("acme", f"q{i}", {})
+        with pytest.raises(StoreUnavailableError, match="3 state writes wait"):
+            store.check()
+    finally:
+        server.stop()

@@ -80,6 +80,12 @@ class AppConfig(BaseModel):
     route_headers: bool = False
     limits: TenantLimits = Field(default_factory=TenantLimits)
     state_ttl_s: float = Field(3600.0, gt=0)  # idle workflow state expires after this long
+    # a workflow template unused this long is dropped (at least state_ttl_s: a live client keeps its own)
+    template_idle_ttl_s: float = Field(7 * 86400.0, gt=0)
+    # a Redis outage this long is served from the router's memory (writes queued); past it, calls that
+    # change state get 503 + Retry-After until Redis is back, as do calls while this many writes wait
+    store_grace_s: float = Field(30.0, ge=0)
+    store_max_pending_writes: int = Field(100_000, ge=1)
     max_ongoing_requests: int = Field(64, ge=1)  # per engine replica (the engine batches up to its max_running)
     replica_num_cpus: float = Field(0.5, ge=0)  # Ray CPUs reserved per engine replica
     replica_num_gpus: float | None = None  # Ray GPUs per engine replica; None: 1 for sglang, else 0
@@ -142,6 +148,9 @@ class AppConfig(BaseModel):
             raise ValueError(f"routing must be one of {tuple(ROUTINGS)}, got {_short(self.routing)}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {self.replicas}")
+        if self.template_idle_ttl_s < self.state_ttl_s:
+            raise ValueError(f"template_idle_ttl_s ({self.template_idle_ttl_s:g}) must be at least state_ttl_s "
+                             f"({self.state_ttl_s:g}): a live client's template must outlive it")
         self._env_keys = _keys_from_env(self.api_keys_env) if self.api_keys_env else {}
         for keys in (self.api_keys, self._env_keys):
             if not all(isinstance(k, str) and isinstance(v, str) and k for k, v in keys.items()):
@@ -183,6 +192,13 @@ class AppConfig(BaseModel):
         """`SglangEngine` keyword arguments for engine 'sglang'."""
         return {"model_path": self.model_path or "", "policy": self.policy, "max_total_tokens": self.device_kv_tokens,
                 "random_seed": self.seed, "server_args": dict(self.sglang_args)}
+
+    def router_options(self) -> dict[str, Any]:
+        """`get_router` keyword arguments: the router actor's settings (the first process to create it wins)."""
+        return {"store_url": self.redis, "ttl_s": self.state_ttl_s, "balance_threshold": self.balance_threshold,
+                "prefetch_horizon": self.horizon, "limits": self.limits.model_dump(),
+                "template_ttl_s": self.template_idle_ttl_s, "store_grace_s": self.store_grace_s,
+                "store_max_pending": self.store_max_pending_writes}
 
     def tokenizer_path(self) -> str | None:
         """Where the tokenizer of the served model lives; None: byte-level (engines without one: sim, the

@@ -54,7 +54,7 @@ from kvflow_ray.serve.openai_api import (
 from kvflow_ray.serve.request_router import ROUTE_KWARG
 from kvflow_ray.serve.router_actor import get_router
 from kvflow_ray.serve.router_core import NoReplicaError, TenantLimitError, UnknownClientError, UnknownWorkflowError
-from kvflow_ray.serve.store import check_name
+from kvflow_ray.serve.store import StoreUnavailableError, check_name
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="kvflow-ray", description="OpenAI-compatible, workflow-aware LLM serving")
@@ -81,6 +81,9 @@ def _to_api_error(exc: BaseException) -> ApiError | None:
     if isinstance(exc, NoReplicaError):
         return ApiError(503, public_text(str(exc)), kind="service_unavailable", code="no_replica",
                         headers={"Retry-After": "1"})
+    if isinstance(exc, StoreUnavailableError):
+        return ApiError(503, public_text(str(exc)), kind="service_unavailable", code="store_unavailable",
+                        headers={"Retry-After": "5"})
     if isinstance(exc, TenantLimitError):
         return ApiError(429, public_text(str(exc)), kind="rate_limit_error", code="tenant_limit_exceeded",
                         headers={"Retry-After": "1"})
@@ -201,9 +204,7 @@ class Ingress:
     def __init__(self, engine: Any, config: dict[str, Any]) -> None:
         self.config = AppConfig.from_dict(config)
         self.engine = engine
-        self.router = get_router(self.config.redis, ttl_s=self.config.state_ttl_s,
-                                 balance_threshold=self.config.balance_threshold,
-                                 prefetch_horizon=self.config.horizon, limits=self.config.limits.model_dump())
+        self.router = get_router(**self.config.router_options())
         self.limits = self.config.limits
         self.spec_limits = self.limits.spec_limits()
         self._inflight: Counter[str] = Counter()  # per tenant: calls admitted here and not yet answered
@@ -361,7 +362,7 @@ class Ingress:
         try:
             outcome = await self._run(call, engine_request)
         finally:
-            await self._end_call(call)
+            self._end_call(call)
         result = outcome["result"]
         body = response_body(GenerateResult(**result), chat=chat, model=self.model_name)
         return JSONResponse(body, headers=self._route_headers(call, outcome["replica"]))
@@ -459,13 +460,19 @@ class Ingress:
 
     async def _close(self, call: _Call | None, release: Callable[[], None]) -> None:
         release()
-        await self._end_call(call)
+        self._end_call(call)
 
-    async def _end_call(self, call: _Call | None) -> None:
+    @staticmethod
+    def _log_failure(task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("ending a call at the router failed", exc_info=task.exception())
+
+    def _end_call(self, call: _Call | None) -> None:
         """Tell the router the call is over, on the replica its start_call counted (the router's own
-        books, even where Serve's default router sent the call elsewhere). A client that hangs up
-        cancels the request (and closes a stream's generator) while this runs: the router call is its
-        own task, shielded, so it still completes and the replica's load is not left counted."""
+        books, even where Serve's default router sent the call elsewhere). One way: the answer does
+        not wait for it, so an agent call costs one router round trip. It runs as its own task, so a
+        client that hangs up (cancelling the request) does not leave the replica's load counted; Ray
+        runs one caller's actor calls in order, so the client's next call finds this one ended."""
         if call is None or call.ended:
             return
         call.ended = True
@@ -476,8 +483,7 @@ class Ingress:
             context=contextvars.Context())
         self._tasks.add(task)  # held until done: a task nobody references can be collected mid-flight
         task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its error is the awaiter's to see
-        await asyncio.shield(task)
+        task.add_done_callback(self._log_failure)
 
     async def _stream(self, call: _Call | None, parsed: ParsedRequest, engine_request: dict[str, Any],
                       prompt_tokens: int, release: Callable[[], None]) -> AsyncIterator[str]:

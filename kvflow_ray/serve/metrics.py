@@ -94,6 +94,14 @@ class RouterMetrics:
                                      "reporting or failed a call", registry=r)
         self.store_up = Gauge("kvflow_store_up", "1 when the router's state store answers, else 0",
                               ["backend"], registry=r)
+        self.store_pending = Gauge("kvflow_store_pending_writes", "State writes queued for the store (grows "
+                                   "while it is unreachable)", registry=r)
+        self.store_reconciles = Counter("kvflow_store_reconciles", "Times the router wrote its whole state back "
+                                        "to the store: after an outage (reconnect) or when it lost data "
+                                        "(data_loss)", ["reason"], registry=r)
+        self._reconciles: dict[str, int] = {"reconnect": 0, "data_loss": 0}  # exported so far
+        for reason in self._reconciles:
+            self.store_reconciles.labels(reason)
 
     def observe_decision(self, outcome: str, seconds: float, tenant: str, deviation: bool) -> None:
         self.decisions.labels(outcome).inc()
@@ -104,6 +112,12 @@ class RouterMetrics:
     def set_health(self, replicas: int, backend: str, store_up: bool) -> None:
         self.replicas.set(replicas)
         self.store_up.labels(backend).set(1 if store_up else 0)
+
+    def set_store(self, pending: int, reconciles: Mapping[str, int]) -> None:
+        self.store_pending.set(pending)
+        for reason, n in reconciles.items():  # the store's running totals, exported as a counter
+            self.store_reconciles.labels(reason).inc(n - self._reconciles.get(reason, 0))
+            self._reconciles[reason] = n
 
     def set_active(self, per_tenant: Mapping[str, int]) -> None:
         self.active.clear()

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,6 +34,7 @@ from kvflow_ray.serve.router_actor import get_router
 
 logger = logging.getLogger("ray.serve")
 REPORT_PERIOD_S = 1.0
+PROMPT_CACHE_TOKENS = 1 << 21  # tokenized agent prompts kept (about 16 MB of ids)
 
 
 def make_engine(config: AppConfig) -> Any:
@@ -69,10 +71,11 @@ class EngineReplica:
         self.engine = make_engine(self.config)
         self.tokenizer = self.engine.tokenizer
         self.metrics = ReplicaMetrics(self.name)
-        self.router = get_router(self.config.redis, ttl_s=self.config.state_ttl_s,
-                                 balance_threshold=self.config.balance_threshold,
-                                 prefetch_horizon=self.config.horizon, limits=self.config.limits.model_dump())
-        self._prefix_cache: dict[str, tuple[int, ...]] = {}  # agent prompt text -> its token ids
+        self.router = get_router(**self.config.router_options())
+        # agent prompt text -> its token ids, least recently used first; bounded in tokens, since every
+        # workflow instance may bring prompts of its own
+        self._prefix_cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._prefix_cache_tokens = 0
         self._stop = threading.Event()
         self._events_lock = threading.Lock()  # one drain of the engine's events at a time, in order
         self._register()
@@ -165,9 +168,14 @@ class EngineReplica:
 
     def _prompt_tokens(self, text: str) -> tuple[int, ...]:
         tokens = self._prefix_cache.get(text)
-        if tokens is None:
-            render = self.tokenizer.apply_chat_template
-            tokens = self._prefix_cache[text] = tuple(agent_prefix(render, self.tokenizer.encode, text))
+        if tokens is not None:
+            self._prefix_cache.move_to_end(text)
+            return tokens
+        tokens = self._prefix_cache[text] = tuple(agent_prefix(self.tokenizer.apply_chat_template,
+                                                               self.tokenizer.encode, text))
+        self._prefix_cache_tokens += len(tokens)
+        while self._prefix_cache_tokens > PROMPT_CACHE_TOKENS and len(self._prefix_cache) > 1:
+            self._prefix_cache_tokens -= len(self._prefix_cache.popitem(last=False)[1])
         return tokens
 
     def _to_hints(self, batch: dict[str, Any]) -> Hints:

@@ -9,6 +9,11 @@ It is an async actor so that replicas can long-poll it for hints (`pull_hints`):
 waits until the router has something for it, which is how priorities and prefetch hints are pushed
 without the router holding handles to Serve's replica actors. `RouterCore` itself is synchronous and
 runs on the actor's one event loop, so no two calls interleave inside it.
+
+A maintenance task on the same loop writes the store behind the calls (every `FLUSH_PERIOD_S`, in a
+worker thread, so no call waits on Redis), and once a second probes the store (back after an outage?
+lost its data?), writes the router's state back when needed, and forgets replicas that stopped
+reporting and clients idle past the state TTL.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
+import os
 import time
 import uuid
 from typing import Any
@@ -23,35 +30,44 @@ from typing import Any
 import ray
 
 from kvflow_ray.core.routing import PrefixAffinityRouter
-from kvflow_ray.engines.base import CacheEvent, Hints
+from kvflow_ray.engines.base import CacheEvent
 from kvflow_ray.serve.config import TenantLimits
 from kvflow_ray.serve.metrics import RouterMetrics, merge_expositions
 from kvflow_ray.serve.router_core import RouterCore
-from kvflow_ray.serve.store import RedisStore, open_store
+from kvflow_ray.serve.store import BufferedStore, RedisStore, open_store
 
 ROUTER_NAME = "kvflow-router"
 ROUTER_NAMESPACE = "kvflow"
 HEARTBEAT_MAX_AGE_S = 60.0  # replicas a restarted router trusts
 STALE_REPLICA_S = 15.0  # a live replica reports every second; this long without a word means it is gone
-
-
-def _hints(pairs: list[tuple[str, Hints]]) -> list[tuple[str, dict[str, Any]]]:
-    return [(replica, dataclasses.asdict(h)) for replica, h in pairs]
+FLUSH_PERIOD_S = 0.02  # how far the store may lag the router's memory
+PROBE_PERIOD_S = 1.0  # store health checks, expiry and replica pruning
+logger = logging.getLogger(__name__)
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0, max_concurrency=10_000)
 class WorkflowRouterActor:
     def __init__(self, store_url: str | None = None, ttl_s: float = 3600.0, balance_threshold: int = 2,
-                 prefetch_horizon: int = 1, limits: dict[str, Any] | None = None) -> None:
+                 prefetch_horizon: int = 1, limits: dict[str, Any] | None = None,
+                 template_ttl_s: float | None = None, store_grace_s: float = 30.0,
+                 store_max_pending: int = 100_000) -> None:
         self.instance = uuid.uuid4().hex  # changes on every (re)start
-        self.core = RouterCore(open_store(store_url, ttl_s), PrefixAffinityRouter(balance_threshold=balance_threshold),
-                               prefetch_horizon=prefetch_horizon, limits=TenantLimits(**(limits or {})))
+        inner = open_store(store_url, ttl_s)
+        self.backend = "redis" if isinstance(inner, RedisStore) else "memory"
+        store = BufferedStore(inner, grace_s=store_grace_s, max_pending=store_max_pending)
+        self.core = RouterCore(store, PrefixAffinityRouter(balance_threshold=balance_threshold),
+                               prefetch_horizon=prefetch_horizon, limits=TenantLimits(**(limits or {})),
+                               template_ttl_s=template_ttl_s)
+        self.store = store
         self.metrics = RouterMetrics()
         self.expositions: dict[str, bytes] = {}  # replica -> its latest metrics
         self._wakeups: dict[str, asyncio.Event] = {}
-        self._pruned_at = time.monotonic()
-        for replica in self.core.store.replicas(HEARTBEAT_MAX_AGE_S):  # a restart: who was serving
+        self._reported: dict[str, float] = {}  # replica -> when it last said something (monotonic)
+        self._maintenance: asyncio.Task[None] | None = None
+        now = time.monotonic()
+        for replica in inner.replicas(HEARTBEAT_MAX_AGE_S):  # a restart: who was serving
             self.core.add_replica(replica)
+            self._reported[replica] = now
 
     # ------------------------------------------------------------------ replicas
     async def add_replica(self, name: str) -> None:
@@ -61,24 +77,24 @@ class WorkflowRouterActor:
         self._forget(name)
 
     async def replicas(self) -> dict[str, int]:
+        self._start_maintenance()
         return dict(self.core.loads)
 
     async def report(self, name: str, exposition: bytes | None = None) -> None:
         """A replica's periodic report: its heartbeat (which also re-registers it with a restarted
         router) and its metrics, which `/metrics` serves merged with the router's."""
-        self.core.add_replica(name)  # idempotent
-        self.core.store.heartbeat(name, {"load": self.core.loads[name]})
+        self._heard_from(name)
+        self.store.heartbeat(name, {"load": self.core.loads[name]})
         if exposition is not None:
             self.expositions[name] = exposition
-        self._prune()
 
     async def cache_events(self, replica: str, events: list[tuple[str, str, str, int]]) -> None:
-        self.core.add_replica(replica)  # idempotent: a restarted router learns of it here too
+        self._heard_from(replica)  # a restarted router learns of it here too
         self.core.cache_events(replica, [CacheEvent(*e) for e in events])
 
     async def pull_hints(self, replica: str, timeout_s: float = 1.0) -> dict[str, Any] | None:
         """Long poll: the replica's pending hints, waiting up to `timeout_s` for some to arrive."""
-        self.core.add_replica(replica)  # idempotent
+        self._heard_from(replica)
         batch = self.core.take_hints(replica)
         if batch is None:
             wakeup = self._wakeups.setdefault(replica, asyncio.Event())
@@ -103,40 +119,46 @@ class WorkflowRouterActor:
     async def start_call(self, tenant: str, client_id: str, agent: str, *, workflow: str | None = None,
                          prefix_hash: str | None = None, prefix_tokens: int = 0, cache_salt: str = "",
                          retry: bool = False) -> dict[str, Any]:
-        self._prune()
+        self._start_maintenance()
         route = self.core.start_call(tenant, client_id, agent, workflow=workflow, prefix_hash=prefix_hash,
                                      prefix_tokens=prefix_tokens, cache_salt=cache_salt, retry=retry)
         self.metrics.observe_decision(route.outcome, self.core.decision_seconds[-1], tenant, route.deviation)
         self._wake()
-        out = dataclasses.asdict(route)
-        out["hints"] = _hints(route.hints)
-        return out
+        # the replicas get the hints through their outboxes; the caller needs only where to go
+        return {"replica": route.replica, "outcome": route.outcome, "workflow_key": route.workflow_key,
+                "fixed_prompt": route.fixed_prompt, "deviation": route.deviation}
 
-    async def end_call(self, tenant: str, client_id: str, agent: str, replica: str | None = None
-                       ) -> list[tuple[str, dict[str, Any]]]:
-        hints = _hints(self.core.end_call(tenant, client_id, agent, replica))
+    async def end_call(self, tenant: str, client_id: str, agent: str, replica: str | None = None) -> None:
+        """One-way (callers need not wait): the hints it makes reach the replicas through the outbox."""
+        self.core.end_call(tenant, client_id, agent, replica)
         self._wake()
-        return hints
 
-    async def finish_client(self, tenant: str, client_id: str) -> list[tuple[str, dict[str, Any]]]:
-        hints = _hints(self.core.finish_client(tenant, client_id))
+    async def finish_client(self, tenant: str, client_id: str) -> None:
+        self.core.finish_client(tenant, client_id)  # its retire hints go out through the outboxes
         self._wake()
-        return hints
 
     # ------------------------------------------------------------------ observability
     async def metrics_text(self) -> bytes:
         """The router's metrics and every live replica's, as one Prometheus exposition, built from what
         the router holds in memory (live clients per tenant included: no store scan; a store ping is
         the only round trip), so a scrape costs the router next to nothing."""
+        self._start_maintenance()
         self.metrics.set_active(self.core.active_clients())
-        store = self.core.store
-        self.metrics.set_health(len(self.core.loads), "redis" if isinstance(store, RedisStore) else "memory",
-                                store.ping())
+        self.metrics.set_health(len(self.core.loads), self.backend, self.store.up)
+        self.metrics.set_store(self.store.pending, self.store.reconciles)
         live = [text for name, text in self.expositions.items() if name in self.core.loads]
         return merge_expositions([self.metrics.exposition(), *live])
 
     async def decision_latencies(self) -> list[float]:
         return list(self.core.decision_seconds)
+
+    async def stats(self) -> dict[str, Any]:
+        """What a soak or an operator watches: this process's CPU time and call counts (CPU per call),
+        recent finish_client latencies, the sizes of the router's state, and the store's health."""
+        return {"pid": os.getpid(), "cpu_s": time.process_time(), "start_calls": self.core.calls["start_call"],
+                "end_calls": self.core.calls["end_call"], "finish_seconds": list(self.core.finish_seconds),
+                **self.core.sizes(), "store_up": self.store.up, "pending_writes": self.store.pending,
+                "reconciles": dict(self.store.reconciles)}
 
     async def ping(self) -> str:
         """This incarnation's id: it changes when Ray restarts the actor."""
@@ -149,17 +171,50 @@ class WorkflowRouterActor:
             if wakeup is not None:
                 wakeup.set()
 
+    def _heard_from(self, replica: str) -> None:
+        self.core.add_replica(replica)  # idempotent
+        self._reported[replica] = time.monotonic()
+        self._start_maintenance()
+
+    def _start_maintenance(self) -> None:
+        """Started by the first call (an actor's `__init__` runs before its event loop does)."""
+        if self._maintenance is None or self._maintenance.done():
+            self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
+
+    async def _maintain(self) -> None:
+        probed_at = 0.0
+        while True:
+            try:
+                if self.store.up:
+                    batch = self.store.take()
+                    if batch:
+                        self.store.sent(batch, await asyncio.to_thread(self.store.send, batch))
+                if time.monotonic() - probed_at >= PROBE_PERIOD_S:
+                    probed_at = time.monotonic()
+                    await self._probe()
+                    self._prune()
+            except Exception:  # a bug here must not end maintenance (the store would never be written)
+                logger.exception("router maintenance failed; retrying")
+            await asyncio.sleep(FLUSH_PERIOD_S)
+
+    async def _probe(self) -> None:
+        was_up = self.store.up
+        reason = self.store.probed(await asyncio.to_thread(self.store.probe))
+        if was_up and not self.store.up:
+            logger.warning("the state store is unreachable: serving from memory, %d writes queued",
+                           self.store.pending)
+        if reason is not None:
+            writes = self.core.reconcile()
+            logger.warning("the state store is back (%s): writing the router's state to it again (%d writes)",
+                           reason, writes)
+
     def _prune(self) -> None:
         """Forget replicas that stopped reporting (killed without a goodbye) and clients idle past the
-        state TTL, at most once a second."""
-        now = time.monotonic()
-        if now - self._pruned_at < 1.0:
-            return
-        self._pruned_at = now
-        alive = self.core.store.replicas(STALE_REPLICA_S)
-        for name in [r for r in self.core.loads if r not in alive]:
+        state TTL."""
+        horizon = time.monotonic() - STALE_REPLICA_S
+        for name in [r for r in self.core.loads if self._reported.get(r, 0.0) < horizon]:
             self._forget(name)
-        if self.core.expire_clients():  # idle clients' retire hints go out to the replicas
+        if self.core.expire():  # idle clients' retire hints go out to the replicas
             self._wake()
 
     def _forget(self, name: str) -> None:
@@ -167,17 +222,21 @@ class WorkflowRouterActor:
             self.metrics.replicas_lost.inc()
         self.core.remove_replica(name)
         self.expositions.pop(name, None)
+        self._reported.pop(name, None)
 
 
 def get_router(store_url: str | None = None, *, create: bool = True, ttl_s: float = 3600.0,
-               balance_threshold: int = 2, prefetch_horizon: int = 1, limits: dict[str, Any] | None = None) -> Any:
+               balance_threshold: int = 2, prefetch_horizon: int = 1, limits: dict[str, Any] | None = None,
+               template_ttl_s: float | None = None, store_grace_s: float = 30.0,
+               store_max_pending: int = 100_000) -> Any:
     """The deployment's router actor, created on first use (named, so every process finds the same
     one; the first creator's settings win)."""
     if not create:
         return ray.get_actor(ROUTER_NAME, namespace=ROUTER_NAMESPACE)
     return WorkflowRouterActor.options(name=ROUTER_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True,
                                        lifetime="detached").remote(store_url, ttl_s, balance_threshold,
-                                                                             prefetch_horizon, limits)
+                                                                   prefetch_horizon, limits, template_ttl_s,
+                                                                   store_grace_s, store_max_pending)
 
 
 def stop_router() -> None:

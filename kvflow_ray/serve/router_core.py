@@ -11,6 +11,12 @@ engine-level workflow key is `tenant/client_id`, so two tenants' clients never s
 
 Hints are advisory. A call for an agent that the graph says is not ready is still routed and
 served; the live state follows what actually ran, and the deviation is counted.
+
+Memory is the working state and the store its durable copy (`BufferedStore`): everything is loaded
+once at start, every change is written behind, and no decision reads the store. So a store outage
+costs no call (within the grace period), and a store that lost data gets the router's state back
+(`reconcile`). Every structure is bounded by the tenants' limits and expires: clients idle for the
+state TTL, templates unused for the template TTL; removing one client is O(replicas).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +33,7 @@ from kvflow_ray.core.graph import UnknownAgentError, WorkflowSpec, WorkflowState
 from kvflow_ray.core.routing import PrefixAffinityRouter
 from kvflow_ray.engines.base import CacheEvent, Hints
 from kvflow_ray.serve.config import TenantLimits
-from kvflow_ray.serve.store import Store, check_name
+from kvflow_ray.serve.store import BufferedStore, Store, check_name
 
 
 class _NotFound(KeyError, ValueError):
@@ -88,6 +94,19 @@ class HintBatch:
 OLD_VERSIONS_IN_MEMORY = 1024  # replaced template versions kept parsed (the store keeps them for the state TTL)
 
 
+@dataclass
+class _Template:
+    """A tenant's current template: its parsed spec and version id, the digest of the request body
+    that registered it (re-sending that body writes nothing), when it was last used, and when its
+    store copy's idle TTL was last renewed."""
+
+    spec: WorkflowSpec
+    version: str
+    sent: bytes | None
+    used_at: float
+    renewed_at: float
+
+
 def _digest(spec: Mapping[str, Any]) -> bytes:
     return hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=16).digest()
 
@@ -97,63 +116,109 @@ def workflow_key(tenant: str, client_id: str) -> str:
 
 
 class RouterCore:
-    def __init__(self, store: Store, policy: PrefixAffinityRouter | None = None, prefetch_horizon: int = 1,
-                 limits: TenantLimits | None = None) -> None:
-        self.store = store
+    def __init__(self, store: Store | BufferedStore, policy: PrefixAffinityRouter | None = None,
+                 prefetch_horizon: int = 1, limits: TenantLimits | None = None,
+                 template_ttl_s: float | None = None) -> None:
+        # a plain store (tests, tools): every write goes through at once
+        self.store = store if isinstance(store, BufferedStore) else BufferedStore(store, sync=True)
         self.limits = limits or TenantLimits()
         self.spec_limits = self.limits.spec_limits()
+        self.template_ttl_s = max(template_ttl_s or 0.0, self.store.ttl_s)  # never shorter than a client's life
         self.policy = policy or PrefixAffinityRouter()
         self.prefetch_horizon = prefetch_horizon  # the engines prefetch agents this many steps ahead
         self.loads: dict[str, int] = {}  # live replicas -> requests queued or running there
         self.decisions: Counter[str] = Counter()
         self.deviations = 0
-        self.decision_seconds: list[float] = []  # recent decision latencies (bounded)
-        self._specs: dict[tuple[str, str], WorkflowSpec] = {}  # parsed templates, by (tenant, name)
-        # tiers each replica holds each prefix in (a write-back briefly holds both); the store keeps the best
-        self._held: dict[tuple[str, str], set[str]] = {}
-        # Write-through caches: the store is the source of truth (a restarted router reads it), but
-        # the hot path reads memory, so a decision costs one store write instead of three round trips.
-        self._clients: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}  # -> (written at, record)
+        self.calls = Counter[str]()  # start_call / end_call / finish_client invocations (for per-call cost)
+        self.decision_seconds: deque[float] = deque(maxlen=10_000)  # recent decision latencies
+        self.finish_seconds: deque[float] = deque(maxlen=10_000)  # recent finish_client latencies
+        # per tenant: current templates, least recently used first (idle ones leave from the front)
+        self._templates: dict[str, OrderedDict[str, _Template]] = {}
+        # replaced template versions live clients may still use, by (tenant, name@version)
+        self._old_versions: OrderedDict[tuple[str, str], WorkflowSpec] = OrderedDict()
+        # replica -> prefix -> tiers it holds the prefix in (a write-back briefly holds both)
+        self._held: dict[str, dict[str, set[str]]] = {}
         self._locations: dict[str, dict[str, str]] = {}  # prefix hash -> {replica: best tier}
+        self._clients: dict[tuple[str, str], dict[str, Any]] = {}  # live clients' records
+        # per tenant: live clients, least recently called first (expired ones leave from the front, so
+        # counting them is O(what expired))
+        self._live: dict[str, OrderedDict[str, float]] = {}
         self._outbox: dict[str, HintBatch] = {}  # replica -> hints not yet pulled
         self._told: dict[str, set[str]] = {}  # workflow key -> replicas its prompts were sent to
         # calls started and not yet ended, per (tenant, client); a client finished meanwhile retires
         # when its last call ends, so the call still returns its answer
         self._calls: Counter[tuple[str, str]] = Counter()
         self._finishing: set[tuple[str, str]] = set()
-        # per tenant: live clients, least recently called first (expired ones leave from the front, so
-        # counting them is O(what expired)), template names, and the template-write token bucket
-        self._live: dict[str, OrderedDict[str, float]] = {}
-        self._template_names: dict[str, set[str]] = {}
         self._write_tokens: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at)
-        self._sent: dict[tuple[str, str], bytes] = {}  # (tenant, template) -> digest of the body that set it
-        # template versions: the id of each current template, and replaced versions live clients still use
-        self._version_ids: dict[tuple[str, str], tuple[WorkflowSpec, str]] = {}
-        self._old_versions: OrderedDict[tuple[str, str], WorkflowSpec] = OrderedDict()
+        self._load()
+
+    def _load(self) -> None:
+        """Everything the store holds, once, at (re)start."""
         now = time.monotonic()
-        for tenant, client_id, _record in store.clients():  # once, at (re)start
+        for tenant, name, raw in self.store.template_items():
+            spec = parse_spec(raw)
+            if "@" in name:  # a replaced version kept for its live clients
+                self._remember_version(tenant, name, spec)
+            else:
+                self._templates.setdefault(tenant, OrderedDict())[name] = _Template(
+                    spec, self._version_id(spec), None, now, now)
+        for tenant, client_id, record in self.store.clients():
             self._live.setdefault(tenant, OrderedDict())[client_id] = now
+            self._clients[(tenant, client_id)] = record
+        for prefix_hash, holders in self.store.location_items():
+            self._locations[prefix_hash] = holders
+            for replica, tier in holders.items():
+                self._held.setdefault(replica, {})[prefix_hash] = {tier}
+        if self.store.get_marker() is None:
+            self.store.set_marker("kvflow-router")
+
+    def reconcile(self) -> int:
+        """Queue the router's whole durable state for the store (after an outage, or a store that lost
+        data): templates, kept versions, live clients, locations and the marker. O(state), rare."""
+        writes = 0
+        for tenant, templates in self._templates.items():
+            for name, template in templates.items():
+                self.store.put_template(tenant, name, template.spec.to_dict(), ttl_s=self.template_ttl_s)
+                writes += 1
+        for (tenant, version), spec in self._old_versions.items():
+            self.store.put_template(tenant, version, spec.to_dict(), ttl_s=self.store.ttl_s)
+            writes += 1
+        for (tenant, client_id), record in self._clients.items():
+            self.store.put_client(tenant, client_id, record)
+            writes += 1
+        for prefix_hash, holders in self._locations.items():
+            for replica, tier in holders.items():
+                if prefix_hash in self._held.get(replica, {}):  # reported, not only foreseen
+                    self.store.set_location(prefix_hash, replica, tier)
+                    writes += 1
+        self.store.set_marker("kvflow-router")
+        return writes
 
     # ------------------------------------------------------------------ replicas
     def add_replica(self, name: str) -> None:
         self.loads.setdefault(check_name("replica", name), 0)
 
     def remove_replica(self, name: str) -> None:
-        """A dead replica: its prefixes are forgotten, so its clients' next calls route elsewhere."""
+        """A dead replica: its load, outbox and prefixes are forgotten at once (O(what it held)), so its
+        clients' next calls route elsewhere, and a replica that comes back under the name starts at 0."""
         self.loads.pop(name, None)
         self._outbox.pop(name, None)
         for replicas in self._told.values():
             replicas.discard(name)
-        self.store.drop_replica(name)
-        self._held = {key: tiers for key, tiers in self._held.items() if key[0] != name}
-        for holders in self._locations.values():
+        held = self._held.pop(name, {})
+        for prefix_hash in held:
+            holders = self._locations.get(prefix_hash, {})
             holders.pop(name, None)
+            if not holders:
+                self._locations.pop(prefix_hash, None)
+        self.store.drop_replica(name, list(held))
 
     def cache_events(self, replica: str, events: Iterable[CacheEvent]) -> None:
         """Replica `replica` reports prefixes stored in / removed from a tier; the store keeps the best
         tier each replica holds each prefix in (device over host)."""
+        held = self._held.setdefault(replica, {})
         for event in events:
-            tiers = self._held.setdefault((replica, event.prefix_hash), set())
+            tiers = held.setdefault(event.prefix_hash, set())
             if event.kind == "stored":
                 tiers.add(event.tier)
             else:
@@ -161,7 +226,7 @@ class RouterCore:
             best = "gpu" if "gpu" in tiers else "cpu" if "cpu" in tiers else None
             holders = self._locations.setdefault(event.prefix_hash, {})
             if best is None:
-                del self._held[(replica, event.prefix_hash)]
+                del held[event.prefix_hash]
                 holders.pop(replica, None)
                 if not holders:
                     del self._locations[event.prefix_hash]
@@ -181,47 +246,32 @@ class RouterCore:
             except KeyError:
                 raise self._write_limit() from None
         parsed = parse_spec(dict(spec), limits=self.spec_limits)  # raises SpecError naming the field
-        try:
-            current = self.template(tenant, parsed.name)
-        except UnknownWorkflowError:
-            current = None
-        if current is not None and current.to_dict() == parsed.to_dict():
-            self._sent[(tenant, parsed.name)] = _digest(spec)
-            return current
-        if current is not None:  # live clients keep the version they started with (_load_client)
-            self._keep_version(tenant, current)
-        names = self._templates_of(tenant)
-        if current is None and len(names) >= self.limits.max_templates:
-            raise TenantLimitError("max_templates", f"tenant has {len(names)} workflow templates, the most allowed")
+        templates = self._templates.setdefault(tenant, OrderedDict())
+        current = templates.get(parsed.name)
+        if current is not None and current.spec.to_dict() == parsed.to_dict():
+            current.sent = _digest(spec)
+            self._use(tenant, current)
+            return current.spec
+        if current is None and len(templates) >= self.limits.max_templates:
+            self._expire_templates(tenant)
+            if len(templates) >= self.limits.max_templates:
+                raise TenantLimitError("max_templates", f"tenant has {len(templates)} workflow templates, the "
+                                                        "most allowed")
+        self.store.check()
         self._take_write_token(tenant)
-        self.store.put_template(tenant, parsed.name, parsed.to_dict())
-        self._specs[(tenant, parsed.name)] = parsed
-        self._sent[(tenant, parsed.name)] = _digest(spec)
-        names.add(parsed.name)
-        return parsed
+        if current is not None:  # live clients keep the version they started with (_spec_of)
+            self.store.put_template(tenant, current.version, current.spec.to_dict(), ttl_s=self.store.ttl_s)
+            self._remember_version(tenant, current.version, current.spec)
+        now = time.monotonic()
+        template = templates[parsed.name] = _Template(parsed, self._version_id(parsed), _digest(spec), now, now)
+        templates.move_to_end(parsed.name)
+        self.store.put_template(tenant, parsed.name, parsed.to_dict(), ttl_s=self.template_ttl_s)
+        return template.spec
 
-    def _templates_of(self, tenant: str) -> set[str]:
-        names = self._template_names.get(tenant)
-        if names is None:  # once per tenant and router lifetime: what the store already has
-            # (`name@version` copies kept for live clients are not templates of their own)
-            names = self._template_names[tenant] = {n for n in self.store.templates(tenant) if "@" not in n}
-        return names
-
-    def _version(self, tenant: str, spec: WorkflowSpec) -> str:
+    @staticmethod
+    def _version_id(spec: WorkflowSpec) -> str:
         """`name@digest`: the id of one version of a template (spec names never contain '@')."""
-        cached = self._version_ids.get((tenant, spec.name))
-        if cached is not None and cached[0] is spec:
-            return cached[1]
-        version = f"{spec.name}@{_digest(spec.to_dict()).hex()[:16]}"
-        self._version_ids[(tenant, spec.name)] = (spec, version)
-        return version
-
-    def _keep_version(self, tenant: str, spec: WorkflowSpec) -> None:
-        """Keep a template version being replaced, for its live clients: in the store for the state
-        TTL (a client idle longer than that is expired anyway) and in a bounded memory cache."""
-        version = self._version(tenant, spec)
-        self.store.put_template(tenant, version, spec.to_dict(), ttl_s=self.store.ttl_s)
-        self._remember_version(tenant, version, spec)
+        return f"{spec.name}@{_digest(spec.to_dict()).hex()[:16]}"
 
     def _remember_version(self, tenant: str, version: str, spec: WorkflowSpec) -> None:
         self._old_versions[(tenant, version)] = spec
@@ -231,18 +281,47 @@ class RouterCore:
 
     def _spec_of(self, tenant: str, record: dict[str, Any]) -> WorkflowSpec:
         """The template version a client started with: the current one unless it changed since."""
-        spec = self.template(tenant, record["workflow"])
+        template = self._template(tenant, record["workflow"])
         version = record.get("version")
-        if version is None or version == self._version(tenant, spec):
-            return spec
+        if version is None or version == template.version:
+            return template.spec
         old = self._old_versions.get((tenant, version))
-        if old is None:
-            raw = self.store.get_template(tenant, version)
-            if raw is None:  # kept for the state TTL only: the client runs on the current version
-                return spec
+        if old is None:  # beyond the memory bound: the store keeps it for the state TTL
+            try:
+                raw = self.store.get_template(tenant, version)
+            except Exception:  # the store is down: the client runs on the current version
+                raw = None
+            if raw is None:
+                return template.spec
             old = parse_spec(raw)
             self._remember_version(tenant, version, old)
         return old
+
+    def _use(self, tenant: str, template: _Template) -> None:
+        """A template was used: it is the tenant's most recent, and its store copy's idle TTL is renewed
+        (at most every quarter TTL, so a hot template costs no write per call)."""
+        now = time.monotonic()
+        template.used_at = now
+        self._templates[tenant].move_to_end(template.spec.name)
+        if now - template.renewed_at > self.template_ttl_s / 4:
+            template.renewed_at = now
+            self.store.put_template(tenant, template.spec.name, template.spec.to_dict(), ttl_s=self.template_ttl_s)
+
+    def _expire_templates(self, tenant: str) -> int:
+        """Drop the tenant's templates unused for the template TTL (oldest first; O(what expired)). A
+        client uses its template on every call and expires itself after the shorter state TTL, so no
+        live client loses its template."""
+        templates = self._templates.get(tenant)
+        horizon = time.monotonic() - self.template_ttl_s
+        expired = 0
+        while templates:
+            name, template = next(iter(templates.items()))
+            if template.used_at > horizon:
+                break
+            del templates[name]
+            self.store.delete_template(tenant, name)
+            expired += 1
+        return expired
 
     def _write_tokens_left(self, tenant: str) -> float:
         """The tenant's template-write bucket now (`template_writes_per_s`, `template_write_burst`)."""
@@ -268,20 +347,22 @@ class RouterCore:
         """The registered template when `spec` is exactly what registered it (KeyError otherwise): no
         parsing, so a tenant out of write budget can still re-send what it registered."""
         name = spec.get("name")
-        current = self._specs.get((tenant, name)) if isinstance(name, str) else None
-        if current is None or self._sent.get((tenant, current.name)) != _digest(spec):
+        current = self._templates.get(tenant, {}).get(name) if isinstance(name, str) else None
+        if current is None or current.sent != _digest(spec):
             raise KeyError(name)
-        return current
+        self._use(tenant, current)
+        return current.spec
+
+    def _template(self, tenant: str, name: str) -> _Template:
+        check_name("workflow", name)
+        template = self._templates.get(check_name("tenant", tenant), {}).get(name)
+        if template is None:
+            raise UnknownWorkflowError(f"unknown workflow {name!r} (register it with POST /v1/workflows)")
+        self._use(tenant, template)
+        return template
 
     def template(self, tenant: str, name: str) -> WorkflowSpec:
-        key = (check_name("tenant", tenant), check_name("workflow", name))
-        spec = self._specs.get(key)
-        if spec is None:
-            raw = self.store.get_template(tenant, name)
-            if raw is None:
-                raise UnknownWorkflowError(f"unknown workflow {name!r} (register it with POST /v1/workflows)")
-            spec = self._specs[key] = parse_spec(raw)
-        return spec
+        return self._template(tenant, name).spec
 
     def client_workflow(self, tenant: str, client_id: str) -> str:
         """The workflow a live client runs (for requests that name only the client and agent)."""
@@ -293,19 +374,7 @@ class RouterCore:
 
     # ------------------------------------------------------------------ calls
     def _get_client(self, tenant: str, client_id: str) -> dict[str, Any] | None:
-        cached = self._clients.get((tenant, client_id))
-        if cached is not None and time.monotonic() - cached[0] < self.store.ttl_s:
-            return cached[1]
-        record = self.store.get_client(tenant, client_id)  # a restart, or written by an earlier router
-        if record is not None:
-            self._remember_client(tenant, client_id, record)
-        return record
-
-    def _remember_client(self, tenant: str, client_id: str, record: dict[str, Any]) -> None:
-        if len(self._clients) >= 200_000:  # bounded: the oldest half goes; the store still has them
-            for key in sorted(self._clients, key=lambda k: self._clients[k][0])[:100_000]:
-                del self._clients[key]
-        self._clients[(tenant, client_id)] = (time.monotonic(), record)
+        return self._clients.get((tenant, client_id))
 
     def _load_client(self, tenant: str, client_id: str) -> tuple[WorkflowSpec, WorkflowState, dict[str, Any]]:
         record = self._get_client(tenant, client_id)
@@ -319,7 +388,7 @@ class RouterCore:
         record["workflow"] = spec.name
         record["state"] = state.to_dict()
         self.store.put_client(tenant, client_id, record)
-        self._remember_client(tenant, client_id, record)
+        self._clients[(tenant, client_id)] = record
 
     def start_call(self, tenant: str, client_id: str, agent: str, *, workflow: str | None = None,
                    prefix_hash: str | None = None, prefix_tokens: int = 0, cache_salt: str = "",
@@ -329,16 +398,19 @@ class RouterCore:
         live there); `prefix_hash` is already salted. Every check runs before any state changes.
         `retry`: the same call again, after its replica died under it (one end_call ends both)."""
         started = time.perf_counter()
+        self.calls["start_call"] += 1
         check_name("client_id", client_id)
+        self.store.check()
         if (tenant, client_id) in self._finishing:
             raise UnknownClientError(f"client {client_id!r} is finished (its last calls are completing)")
         record = self._get_client(tenant, client_id)
         if record is None or (workflow is not None and record["workflow"] != workflow):
             if workflow is None:
                 raise UnknownClientError(f"unknown client {client_id!r}: its first request must name the workflow")
-            spec = self.template(tenant, workflow)
+            template = self._template(tenant, workflow)
+            spec = template.spec
             state = WorkflowState(spec, running=[])
-            record = {"workflow": spec.name, "version": self._version(tenant, spec), "placement": {}}
+            record = {"workflow": spec.name, "version": template.version, "placement": {}}
             fresh = True
         else:
             spec, state, record = self._load_client(tenant, client_id)
@@ -379,6 +451,7 @@ class RouterCore:
         """The call finished (served or failed): the agent is done; new steps go to the replicas. A
         client finished (or expired) meanwhile costs the call nothing: it still returns its answer,
         and a finished client retires once its last call has ended."""
+        self.calls["end_call"] += 1
         if replica is not None and self.loads.get(replica, 0) > 0:
             self.loads[replica] -= 1
         client = (tenant, client_id)
@@ -402,7 +475,10 @@ class RouterCore:
     def finish_client(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:
         """`POST /v1/clients/{id}/finish`: the workflow instance is over; its prompts are retired, at
         once, or when its calls still running have ended."""
+        started = time.perf_counter()
+        self.calls["finish_client"] += 1
         check_name("client_id", client_id)
+        self.store.check()
         client = (tenant, client_id)
         if client in self._finishing:
             return []
@@ -411,7 +487,9 @@ class RouterCore:
         if client in self._calls:
             self._finishing.add(client)
             return []
-        return self._finish(tenant, client_id)
+        hints = self._finish(tenant, client_id)
+        self.finish_seconds.append(time.perf_counter() - started)
+        return hints
 
     def _finish(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:
         self._finishing.discard((tenant, client_id))
@@ -435,10 +513,20 @@ class RouterCore:
         retire = Hints(retire=[key])
         return [(replica, retire) for replica in sorted(self.loads)]
 
-    def expire_clients(self) -> int:
+    def expire(self) -> int:
         """Retire every client idle for longer than the state TTL (its store entry expires by the same
-        TTL); O(tenants + what expired). The router actor calls it once a second."""
+        TTL) and drop templates unused for the template TTL; O(tenants + what expired). The router
+        actor calls it once a second. How many clients expired."""
+        for tenant in list(self._templates):
+            self._expire_templates(tenant)
         return sum(self._expire_live(tenant) for tenant in list(self._live))
+
+    def sizes(self) -> dict[str, int]:
+        """How much state the router holds (a soak watches these stay bounded)."""
+        return {"live_clients": len(self._clients), "templates": sum(map(len, self._templates.values())),
+                "old_versions": len(self._old_versions), "locations": len(self._locations),
+                "told": len(self._told), "outbox": sum(len(b.steps) + len(b.retire) for b in self._outbox.values()),
+                "calls_in_flight": len(self._calls)}
 
     def take_hints(self, replica: str) -> HintBatch | None:
         """The hints waiting for `replica` (removed from the outbox), or None."""
@@ -451,7 +539,8 @@ class RouterCore:
     def active_clients(self) -> Counter[str]:
         """Live workflow instances per tenant (the `kvflow_workflows_active` gauge), from memory:
         O(tenants + what expired since the last count), never a store scan."""
-        self.expire_clients()
+        for tenant in list(self._live):
+            self._expire_live(tenant)
         return Counter({tenant: len(live) for tenant, live in self._live.items() if live})
 
     def _touch_live(self, tenant: str, client_id: str, admit: bool = True) -> None:
@@ -480,12 +569,7 @@ class RouterCore:
 
     # ------------------------------------------------------------------ helpers
     def _holders(self, prefix_hash: str) -> dict[str, str]:
-        holders = self._locations.get(prefix_hash)
-        if holders is None:  # not heard of since this router started: what the store remembers
-            holders = self.store.locations(prefix_hash)
-            if holders:
-                self._locations[prefix_hash] = holders
-        return holders
+        return self._locations.get(prefix_hash, {})
 
     def _hints(self, key: str, state: WorkflowState, spec: WorkflowSpec,
                record: dict[str, Any]) -> list[tuple[str, Hints]]:
@@ -536,5 +620,3 @@ class RouterCore:
 
     def _record_latency(self, seconds: float) -> None:
         self.decision_seconds.append(seconds)
-        if len(self.decision_seconds) > 10_000:
-            del self.decision_seconds[:5_000]

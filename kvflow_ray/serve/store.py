@@ -13,11 +13,13 @@ Values are JSON documents, so state written by one router version can be read by
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 NAME = re.compile(r"[A-Za-z0-9_.@-]{1,128}")
@@ -32,6 +34,11 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
+Write = tuple[str, tuple[Any, ...]]  # a store write: (method name, positional args)
+WRITES = frozenset({"put_template", "delete_template", "put_client", "delete_client", "set_location",
+                    "drop_replica", "heartbeat", "set_marker"})
+
+
 class Store(Protocol):
     ttl_s: float
 
@@ -41,7 +48,13 @@ class Store(Protocol):
 
     def get_template(self, tenant: str, name: str) -> dict[str, Any] | None: ...
 
+    def delete_template(self, tenant: str, name: str) -> None: ...
+
     def templates(self, tenant: str) -> list[str]: ...
+
+    def template_items(self) -> Iterator[tuple[str, str, dict[str, Any]]]:
+        """Every template (and kept `name@version` copy) of every tenant: what a restarted router loads."""
+        ...
 
     def put_client(self, tenant: str, client_id: str, state: dict[str, Any]) -> None: ...
 
@@ -54,13 +67,19 @@ class Store(Protocol):
         ...
 
     def set_location(self, prefix_hash: str, replica: str, tier: str | None) -> None:
-        """`tier` None: the replica no longer holds the prefix."""
+        """`tier` None: the replica no longer holds the prefix. A location key expires `ttl_s` after its
+        last write, so one whose removal was never reported (a replica lost with its cache) still goes."""
         ...
 
     def locations(self, prefix_hash: str) -> dict[str, str]: ...
 
-    def drop_replica(self, replica: str) -> None:
-        """A dead replica: forget its heartbeat and every location it held."""
+    def location_items(self) -> Iterator[tuple[str, dict[str, str]]]:
+        """Every known prefix location: what a restarted router loads."""
+        ...
+
+    def drop_replica(self, replica: str, prefixes: Iterable[str] = ()) -> None:
+        """A dead replica: forget its heartbeat and its holdings of `prefixes` (the router knows what
+        it held; anything else it held expires with its location key)."""
         ...
 
     def heartbeat(self, replica: str, info: dict[str, Any]) -> None: ...
@@ -71,6 +90,16 @@ class Store(Protocol):
 
     def ping(self) -> bool:
         """Whether the backing store answers now (exported as `kvflow_store_up`)."""
+        ...
+
+    def get_marker(self) -> str | None:
+        """The router's marker key: written once, never expiring, so its absence means the store lost data."""
+        ...
+
+    def set_marker(self, value: str) -> None: ...
+
+    def apply(self, writes: Iterable[Write]) -> None:
+        """Several writes (`(method name, args)`) in one round trip, in order."""
         ...
 
 
@@ -94,6 +123,17 @@ def _parse_client_key(key: str) -> tuple[str, str] | None:
     """(tenant, client id) of a client-state key; None for any other key."""
     parts = key.split(":")
     return (parts[1], parts[3]) if len(parts) == 4 and parts[2] == "client" else None
+
+
+def _parse_template_key(key: str) -> tuple[str, str] | None:
+    parts = key.split(":")
+    return (parts[1], parts[3]) if len(parts) == 4 and parts[2] == "template" else None
+
+
+def _write_method(name: str) -> str:
+    if name not in WRITES:
+        raise ValueError(f"{name!r} is not a store write")
+    return name
 
 
 def _location_key(prefix_hash: str) -> str:
@@ -136,11 +176,23 @@ class MemoryStore:
             raw = self._get(_template_key(tenant, name))
         return None if raw is None else json.loads(raw)
 
+    def delete_template(self, tenant: str, name: str) -> None:
+        with self._lock:
+            self._data.pop(_template_key(tenant, name), None)
+
     def templates(self, tenant: str) -> list[str]:
         prefix = _templates_prefix(tenant)
         with self._lock:
             keys = [k for k in list(self._data) if k.startswith(prefix) and self._get(k) is not None]
         return sorted(k[len(prefix):] for k in keys)
+
+    def template_items(self) -> Iterator[tuple[str, str, dict[str, Any]]]:
+        with self._lock:
+            items = [(k, self._get(k)) for k in list(self._data)]
+        for key, raw in items:
+            ids = _parse_template_key(key)
+            if raw is not None and ids is not None:
+                yield *ids, json.loads(raw)
 
     def put_client(self, tenant: str, client_id: str, state: dict[str, Any]) -> None:
         key = _client_key(tenant, client_id)
@@ -178,7 +230,7 @@ class MemoryStore:
             else:
                 holders[check_name("replica", replica)] = tier
             if holders:
-                self._set(key, holders)
+                self._set(key, holders, self.ttl_s)
             else:
                 self._data.pop(key, None)
 
@@ -186,20 +238,32 @@ class MemoryStore:
         with self._lock:
             return dict(self._get(_location_key(prefix_hash)) or {})
 
-    def drop_replica(self, replica: str) -> None:
+    def location_items(self) -> Iterator[tuple[str, dict[str, str]]]:
+        prefix = _key("loc", "")
+        with self._lock:
+            items = [(k[len(prefix):], self._get(k)) for k in list(self._data) if k.startswith(prefix)]
+        yield from ((h, dict(holders)) for h, holders in items if holders)
+
+    def drop_replica(self, replica: str, prefixes: Iterable[str] = ()) -> None:
         with self._lock:
             self._data.pop(_key("replica", replica), None)
-            for key in [k for k in self._data if k.startswith(_key("loc", ""))]:
-                holders = self._data[key][1]
-                if replica in holders:
-                    holders = {r: t for r, t in holders.items() if r != replica}
-                    if holders:
-                        self._data[key] = (None, holders)
-                    else:
-                        del self._data[key]
+        for prefix_hash in prefixes:
+            self.set_location(prefix_hash, replica, None)
 
     def ping(self) -> bool:
         return True  # in process: it is up while the router is
+
+    def get_marker(self) -> str | None:
+        with self._lock:
+            return self._get(_key("router"))
+
+    def set_marker(self, value: str) -> None:
+        with self._lock:
+            self._set(_key("router"), value)
+
+    def apply(self, writes: Iterable[Write]) -> None:
+        for name, args in writes:
+            getattr(self, _write_method(name))(*args)
 
     def heartbeat(self, replica: str, info: dict[str, Any]) -> None:
         with self._lock:
@@ -219,9 +283,14 @@ class RedisStore:
 
     def __init__(self, url: str, ttl_s: float = 3600.0) -> None:
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         self.ttl_s = ttl_s
-        self._r = redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
+        # short timeouts, no retries inside redis-py: an outage is the caller's to handle (the router
+        # queues its writes and serves from memory), not a stall of every call
+        self._r = redis.Redis.from_url(url, decode_responses=True, socket_timeout=2.0, socket_connect_timeout=1.0,
+                                       retry=Retry(NoBackoff(), 0))
         try:
             self._r.ping()
         except redis.RedisError as exc:
@@ -235,9 +304,24 @@ class RedisStore:
         raw = self._r.get(_template_key(tenant, name))
         return None if raw is None else json.loads(raw)
 
+    def delete_template(self, tenant: str, name: str) -> None:
+        self._r.delete(_template_key(tenant, name))
+
     def templates(self, tenant: str) -> list[str]:
         prefix = _templates_prefix(tenant)
         return sorted(k[len(prefix):] for k in self._r.scan_iter(match=prefix + "*", count=500))
+
+    def template_items(self) -> Iterator[tuple[str, str, dict[str, Any]]]:
+        yield from ((*ids, json.loads(raw)) for ids, raw in self._scan(_key("*", "template", "*"), _parse_template_key))
+
+    def _scan(self, match: str, parse: Callable[[str], Any]) -> Iterator[tuple[Any, str]]:
+        """(parsed key, value) of every string key matching `match`, read in pipelined batches."""
+        keys = [k for k in self._r.scan_iter(match=match, count=1000) if parse(k) is not None]
+        for start in range(0, len(keys), 1000):
+            chunk = keys[start:start + 1000]
+            for key, raw in zip(chunk, self._r.mget(chunk), strict=True):
+                if raw is not None:  # may have expired since the scan
+                    yield parse(key), raw
 
     def put_client(self, tenant: str, client_id: str, state: dict[str, Any]) -> None:
         key = _client_key(tenant, client_id)
@@ -252,27 +336,36 @@ class RedisStore:
         return bool(self._r.delete(key))
 
     def clients(self) -> Iterator[tuple[str, str, dict[str, Any]]]:
-        for key in self._r.scan_iter(match=_key("*", "client", "*"), count=500):
-            ids = _parse_client_key(key)
-            raw = self._r.get(key) if ids is not None else None
-            if ids is not None and raw is not None:  # may have expired since the scan
-                yield *ids, json.loads(raw)
+        yield from ((*ids, json.loads(raw)) for ids, raw in self._scan(_key("*", "client", "*"), _parse_client_key))
 
     def set_location(self, prefix_hash: str, replica: str, tier: str | None) -> None:
         _check_tier(tier)
         key = _location_key(prefix_hash)
         if tier is None:
-            self._r.hdel(key, replica)
+            self._r.hdel(key, replica)  # Redis deletes a hash with no fields left
         else:
             self._r.hset(key, check_name("replica", replica), tier)
+            self._r.pexpire(key, max(1, int(self.ttl_s * 1000)))
 
     def locations(self, prefix_hash: str) -> dict[str, str]:
         return dict(self._r.hgetall(_location_key(prefix_hash)))
 
-    def drop_replica(self, replica: str) -> None:
+    def location_items(self) -> Iterator[tuple[str, dict[str, str]]]:
+        prefix = _key("loc", "")
+        keys = list(self._r.scan_iter(match=prefix + "*", count=1000))
+        for start in range(0, len(keys), 1000):
+            pipe = self._r.pipeline(transaction=False)
+            chunk = keys[start:start + 1000]
+            for key in chunk:
+                pipe.hgetall(key)
+            for key, holders in zip(chunk, pipe.execute(), strict=True):
+                if holders:
+                    yield key[len(prefix):], dict(holders)
+
+    def drop_replica(self, replica: str, prefixes: Iterable[str] = ()) -> None:
         self._r.delete(_key("replica", replica))
-        for key in self._r.scan_iter(match=_key("loc", "*"), count=1000):
-            self._r.hdel(key, replica)
+        for prefix_hash in prefixes:
+            self._r.hdel(_location_key(prefix_hash), replica)
 
     def ping(self) -> bool:
         import redis
@@ -281,6 +374,19 @@ class RedisStore:
             return bool(self._r.ping())
         except redis.RedisError:
             return False
+
+    def get_marker(self) -> str | None:
+        return self._r.get(_key("router"))
+
+    def set_marker(self, value: str) -> None:
+        self._r.set(_key("router"), value)
+
+    def apply(self, writes: Iterable[Write]) -> None:
+        batch = copy.copy(self)  # the same methods, queued on one pipeline
+        batch._r = self._r.pipeline(transaction=False)  # type: ignore[assignment]
+        for name, args in writes:
+            getattr(batch, _write_method(name))(*args)
+        batch._r.execute()
 
     def heartbeat(self, replica: str, info: dict[str, Any]) -> None:
         self._r.set(_key("replica", check_name("replica", replica)), json.dumps({**info, "at": time.time()}))
@@ -297,6 +403,152 @@ class RedisStore:
             if now - info["at"] <= max_age_s:
                 out[key[len(prefix):]] = info
         return out
+
+
+class StoreUnavailableError(RuntimeError):
+    """The store has been unreachable for longer than the grace period, or too many writes wait for
+    it: state changes are refused (503 with Retry-After) until it answers again."""
+
+
+READS = frozenset({"get_template", "templates", "template_items", "get_client", "clients", "locations",
+                   "location_items", "replicas", "get_marker"})
+
+
+class BufferedStore:
+    """The router's store, as the router uses it: its memory is the working state, the store its
+    durable copy, read at start and written behind.
+
+    - Writes are queued, the latest per key, and `flush` sends them in one round trip (the router actor
+      flushes every few milliseconds; with `sync`, every write flushes at once). So a decision never
+      waits on the store, and a store outage only delays writes.
+    - A failed flush marks the store down; writes keep queueing. `check()` lets state changes through
+      for `grace_s` of an outage; past it, or with `max_pending` writes waiting, it raises
+      StoreUnavailableError.
+    - `probe()` (once a second) tells when the store is back, and when it lost data (the router's
+      marker key is gone). Either way the router then queues its whole state again
+      (`RouterCore.reconcile`): a store that came back empty, or older (an AOF that lost its last
+      second), ends up with what the router knows.
+    Reads pass through to the store (they raise its errors)."""
+
+    def __init__(self, store: Store, grace_s: float = 30.0, max_pending: int = 100_000, sync: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.inner = store
+        self.grace_s, self.max_pending, self.sync = grace_s, max_pending, sync
+        self._clock = clock
+        self._pending: OrderedDict[tuple[str, ...], Write] = OrderedDict()
+        self.down_since: float | None = None
+        self.reconciles: Counter[str] = Counter()  # reason -> how often the router's state was written back
+
+    @property
+    def ttl_s(self) -> float:
+        return self.inner.ttl_s
+
+    @property
+    def up(self) -> bool:
+        return self.down_since is None
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in READS:
+            return getattr(self.inner, name)
+        raise AttributeError(name)
+
+    # ------------------------------------------------------------------ writes (queued)
+    def put_template(self, tenant: str, name: str, spec: dict[str, Any], ttl_s: float | None = None) -> None:
+        self._queue(("template", tenant, name), "put_template", (tenant, name, spec, ttl_s))
+
+    def delete_template(self, tenant: str, name: str) -> None:
+        self._queue(("template", tenant, name), "delete_template", (tenant, name))
+
+    def put_client(self, tenant: str, client_id: str, state: dict[str, Any]) -> None:
+        self._queue(("client", tenant, client_id), "put_client", (tenant, client_id, state))
+
+    def delete_client(self, tenant: str, client_id: str) -> None:
+        self._queue(("client", tenant, client_id), "delete_client", (tenant, client_id))
+
+    def set_location(self, prefix_hash: str, replica: str, tier: str | None) -> None:
+        _check_tier(tier)
+        self._queue(("loc", prefix_hash, replica), "set_location", (prefix_hash, replica, tier))
+
+    def drop_replica(self, replica: str, prefixes: Iterable[str] = ()) -> None:
+        for prefix_hash in prefixes:  # supersedes what was queued for them
+            self._pending.pop(("loc", prefix_hash, replica), None)
+        self._queue(("drop", replica), "drop_replica", (replica, list(prefixes)))
+
+    def heartbeat(self, replica: str, info: dict[str, Any]) -> None:
+        self._queue(("beat", replica), "heartbeat", (replica, info))
+
+    def set_marker(self, value: str) -> None:
+        self._queue(("marker",), "set_marker", (value,))
+
+    def _queue(self, key: tuple[str, ...], name: str, args: tuple[Any, ...]) -> None:
+        self._pending[key] = (name, args)
+        self._pending.move_to_end(key)  # the order of the latest writes is kept
+        if self.sync and self.up:
+            self.flush()
+
+    # ------------------------------------------------------------------ flushing and health
+    def check(self) -> None:
+        """Raise StoreUnavailableError when state changes must wait for the store."""
+        if self.down_since is not None and self._clock() - self.down_since > self.grace_s:
+            raise StoreUnavailableError(f"the state store has been unreachable for more than {self.grace_s:g} s; "
+                                        "retry shortly")
+        if len(self._pending) >= self.max_pending:
+            raise StoreUnavailableError(f"{len(self._pending)} state writes wait for the store; retry shortly")
+
+    def take(self) -> OrderedDict[tuple[str, ...], Write]:
+        """The queued writes, removed from the queue (to `send`, then `sent`)."""
+        batch, self._pending = self._pending, OrderedDict()
+        return batch
+
+    def send(self, batch: OrderedDict[tuple[str, ...], Write]) -> BaseException | None:
+        """Write `batch` to the store (blocking: the router runs this in a worker thread); the error, if any."""
+        try:
+            self.inner.apply(batch.values())
+        except Exception as exc:  # any store failure: the batch waits for the store to answer again
+            return exc
+        return None
+
+    def sent(self, batch: OrderedDict[tuple[str, ...], Write], error: BaseException | None) -> None:
+        """After `send`: a failed batch goes back in front of what was queued since (newer writes of
+        the same key win), and the store is down from now."""
+        if error is None:
+            return
+        if self.down_since is None:
+            self.down_since = self._clock()
+        restored = OrderedDict((k, w) for k, w in batch.items() if k not in self._pending)
+        restored.update(self._pending)
+        self._pending = restored
+
+    def flush(self) -> BaseException | None:
+        batch = self.take()
+        error = self.send(batch) if batch else None
+        self.sent(batch, error)
+        return error
+
+    def probe(self) -> str | None:
+        """Ask the store whether it is there and still has the router's marker (blocking). None: it
+        answers and has it; "down": it does not answer; "lost": it answers without the marker."""
+        try:
+            return None if self.inner.get_marker() is not None else "lost"
+        except Exception:  # any store failure: it is down
+            return "down"
+
+    def probed(self, seen: str | None) -> str | None:
+        """After `probe`: why the router's state must be written back now ("reconnect", "data_loss"),
+        or None."""
+        if seen == "down":
+            if self.down_since is None:
+                self.down_since = self._clock()
+            return None
+        reason = "data_loss" if seen == "lost" else "reconnect" if self.down_since is not None else None
+        self.down_since = None
+        if reason is not None:
+            self.reconciles[reason] += 1
+        return reason
 
 
 def open_store(url: str | None, ttl_s: float = 3600.0) -> MemoryStore | RedisStore:
