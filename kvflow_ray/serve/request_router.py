@@ -11,16 +11,49 @@ backoff, and skipping dead replicas.
   request spills rather than waits (the router's balance threshold should keep that rare).
 - No choice (a plain request or a control call), or a choice that is not among the live candidates
   (the replica just died): all candidates in one rank, so Serve picks the least loaded one.
+- A replica that dies, or leaves the set Serve routes to, is dropped from the workflow router at once
+  (`on_replica_actor_died`, `update_replicas`: Serve's own seams), so its load and holdings are
+  forgotten before any call is routed to it again, without waiting for its heartbeats to stop.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING
+
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+if TYPE_CHECKING:
+    from ray.serve._private.common import ReplicaID
+
 ROUTE_KWARG = "kvflow_replica"
+logger = logging.getLogger(__name__)
+
+
+def _drop_from_workflow_router(name: str) -> None:
+    """One way: Serve calls the hooks below on its event loop, which must not wait on the router."""
+    from kvflow_ray.serve.router_actor import get_router
+
+    try:
+        get_router(create=False).remove_replica.remote(name)
+    except Exception:  # no router (restarting): its stale-heartbeat check drops the replica later
+        logger.warning("could not tell the workflow router that replica %s is gone", name, exc_info=True)
 
 
 class WorkflowRequestRouter(RequestRouter):
+    _known: frozenset[str] = frozenset()  # the replicas Serve routes to now (unique ids)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        current = frozenset(r.replica_id.unique_id for r in replicas)
+        gone, self._known = self._known - current, current
+        super().update_replicas(replicas)
+        for name in gone:
+            _drop_from_workflow_router(name)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        _drop_from_workflow_router(replica_id.unique_id)
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         chosen = pending_request.kwargs.get(ROUTE_KWARG) if pending_request is not None else None

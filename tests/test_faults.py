@@ -1,0 +1,240 @@
+"""Faults injected into a running stack, as an operator meets them: a real redis-server with AOF (fsync
+every second), real Ray Serve with two simulated-GPU replicas, and 16 clients running two passes of
+the PEER workflow over HTTP while, a few seconds in, Redis dies and comes back (with its data, or
+empty), an engine replica is killed, or the router actor is. Every test counts the workflows started,
+completed and failed and looks at the state after: no fault may fail a workflow or answer a 500."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis_proc import RedisProcess
+
+ray = pytest.importorskip("ray")
+
+from kvflow_ray.client import Workflow  # noqa: E402
+from kvflow_ray.client.loadgen import iteration_stages  # noqa: E402
+from kvflow_ray.serve.app import LocalServer  # noqa: E402
+from kvflow_ray.serve.config import AppConfig  # noqa: E402
+from kvflow_ray.serve.router_actor import get_router  # noqa: E402
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+PEER = Workflow.from_yaml(ROOT / "workflows" / "peer.yaml")
+GRACE_S = 6.0  # the stack's store_grace_s: the Redis outages below are shorter, but for the last one
+CLIENTS = 16
+
+
+@dataclass
+class Outcome:
+    """What the clients saw: per workflow instance, whether it completed; every HTTP status."""
+
+    started: int = 0
+    completed: int = 0
+    failed: dict[str, str] = field(default_factory=dict)  # client id -> its first error
+    statuses: list[int] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any], dict[str, str]]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read()), {k.lower(): v for k, v in response.headers.items()}
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}"), {k.lower(): v for k, v in error.headers.items()}
+
+
+def _call(server: LocalServer, client_id: str, agent: str, text: str) -> tuple[int, dict[str, Any], dict[str, str]]:
+    run = PEER.client(base_url=server.url + "/v1", client_id=client_id, register=False)
+    body = {"model": "default", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "messages": run.agent(agent).messages([{"role": "user", "content": text}]),
+            "kvflow": run.metadata(agent)}
+    return _post(server.url + "/v1/chat/completions", body)
+
+
+def _workflow(server: LocalServer, client_id: str, iterations: int, outcome: Outcome, finish: bool = True) -> None:
+    """One instance: `iterations` passes of the step graph (stages' agents concurrently), then finish.
+    No retries: the first non-200 fails the workflow."""
+    with outcome.lock:
+        outcome.started += 1
+    try:
+        for iteration in range(iterations):
+            for stage in iteration_stages(PEER):
+                for agent in stage:
+                    started = time.perf_counter()
+                    status, body, _headers = _call(server, client_id, agent, f"{client_id} pass {iteration}")
+                    with outcome.lock:
+                        outcome.statuses.append(status)
+                        outcome.latencies.append(time.perf_counter() - started)
+                    if status != 200:
+                        raise RuntimeError(f"{agent}: HTTP {status} {body.get('error', {}).get('message')}")
+        if finish:
+            status, body, _headers = _post(f"{server.url}/v1/clients/{client_id}/finish", {})
+            with outcome.lock:
+                outcome.statuses.append(status)
+            if status != 200:
+                raise RuntimeError(f"finish: HTTP {status} {body.get('error', {}).get('message')}")
+        with outcome.lock:
+            outcome.completed += 1
+    except Exception as exc:
+        with outcome.lock:
+            outcome.failed[client_id] = f"{type(exc).__name__}: {exc}"
+
+
+def _run_with_fault(server: LocalServer, name: str, fault: Callable[[], None], at_s: float = 2.0,
+                    iterations: int = 2) -> Outcome:
+    outcome = Outcome()
+    threads = [threading.Thread(target=_workflow, args=(server, f"{name}-{i}", iterations, outcome))
+               for i in range(CLIENTS)]
+    for thread in threads:
+        thread.start()
+    time.sleep(at_s)
+    fault()
+    for thread in threads:
+        thread.join(timeout=600)
+    latencies = sorted(outcome.latencies)
+    print(f"\n{name}: started {outcome.started}, completed {outcome.completed}, failed {len(outcome.failed)}; "
+          f"{len(latencies)} calls, p50 {latencies[len(latencies) // 2]:.2f} s, max {latencies[-1]:.2f} s")
+    return outcome
+
+
+def _assert_clean(outcome: Outcome) -> None:
+    assert outcome.started == CLIENTS and not outcome.failed, outcome.failed
+    assert outcome.completed == CLIENTS and 500 not in outcome.statuses
+    assert set(outcome.statuses) == {200}
+
+
+def _router_stats() -> dict[str, Any]:
+    return ray.get(get_router(create=False).stats.remote())
+
+
+def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def redis_server(free_port: Callable[[], int], tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    server = RedisProcess(free_port(), tmp_path_factory.mktemp("redis-aof"), aof=True).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(redis_server: RedisProcess, free_port: Callable[[], int]) -> Iterator[LocalServer]:
+    config = AppConfig(engine="sim", replicas=2, time_scale=0.05, redis=redis_server.url, route_headers=True,
+                       store_grace_s=GRACE_S)
+    with LocalServer(config, port=free_port()) as running:
+        status, body, _headers = _post(running.url + "/v1/workflows", PEER.spec.to_dict())
+        assert status == 200, body
+        yield running
+
+
+def _restart_redis(redis_server: RedisProcess, down_s: float, *, keep_data: bool) -> Callable[[], None]:
+    def fault() -> None:
+        redis_server.kill()
+        if not keep_data:  # a restart without persistence: it comes back empty
+            shutil.rmtree(redis_server.workdir)
+            redis_server.workdir.mkdir()
+        time.sleep(down_s)
+        redis_server.start()
+    return fault
+
+
+def test_redis_killed_and_restarted_with_its_aof(server: LocalServer, redis_server: RedisProcess) -> None:
+    outcome = _run_with_fault(server, "aof", _restart_redis(redis_server, 3.0, keep_data=True))
+    _assert_clean(outcome)
+    _wait(lambda: _router_stats()["reconciles"].get("reconnect", 0) >= 1, "the router never wrote its state back")
+    stats = _router_stats()
+    assert stats["store_up"] and stats["live_clients"] == 0  # every workflow finished: nothing live is left
+    _wait(lambda: _router_stats()["pending_writes"] == 0, "queued writes never reached Redis")
+
+
+def test_redis_restarted_empty_then_the_router_restarted(server: LocalServer, redis_server: RedisProcess) -> None:
+    """The worst case of the issue: Redis loses everything mid-run, and later the router restarts. The
+    router writes its state back when Redis answers again, so the restarted router still knows the
+    template and the clients that were live, and serves them without anyone re-registering."""
+    live = Outcome()
+    for i in range(4):  # instances that stay live across both faults (they have not finished)
+        _workflow(server, f"live-{i}", 1, live, finish=False)
+    assert live.completed == 4
+    outcome = _run_with_fault(server, "empty", _restart_redis(redis_server, 2.0, keep_data=False))
+    _assert_clean(outcome)
+    _wait(lambda: _router_stats()["reconciles"].get("data_loss", 0) >= 1, "the router never noticed the data loss")
+    _wait(lambda: _router_stats()["pending_writes"] == 0, "the write-back never reached Redis")
+    assert redis_server.keys() >= 1 + 4  # the template, the live clients (and locations, heartbeats)
+
+    router = get_router(create=False)
+    before = ray.get(router.ping.remote())
+    ray.kill(router, no_restart=False)
+    _wait(lambda: _ping() not in (None, before), "the router did not come back")
+    assert _router_stats()["live_clients"] == 4
+    for i in range(4):
+        status, body, _headers = _call(server, f"live-{i}", "planner", "the second pass")  # the loop goes on
+        assert status == 200, body
+        assert _post(f"{server.url}/v1/clients/live-{i}/finish", {})[0] == 200
+
+
+def _ping() -> str | None:
+    try:
+        return ray.get(get_router(create=False).ping.remote(), timeout=5)
+    except Exception:  # dead or restarting
+        return None
+
+
+def test_a_killed_replica_is_forgotten_at_once_and_its_calls_retried(server: LocalServer) -> None:
+    router = get_router(create=False)
+    victim = sorted(ray.get(router.replicas.remote()))[0]
+
+    def kill_replica() -> None:
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::kvflow#EngineReplica#{victim}", namespace="serve"), no_restart=True)
+
+    outcome = _run_with_fault(server, "replica", kill_replica)
+    _assert_clean(outcome)
+    loads = ray.get(router.replicas.remote())
+    assert victim not in loads
+    _wait(lambda: not any(ray.get(router.replicas.remote()).values()), "a load counter stayed up after the calls")
+    server.wait_ready(timeout_s=120)  # Serve replaced it; the replacement starts at 0
+    assert sorted(ray.get(router.replicas.remote()).values()) == [0, 0]
+
+
+def test_the_router_killed_mid_run(server: LocalServer) -> None:
+    router = get_router(create=False)
+    outcome = _run_with_fault(server, "router", lambda: ray.kill(router, no_restart=False))
+    _assert_clean(outcome)
+    _wait(lambda: _router_stats()["live_clients"] == 0, "finished clients stayed live after the restart")
+
+
+def test_an_outage_past_the_grace_period_answers_503_with_retry_after(
+        server: LocalServer, redis_server: RedisProcess) -> None:
+    """Past `store_grace_s`, calls that change state get a clear 503 with Retry-After, never a 500; once
+    Redis is back they succeed again."""
+    redis_server.kill()
+    try:
+        time.sleep(GRACE_S + 2.0)
+        status, body, headers = _call(server, "late", "planner", "during a long outage")
+        assert status == 503 and body["error"]["code"] == "store_unavailable" and "retry-after" in headers
+        assert "unreachable" in body["error"]["message"] and "Traceback" not in json.dumps(body)
+    finally:
+        redis_server.start()
+    _wait(lambda: _router_stats()["store_up"], "the router never saw Redis come back")
+    status, body, _headers = _call(server, "late", "planner", "after the outage")
+    assert status == 200, body
+    assert _post(f"{server.url}/v1/clients/late/finish", {})[0] == 200
