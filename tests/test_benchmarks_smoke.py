@@ -1,8 +1,10 @@
-"""Smoke test: benchmarks/paper_figures.py runs end to end (fig8, --quick) and writes its JSON and plot."""
+"""Smoke tests: benchmarks/paper_figures.py (fig8, --quick) and benchmarks/soak.py (a tiny soak) run end to
+end and write their JSON and plots."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -43,4 +45,39 @@ def test_paper_figures_quick_fig8(tmp_path: Path) -> None:
 
     plot = tmp_path / "fig8.png"
     assert plot.exists() and plot.stat().st_size > 1000
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_soak_tiny(tmp_path: Path) -> None:
+    """30 workflow instances (abandoned, unique-template and re-registering ones among them) on a 3 s TTL:
+    all complete without a failure, every process is sampled, and once the TTLs ran out Redis holds no
+    more than the live clients, the cached prefixes' locations and a few fixed keys."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "soak.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--workflows", "30", "--ttl-s", "3",
+                           "--drain-extra-s", "3", "--sample-s", "1", "--no-progress", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RSS within 10%" in proc.stdout and "finish_client" in proc.stdout  # the summary
+
+    report = json.loads(out.read_text())
+    summary = report["summary"]
+    assert summary["failures"]["total"] == 0, summary["failures"]
+    assert summary["workflows"]["done"] == 30
+    assert summary["workflows"]["by_kind"] == {"plain": 23, "abandoned": 3, "unique": 3, "reregister": 1}
+    assert summary["workflows"]["finishes"] == 27  # all but the abandoned
+    samples = report["samples"]
+    assert len(samples) >= 3 and samples[-1]["tag"] == "final"
+    for sample in samples:
+        replicas = [label for label in sample["rss"] if label.startswith("engine-replica-")]
+        assert len(replicas) == 2
+        assert all(sample["rss"][label] > 0 for label in ["router", "ingress", *replicas])
+    final = samples[-1]
+    keys = final["redis"]["keys"]
+    assert keys.get("client", 0) == 0  # finished ones deleted, abandoned ones expired
+    # + 5: the replicas' heartbeats, the router's marker, the shared template, one to spare
+    assert final["redis"]["dbsize"] <= final["live_clients"] + keys.get("loc", 0) + 5, keys
+    plot = out.with_suffix(".png")
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -365,6 +365,11 @@ def test_router_restart_loses_no_workflow_state(server: LocalServer) -> None:
     # the restarted router still knows the templates and a client mid-workflow, in order
     client = _sdk(server)
     _chat(client, "resumed", "planner")
+    # the store is written behind the calls (within FLUSH_PERIOD_S): a kill loses what was not written yet
+    deadline = time.monotonic() + 30
+    while (stats := ray.get(router.stats.remote()))["pending_writes"] or stats["calls_in_flight"]:
+        assert time.monotonic() < deadline, "the router never wrote the call's end to Redis"
+        time.sleep(0.05)
     ray.kill(router, no_restart=False)
     deadline = time.monotonic() + 60
     while True:
