@@ -383,9 +383,9 @@ class Sampler:
         self.args, self.load, self.procs = args, load, procs
         self.redis = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=10)
         self.router: Any = None
-        self.has_stats = True
         self.samples: list[dict[str, Any]] = []
         self.finish_router: list[float] = []  # finish_client latencies inside the router, every window's
+        self.finish_router_cpu: list[float] = []  # ... and the CPU time each took
         self.started = time.monotonic()
         self._stop = threading.Event()
         self._prev: dict[str, Any] = {}
@@ -397,17 +397,10 @@ class Sampler:
 
         from kvflow_ray.serve.router_actor import get_router
 
-        if not self.has_stats:
-            return None
         try:
             if self.router is None:
                 self.router = get_router(create=False)
             return ray.get(self.router.stats.remote(), timeout=30)
-        except AttributeError:  # a router without stats(): fall back to psutil and the driver's counts
-            self.has_stats = False
-            print("note: the router actor has no stats(); router CPU comes from psutil and calls from this "
-                  "driver's counts, and finish_client latency inside the router is not available", file=sys.stderr)
-            return None
         except Exception as exc:  # a restarting router: this sample goes without
             print(f"note: router stats() failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             self.router = None
@@ -438,17 +431,19 @@ class Sampler:
                                  "calls": calls, "finishes": finishes, "failures": failures, "rss": rss,
                                  "cpu_s": cpu, "pid": pids, "redis": self.redis_state()}
         if stats is not None:
-            seconds = [float(s) for s in stats.pop("finish_seconds", [])]
+            seconds = [float(s) for s in stats.pop("finish_seconds")]
+            cpu_seconds = [float(s) for s in stats.pop("finish_cpu_seconds")]
             new = finishes - self._prev.get("finishes", 0)
             window = seconds[-new:] if new > 0 else []
             self.finish_router += window
+            self.finish_router_cpu += cpu_seconds[-new:] if new > 0 else []
             entry["router"] = stats
             entry["finish_window"] = {"n": len(window), "p50_ms": ms(percentile(window, 50), 4),
                                       "p99_ms": ms(percentile(window, 99), 4),
                                       "max_ms": ms(max(window) if window else None, 4)}
             router_cpu, starts = float(stats["cpu_s"]), int(stats["start_calls"])
             entry["live_clients"] = stats.get("live_clients")
-        else:  # no stats(): the router process's CPU and the agent calls this driver made
+        else:  # the router is restarting: its process's CPU and the agent calls this driver made
             router_cpu, starts = cpu.get("router", math.nan), calls
             entry["live_clients"] = entry["redis"]["keys"].get("client", 0)
         entry["router_cpu_s"], entry["router_start_calls"] = router_cpu, starts
@@ -479,6 +474,72 @@ class Sampler:
         self._stop.set()
         self.load.wake.set()
         thread.join()
+
+
+# ---------------------------------------------------------------------------------------------- reference points
+def ray_call_floor(calls: int = 1000) -> dict[str, float]:
+    """What one actor call costs the called actor's process on this machine with nothing else in it: an
+    empty async method, like the router's, called back to back and all at once. The router cannot spend
+    less per agent call than this per router call."""
+    import ray
+
+    @ray.remote(num_cpus=0, max_concurrency=1000)
+    class Empty:
+        async def call(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        async def cpu(self) -> float:
+            return time.process_time()
+
+    actor = Empty.remote()  # type: ignore[attr-defined]
+    try:
+        ray.get([actor.call.remote() for _ in range(50)])  # warm
+        before = ray.get(actor.cpu.remote())
+        for _ in range(calls):
+            ray.get(actor.call.remote("acme", "client-0", "planner", workflow="peer", prefix_hash="0" * 32))
+        middle = ray.get(actor.cpu.remote())
+        ray.get([actor.call.remote("acme", "client-0", "planner") for _ in range(calls)])
+        after = ray.get(actor.cpu.remote())
+    finally:
+        ray.kill(actor)
+    return {"sequential_ms": round(1e3 * (middle - before) / calls, 4),
+            "pipelined_ms": round(1e3 * (after - middle) / calls, 4)}
+
+
+def core_scale(counts: list[int], finishes: int = 1000) -> list[dict[str, Any]]:
+    """finish_client of the router's core (`RouterCore`, the code the actor runs; no Ray, an in-process
+    store written behind as in the actor) with this many live clients: p50/p99 of wall and CPU time.
+    The soak's own load never holds more than a few dozen clients live at once."""
+    from kvflow_ray.client import Workflow
+    from kvflow_ray.serve.router_core import RouterCore
+    from kvflow_ray.serve.store import BufferedStore, MemoryStore
+
+    peer = Workflow.from_yaml(ROOT / "workflows" / "peer.yaml").spec
+    out = []
+    for count in counts:
+        store = BufferedStore(MemoryStore())
+        core = RouterCore(store)
+        for replica in ("r1", "r2"):
+            core.add_replica(replica)
+        core.put_template("acme", peer.to_dict())
+        core.limits.max_live_clients = count + 1
+        for i in range(count):
+            route = core.start_call("acme", f"c{i}", "planner", workflow=peer.name, prefix_hash=f"h{i % 50}",
+                                    prefix_tokens=100)
+            core.end_call("acme", f"c{i}", "planner", route.replica)
+            if i % 1000 == 0:
+                store.take()
+                core.take_hints("r1"), core.take_hints("r2")
+        store.take()
+        core.take_hints("r1"), core.take_hints("r2")
+        core.finish_seconds.clear()
+        core.finish_cpu_seconds.clear()
+        for i in range(0, count, max(1, count // finishes)):
+            core.finish_client("acme", f"c{i}")
+        wall, cpu = list(core.finish_seconds), list(core.finish_cpu_seconds)
+        out.append({"live_clients": count, "finishes": len(wall), "p50_ms": ms(percentile(wall, 50), 4),
+                    "p99_ms": ms(percentile(wall, 99), 4), "cpu_p99_ms": ms(percentile(cpu, 99), 4)})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- the report
@@ -519,7 +580,7 @@ def summarise(args: argparse.Namespace, load: Load, sampler: Sampler, wall: dict
     marginal = ((load_cpu - idle_rate * (end_load["t"] - start_sample["t"])) / calls
                 if calls > 0 and idle_rate is not None else None)
     per_window = [s["router_cpu_ms_per_call"] for s in samples if "router_cpu_ms_per_call" in s]
-    finish_all = sampler.finish_router
+    finish_all, finish_cpu = sampler.finish_router, sampler.finish_router_cpu
     return {
         "workflows": {"total": args.workflows, "done": load.done, "by_kind": dict(load.by_kind),
                       "agent_calls": load.calls, "finishes": load.finishes, "template_revisions": load.revision},
@@ -536,15 +597,18 @@ def summarise(args: argparse.Namespace, load: Load, sampler: Sampler, wall: dict
                   "live_clients_final": live, "loc_keys_final": keys.get("loc", 0),
                   "expected_final": expected, "left_over": leftover, "verdict": not leftover},
         "finish_client": {
-            "source": "router stats()" if sampler.has_stats else "unavailable (router has no stats())",
+            "source": "router stats()",
             "n": len(finish_all), "p50_ms": ms(percentile(finish_all, 50), 4),
             "p99_ms": ms(percentile(finish_all, 99), 4),
+            # the work itself (the router thread's CPU time): the wall time above also holds the
+            # moments the router was descheduled, two cores being shared by every process here
+            "cpu_p50_ms": ms(percentile(finish_cpu, 50), 4), "cpu_p99_ms": ms(percentile(finish_cpu, 99), 4),
             "worst_window_p99_ms": worst_window["finish_window"]["p99_ms"] if worst_window else None,
             "worst_window_live_clients": worst_window.get("live_clients") if worst_window else None,
             "live_clients_range": [min(lives), max(lives)] if lives else None,
             "verdict": (worst_window["finish_window"]["p99_ms"] <= 1.0) if worst_window else None,
             "round_trip_ms": {"p50": ms(percentile(load.finish_rtt, 50)), "p99": ms(percentile(load.finish_rtt, 99))}},
-        "router_cpu": {"source": "router stats()" if sampler.has_stats else "psutil (router pid) / driver's calls",
+        "router_cpu": {"source": "router stats()",
                        "start_calls": calls, "ms_per_call": ms(cpu_per_call, 4),
                        "max_window_ms_per_call": max(per_window) if per_window else None,
                        # the router's CPU with no calls (after the load: heartbeats, hint polls, upkeep,
@@ -578,11 +642,17 @@ def print_summary(summary: dict[str, Any]) -> None:
     print(f"finish_client ({fc['source']}): n {fc['n']}, p50 {fc['p50_ms']} ms, p99 {fc['p99_ms']} ms, worst window "
           f"p99 {fc['worst_window_p99_ms']} ms (at {fc['worst_window_live_clients']} live clients; live range "
           f"{fc['live_clients_range']}); round trip from here p50 {fc['round_trip_ms']['p50']} ms p99 "
-          f"{fc['round_trip_ms']['p99']} ms; ok (p99 <= 1 ms): {fc['verdict']}")
+          f"{fc['round_trip_ms']['p99']} ms; ok (p99 <= 1 ms): {fc['verdict']}; CPU time p50 {fc['cpu_p50_ms']} ms "
+          f"p99 {fc['cpu_p99_ms']} ms")
+    for row in fc["core_at_scale"]:
+        print(f"  router core, {row['live_clients']:>6} live clients: finish_client p50 {row['p50_ms']} ms, "
+              f"p99 {row['p99_ms']} ms (CPU p99 {row['cpu_p99_ms']} ms) over {row['finishes']} finishes")
     rc = summary["router_cpu"]
     print(f"router CPU per agent call ({rc['source']}): {rc['ms_per_call']} ms mean over {rc['start_calls']} calls, "
           f"worst window {rc['max_window_ms_per_call']} ms; ok (<= 1 ms): {rc['verdict']}; idle it uses "
-          f"{rc['idle_ms_per_s']} ms/s, so {rc['marginal_ms_per_call']} ms per call beyond that")
+          f"{rc['idle_ms_per_s']} ms/s, so {rc['marginal_ms_per_call']} ms per call beyond that; one empty Ray "
+          f"actor call costs its actor {rc['ray_actor_call_floor_ms']['sequential_ms']} ms back to back, "
+          f"{rc['ray_actor_call_floor_ms']['pipelined_ms']} ms pipelined")
     print(f"agent calls from here: p50 {summary['agent_call_ms']['p50']} ms, p99 {summary['agent_call_ms']['p99']} ms")
     print(f"router state at the end: {summary['router_final']}")
     if f["examples"]:
@@ -684,6 +754,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the instance mix's order (default 0)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON report (default "
                         f"{RESULTS.relative_to(ROOT)}); the plot goes next to it with the suffix .png")
+    parser.add_argument("--scale-clients", type=lambda text: [int(n) for n in text.split(",")],
+                        default=[1000, 10_000, 50_000], help="after the soak, time finish_client in the router's "
+                        "core (no Ray) with this many live clients, comma-separated (default 1000,10000,50000)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.workflows < 1 or args.concurrency < 1:
@@ -710,13 +783,8 @@ def app_config(args: argparse.Namespace, redis_url: str) -> tuple[Any, dict[str,
     fields: dict[str, Any] = {"engine": "sim", "replicas": args.replicas, "redis": redis_url,
                               "time_scale": args.time_scale, "state_ttl_s": args.ttl_s, "route_headers": True,
                               "limits": limits}
-    if "template_idle_ttl_s" in AppConfig.model_fields:
-        fields["template_idle_ttl_s"] = args.template_ttl_s
-    else:
-        print("note: this AppConfig has no template_idle_ttl_s; unique templates are never dropped",
-              file=sys.stderr)
+    fields["template_idle_ttl_s"] = args.template_ttl_s
     setup = {k: v for k, v in fields.items() if k not in ("limits", "redis")}
-    setup.setdefault("template_idle_ttl_s", None)
     setup["limits"] = limits.model_dump()
     return AppConfig(**fields), setup
 
@@ -767,6 +835,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sampler.sample("drain")
         sampler.samples[-1]["tag"] = "final"
         wall["drain_s"] = round(drain, 1)
+        floor = ray_call_floor()
         samples = sampler.samples
         out: dict[str, Any] = {
             "generated_by": "benchmarks/soak.py " + " ".join(sys.argv[1:]),
@@ -781,7 +850,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         wall["total_s"] = round(time.monotonic() - started, 1)
         out["summary"] = summarise(args, load, sampler, wall)
+        out["summary"]["router_cpu"]["ray_actor_call_floor_ms"] = floor
         out["samples"] = samples
+    out["summary"]["finish_client"]["core_at_scale"] = core_scale(args.scale_clients)
     return out
 
 

@@ -59,6 +59,8 @@ from kvflow_ray.serve.store import StoreUnavailableError, check_name
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="kvflow-ray", description="OpenAI-compatible, workflow-aware LLM serving")
 ROUTER_RETRY_S = 60.0  # how long calls wait for a restarting router
+ENDED_FLUSH_S = 0.02  # the longest a call's end waits for a router call to ride on
+ENDS_RIDE_ON = frozenset({"start_call", "client_workflow", "finish_client"})  # router calls that carry them
 TEMPLATE_CACHE_S = 10.0  # templates registered through another ingress replica show up within this
 DEAD = (ActorDiedError, ActorUnavailableError, RayActorError)
 
@@ -209,6 +211,10 @@ class Ingress:
         self.spec_limits = self.limits.spec_limits()
         self._inflight: Counter[str] = Counter()  # per tenant: calls admitted here and not yet answered
         self._tasks: set[asyncio.Task[None]] = set()  # router calls that must finish whatever the caller does
+        # calls that ended and the router has not heard of yet: they ride on the next router call, or
+        # go on their own after ENDED_FLUSH_S
+        self._ended: list[tuple[str, str, str, str | None]] = []
+        self._ended_flush: asyncio.TimerHandle | None = None
         # the engines' own tokenizer and context (the engine checks a prompt against its pool too)
         self.tokenizer = load_tokenizer(self.config.tokenizer_path())
         self.model_name = self.config.model_name()
@@ -224,7 +230,10 @@ class Ingress:
 
     # ------------------------------------------------------------------ plumbing
     async def _call_router(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """A router call that waits out a router restart (Ray restarts it; state is in the store)."""
+        """A router call that waits out a router restart (Ray restarts it; state is in the store). Calls
+        about clients carry the ends of calls the router has not heard of yet (it ends them first)."""
+        if method in ENDS_RIDE_ON:
+            kwargs["ended"] = self._take_ended()
         deadline = time.monotonic() + ROUTER_RETRY_S
         while True:
             try:
@@ -469,18 +478,30 @@ class Ingress:
 
     def _end_call(self, call: _Call | None) -> None:
         """Tell the router the call is over, on the replica its start_call counted (the router's own
-        books, even where Serve's default router sent the call elsewhere). One way: the answer does
-        not wait for it, so an agent call costs one router round trip. It runs as its own task, so a
-        client that hangs up (cancelling the request) does not leave the replica's load counted; Ray
-        runs one caller's actor calls in order, so the client's next call finds this one ended."""
+        books, even where Serve's default router sent the call elsewhere). The answer does not wait
+        for it: the end rides on this ingress's next router call, or goes within ENDED_FLUSH_S with
+        the other ends, so an agent call costs one router call. Nothing here belongs to the request,
+        so a client that hangs up (cancelling it) does not leave the replica's load counted."""
         if call is None or call.ended:
             return
         call.ended = True
-        # a fresh context: Ray counts an actor call made in the request's own context as that request's
-        # child and cancels it with the request when the client hangs up
-        task = asyncio.get_running_loop().create_task(self._call_router(
-            "end_call", call.tenant, call.client_id, call.agent, call.replica),
-            context=contextvars.Context())
+        self._ended.append((call.tenant, call.client_id, call.agent, call.replica))
+        if self._ended_flush is None:
+            # a fresh context: Ray counts an actor call made in the request's own context as that
+            # request's child and cancels it with the request when the client hangs up
+            self._ended_flush = asyncio.get_running_loop().call_later(ENDED_FLUSH_S, self._flush_ended,
+                                                                      context=contextvars.Context())
+
+    def _take_ended(self) -> list[tuple[str, str, str, str | None]]:
+        ended, self._ended = self._ended, []
+        return ended
+
+    def _flush_ended(self) -> None:
+        self._ended_flush = None
+        ended = self._take_ended()
+        if not ended:
+            return
+        task = asyncio.get_running_loop().create_task(self._call_router("end_calls", ended))
         self._tasks.add(task)  # held until done: a task nobody references can be collected mid-flight
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(self._log_failure)

@@ -4,8 +4,8 @@ The replica serves `generate` / `stream` calls from the ingress and keeps two co
 the workflow router going on background threads:
 - hints: a long poll (`pull_hints`) that returns as soon as the router has new steps-to-execution,
   agents' prompts or retired workflows for this replica; they go straight to `engine.apply_hints`;
-- reports: every second a heartbeat with this replica's metrics; after every request (and with each
-  report) the engine's cache events, so the router knows which prefixes live here.
+- reports: every second a heartbeat with this replica's metrics; every 100 ms (when there are any)
+  the engine's cache events, so the router knows which prefixes live here.
 Router calls that fail (the router restarting) are retried; serving never waits on the router.
 
 Its name towards the router is Serve's replica id (`unique_id`), which is what the request router
@@ -34,6 +34,7 @@ from kvflow_ray.serve.router_actor import get_router
 
 logger = logging.getLogger("ray.serve")
 REPORT_PERIOD_S = 1.0
+EVENTS_PERIOD_S = 0.1
 PROMPT_CACHE_TOKENS = 1 << 21  # tokenized agent prompts kept (about 16 MB of ids)
 
 
@@ -79,7 +80,7 @@ class EngineReplica:
         self._stop = threading.Event()
         self._events_lock = threading.Lock()  # one drain of the engine's events at a time, in order
         self._register()
-        for target in (self._hint_loop, self._report_loop):
+        for target in (self._hint_loop, self._event_loop, self._report_loop):
             threading.Thread(target=target, name=f"kvflow-{target.__name__}", daemon=True).start()
         logger.info("EngineReplica %s serving %s (%s)", self.name, self.engine.model_name, self.config.policy)
 
@@ -141,7 +142,6 @@ class EngineReplica:
             status = 400 if isinstance(req.error, ValueError) else 500
             return {"replica": self.name, "error": str(req.error), "status": status}
         self.metrics.observe_result(req.result)
-        self._push_events()
         return {"replica": self.name, "result": dataclasses.asdict(req.result)}
 
     def _push_events(self) -> None:
@@ -192,6 +192,13 @@ class EngineReplica:
                 continue
             if batch is not None:
                 self.engine.apply_hints(self._to_hints(batch))
+
+    def _event_loop(self) -> None:
+        """The engine's cache events go to the router every EVENTS_PERIOD_S (when there are any): one
+        router call carries all the requests' events of that period. Until they arrive the router
+        counts a prefix as held where it sent the request."""
+        while not self._stop.wait(EVENTS_PERIOD_S):
+            self._push_events()
 
     def _report_loop(self) -> None:
         while not self._stop.wait(REPORT_PERIOD_S):

@@ -10,10 +10,14 @@ waits until the router has something for it, which is how priorities and prefetc
 without the router holding handles to Serve's replica actors. `RouterCore` itself is synchronous and
 runs on the actor's one event loop, so no two calls interleave inside it.
 
-A maintenance task on the same loop writes the store behind the calls (every `FLUSH_PERIOD_S`, in a
-worker thread, so no call waits on Redis), and once a second probes the store (back after an outage?
-lost its data?), writes the router's state back when needed, and forgets replicas that stopped
-reporting and clients idle past the state TTL.
+A maintenance task on the same loop writes the store behind the calls (within `FLUSH_PERIOD_S` of a
+change, in a worker thread, so no call waits on Redis), and once a second probes the store (back after
+an outage? lost its data?), writes the router's state back when needed, and forgets replicas that
+stopped reporting and clients idle past the state TTL.
+
+Every actor call costs this process about a millisecond of CPU (Ray's own work), more than a routing
+decision, so calls are few: the end of an agent call rides on the ingress's next call (`ended`), and
+waiting replicas are woken at most every `HINT_BATCH_S`, with all that changed meanwhile.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -41,8 +46,10 @@ ROUTER_NAMESPACE = "kvflow"
 HEARTBEAT_MAX_AGE_S = 60.0  # replicas a restarted router trusts
 STALE_REPLICA_S = 15.0  # a live replica reports every second; this long without a word means it is gone
 FLUSH_PERIOD_S = 0.02  # how far the store may lag the router's memory
+HINT_BATCH_S = 0.05  # hints for a replica wait this long for more to go with them
 PROBE_PERIOD_S = 1.0  # store health checks, expiry and replica pruning
 logger = logging.getLogger(__name__)
+Ended = tuple[str, str, str, str | None]  # an agent call that ended: (tenant, client id, agent, replica counted)
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0, max_concurrency=10_000)
@@ -62,6 +69,9 @@ class WorkflowRouterActor:
         self.metrics = RouterMetrics()
         self.expositions: dict[str, bytes] = {}  # replica -> its latest metrics
         self._wakeups: dict[str, asyncio.Event] = {}
+        self._wake_scheduled = False
+        self._dirty = asyncio.Event()  # the store has writes queued
+        store.notify = self._dirty.set
         self._reported: dict[str, float] = {}  # replica -> when it last said something (monotonic)
         self._maintenance: asyncio.Task[None] | None = None
         now = time.monotonic()
@@ -113,13 +123,17 @@ class WorkflowRouterActor:
     async def get_template(self, tenant: str, name: str) -> dict[str, Any]:
         return self.core.template(tenant, name).to_dict()
 
-    async def client_workflow(self, tenant: str, client_id: str) -> str:
+    async def client_workflow(self, tenant: str, client_id: str, ended: Sequence[Ended] = ()) -> str:
+        self._end_calls(ended)
         return self.core.client_workflow(tenant, client_id)
 
     async def start_call(self, tenant: str, client_id: str, agent: str, *, workflow: str | None = None,
                          prefix_hash: str | None = None, prefix_tokens: int = 0, cache_salt: str = "",
-                         retry: bool = False) -> dict[str, Any]:
+                         retry: bool = False, ended: Sequence[Ended] = ()) -> dict[str, Any]:
+        """Route one agent call. `ended`: calls that ended since the caller's last router call (they
+        are ended first, so a client's next call always finds its previous one over)."""
         self._start_maintenance()
+        self._end_calls(ended)
         route = self.core.start_call(tenant, client_id, agent, workflow=workflow, prefix_hash=prefix_hash,
                                      prefix_tokens=prefix_tokens, cache_salt=cache_salt, retry=retry)
         self.metrics.observe_decision(route.outcome, self.core.decision_seconds[-1], tenant, route.deviation)
@@ -130,12 +144,25 @@ class WorkflowRouterActor:
 
     async def end_call(self, tenant: str, client_id: str, agent: str, replica: str | None = None) -> None:
         """One-way (callers need not wait): the hints it makes reach the replicas through the outbox."""
-        self.core.end_call(tenant, client_id, agent, replica)
-        self._wake()
+        self._end_calls([(tenant, client_id, agent, replica)])
 
-    async def finish_client(self, tenant: str, client_id: str) -> None:
+    async def end_calls(self, ended: list[Ended]) -> None:
+        """Several calls' ends at once (what the ingress had not sent with a later call)."""
+        self._end_calls(ended)
+
+    async def finish_client(self, tenant: str, client_id: str, ended: Sequence[Ended] = ()) -> None:
+        self._end_calls(ended)
         self.core.finish_client(tenant, client_id)  # its retire hints go out through the outboxes
         self._wake()
+
+    def _end_calls(self, ended: Sequence[Ended]) -> None:
+        for tenant, client_id, agent, replica in ended:
+            try:
+                self.core.end_call(tenant, client_id, agent, replica)
+            except Exception:  # one bad end (an agent its template lost) must not fail the calls it rides on
+                logger.exception("ending a call of %s/%s (%s) failed", tenant, client_id, agent)
+        if ended:
+            self._wake()
 
     # ------------------------------------------------------------------ observability
     async def metrics_text(self) -> bytes:
@@ -157,6 +184,7 @@ class WorkflowRouterActor:
         recent finish_client latencies, the sizes of the router's state, and the store's health."""
         return {"pid": os.getpid(), "cpu_s": time.process_time(), "start_calls": self.core.calls["start_call"],
                 "end_calls": self.core.calls["end_call"], "finish_seconds": list(self.core.finish_seconds),
+                "finish_cpu_seconds": list(self.core.finish_cpu_seconds),
                 **self.core.sizes(), "store_up": self.store.up, "pending_writes": self.store.pending,
                 "reconciles": dict(self.store.reconciles)}
 
@@ -166,6 +194,13 @@ class WorkflowRouterActor:
 
     # ------------------------------------------------------------------ helpers
     def _wake(self) -> None:
+        """Wake the replicas that have hints waiting, after `HINT_BATCH_S` (one wakeup carries all)."""
+        if not self._wake_scheduled:
+            self._wake_scheduled = True
+            asyncio.get_running_loop().call_later(HINT_BATCH_S, self._wake_now)
+
+    def _wake_now(self) -> None:
+        self._wake_scheduled = False
         for replica in self.core.pending_hints():
             wakeup = self._wakeups.get(replica)
             if wakeup is not None:
@@ -185,6 +220,11 @@ class WorkflowRouterActor:
         probed_at = 0.0
         while True:
             try:
+                # asleep until a write is queued (or it is time to probe), then a moment for more to come
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._dirty.wait(), max(0.0, probed_at + PROBE_PERIOD_S - time.monotonic()))
+                self._dirty.clear()
+                await asyncio.sleep(FLUSH_PERIOD_S)
                 if self.store.up:
                     batch = self.store.take()
                     if batch:
@@ -195,7 +235,7 @@ class WorkflowRouterActor:
                     self._prune()
             except Exception:  # a bug here must not end maintenance (the store would never be written)
                 logger.exception("router maintenance failed; retrying")
-            await asyncio.sleep(FLUSH_PERIOD_S)
+                await asyncio.sleep(PROBE_PERIOD_S)
 
     async def _probe(self) -> None:
         was_up = self.store.up

@@ -131,7 +131,8 @@ class RouterCore:
         self.deviations = 0
         self.calls = Counter[str]()  # start_call / end_call / finish_client invocations (for per-call cost)
         self.decision_seconds: deque[float] = deque(maxlen=10_000)  # recent decision latencies
-        self.finish_seconds: deque[float] = deque(maxlen=10_000)  # recent finish_client latencies
+        self.finish_seconds: deque[float] = deque(maxlen=10_000)  # recent finish_client latencies (wall)
+        self.finish_cpu_seconds: deque[float] = deque(maxlen=10_000)  # ... and the CPU each took (this thread)
         # per tenant: current templates, least recently used first (idle ones leave from the front)
         self._templates: dict[str, OrderedDict[str, _Template]] = {}
         # replaced template versions live clients may still use, by (tenant, name@version)
@@ -475,7 +476,7 @@ class RouterCore:
     def finish_client(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:
         """`POST /v1/clients/{id}/finish`: the workflow instance is over; its prompts are retired, at
         once, or when its calls still running have ended."""
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         self.calls["finish_client"] += 1
         check_name("client_id", client_id)
         self.store.check()
@@ -489,6 +490,7 @@ class RouterCore:
             return []
         hints = self._finish(tenant, client_id)
         self.finish_seconds.append(time.perf_counter() - started)
+        self.finish_cpu_seconds.append(time.thread_time() - started_cpu)
         return hints
 
     def _finish(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:

@@ -438,6 +438,7 @@ class BufferedStore:
         self._pending: OrderedDict[tuple[str, ...], Write] = OrderedDict()
         self.down_since: float | None = None
         self.reconciles: Counter[str] = Counter()  # reason -> how often the router's state was written back
+        self.notify: Callable[[], None] | None = None  # called on every queued write (the flusher's wakeup)
 
     @property
     def ttl_s(self) -> float:
@@ -489,6 +490,8 @@ class BufferedStore:
         self._pending.move_to_end(key)  # the order of the latest writes is kept
         if self.sync and self.up:
             self.flush()
+        elif self.notify is not None:
+            self.notify()
 
     # ------------------------------------------------------------------ flushing and health
     def check(self) -> None:
