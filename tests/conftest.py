@@ -7,13 +7,12 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+from redis_proc import RedisProcess
 
 from kvflow_ray.serve.monitoring import LocalPrometheus
 
@@ -67,31 +66,13 @@ def free_port() -> Callable[[], int]:
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real redis-server on a free loopback port, no persistence; stopped after the session.
     scripts/test.sh installs it (apt-get install redis-server)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
+    if shutil.which("redis-server") is None:
         pytest.fail("redis-server is not installed: scripts/test.sh installs it (apt-get install redis-server)")
-    port = _free_port()
-    workdir: Path = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    import redis
-
-    client = redis.Redis(host="127.0.0.1", port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail(f"redis-server did not start on port {port}")
-            time.sleep(0.05)
+    server = RedisProcess(_free_port(), tmp_path_factory.mktemp("redis"), aof=False).start()
     try:
-        yield f"redis://127.0.0.1:{port}/0"
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        server.stop()
 
 
 @pytest.fixture(scope="session")

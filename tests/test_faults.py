@@ -6,11 +6,13 @@ completed and failed and looks at the state after: no fault may fail a workflow 
 
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -238,3 +240,45 @@ def test_an_outage_past_the_grace_period_answers_503_with_retry_after(
     status, body, _headers = _call(server, "late", "planner", "after the outage")
     assert status == 200, body
     assert _post(f"{server.url}/v1/clients/late/finish", {})[0] == 200
+
+
+def test_the_template_re_registered_mid_run(server: LocalServer) -> None:
+    """A changed template registered while 16 clients run it: the live ones finish on the version they
+    started with (no 400), and the next client gets the new one."""
+    changed = PEER.spec.to_dict()
+    changed["agents"]["planner"]["prompt"] += " Be brief."
+
+    def re_register() -> None:
+        status, body, _headers = _post(server.url + "/v1/workflows", changed)
+        assert status == 200, body
+
+    _assert_clean(_run_with_fault(server, "reregister", re_register))
+    status, body, _headers = _post(server.url + "/v1/workflows", PEER.spec.to_dict())  # back, for the others
+    assert status == 200, body
+
+
+def test_forty_clients_hanging_up_mid_stream(server: LocalServer) -> None:
+    """40 streamed calls whose clients disconnect once the stream starts, while 16 workflows run: nothing
+    fails, and once the calls are over no replica's load stays counted."""
+    address = urllib.parse.urlsplit(server.url)
+
+    def hang_up(i: int) -> None:
+        run = PEER.client(base_url=server.url + "/v1", client_id=f"gone-{i}", register=False)
+        body = json.dumps({"model": "default", "max_tokens": 64, "ignore_eos": True, "stream": True,
+                           "messages": run.agent("planner").messages([{"role": "user", "content": "go"}]),
+                           "kvflow": run.metadata("planner")})
+        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=60)
+        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        assert connection.getresponse().status == 200  # the stream has started: the call is running
+        connection.close()  # (the simulated engine sends its tokens at the end: this is mid-call)
+
+    def storm() -> None:
+        threads = [threading.Thread(target=hang_up, args=(i,)) for i in range(40)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+
+    _assert_clean(_run_with_fault(server, "hangups", storm, at_s=1.0))
+    router = get_router(create=False)
+    _wait(lambda: not any(ray.get(router.replicas.remote()).values()), "a load counter stayed up after the hang-ups")

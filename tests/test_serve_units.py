@@ -46,6 +46,10 @@ def test_app_config_rejects_what_it_cannot_run() -> None:
         AppConfig(replicas=0)
     with pytest.raises(ValueError, match="api_keys"):
         AppConfig(api_keys={"": "acme"})
+    with pytest.raises(ValueError, match=r"template_idle_ttl_s .* must be at least state_ttl_s"):
+        AppConfig(state_ttl_s=600, template_idle_ttl_s=60)
+    options = AppConfig(state_ttl_s=600, store_grace_s=5).router_options()  # what the router actor is made with
+    assert options["ttl_s"] == 600 and options["store_grace_s"] == 5 and options["template_ttl_s"] >= 600
 
 
 def test_api_keys_can_come_from_an_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,8 +145,10 @@ def test_router_errors_map_to_http_statuses() -> None:
     from kvflow_ray.core.graph import SpecError, UnknownAgentError
     from kvflow_ray.serve.ingress import _to_api_error
     from kvflow_ray.serve.router_core import NoReplicaError, UnknownClientError, UnknownWorkflowError
+    from kvflow_ray.serve.store import StoreUnavailableError
 
     cases = [(NoReplicaError("no live engine replica"), 503), (UnknownClientError("unknown client 'c'"), 404),
+             (StoreUnavailableError("the state store has been unreachable"), 503),
              (UnknownWorkflowError("unknown workflow 'w'"), 404), (SpecError("agents", "is empty"), 400),
              (UnknownAgentError("ghost", "peer", ["planner"]), 400), (ValueError("bad"), 400)]
     for exc, status in cases:

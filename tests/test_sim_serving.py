@@ -181,3 +181,27 @@ def test_hint_salts_prefetch_a_prompt_in_its_workflows_namespace() -> None:
         assert engine.generate(_request([*fixed, 10])).gpu_hit_tokens == 0
     finally:
         engine.close()
+
+
+def test_cache_events_leave_no_location_behind_when_both_tiers_evict() -> None:
+    """What a router learns from the events (stored minus removed, per tier) is only ever what the
+    replica holds: prompts pushed out of the device and then out of the host tier are reported
+    removed from both (a simulated host copy has no buffer, and is still reported)."""
+    engine = SimEngine("a10g-llama3.1-8b", time_scale=0.001, device_kv_tokens=4000)
+    held: dict[str, set[str]] = {}
+    try:
+        done = threading.Semaphore(0)
+        for i in range(600):
+            tokens = list((f"You are agent {i % 5}. " * 10 + f"unique task {i} " * 20).encode())
+            engine.submit(_request(tokens, workflow=f"w{i}", agent="a", cache_salt="tenant:t"),
+                          on_done=lambda _r: done.release())
+            assert done.acquire(timeout=30)
+            for event in engine.cache_events():
+                tiers = held.setdefault(event.prefix_hash, set())
+                (tiers.add if event.kind == "stored" else tiers.discard)(event.tier)
+        holding = {prefix_hash(node.sequence(), node.namespace) for node in engine.cache.tree.nodes()
+                   if node.gpu.name != "NONE" or node.cpu}
+        reported = {h for h, tiers in held.items() if tiers}
+        assert reported and reported <= holding  # nothing stale: bounded by the tiers, not by the requests
+    finally:
+        engine.close()

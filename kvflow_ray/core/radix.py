@@ -344,12 +344,15 @@ class RadixTree:
             self.gpu_leaves.discard(node)
 
     def set_cpu(self, node: RadixNode, present: bool, value: object = None) -> None:
-        if node.cpu != present:
+        was = node.cpu
+        if was != present:
             self.version += 1
             self.cpu_tokens += len(node.key) if present else -len(node.key)
         old, node.cpu = node.cpu_value, present
         node.cpu_value = value if present else None
-        if not present and old is not None and self.on_free is not None:
+        # every host copy that goes is reported, with or without a buffer (a simulator's has none):
+        # the router's location index learns of it through this hook
+        if was and not present and self.on_free is not None:
             self.on_free(node, "cpu", old)
 
     def begin_load(self, node: RadixNode) -> None:

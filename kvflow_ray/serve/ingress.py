@@ -23,9 +23,9 @@ import json
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -63,6 +63,8 @@ ENDED_FLUSH_S = 0.02  # the longest a call's end waits for a router call to ride
 ENDS_RIDE_ON = frozenset({"start_call", "client_workflow", "finish_client"})  # router calls that carry them
 TEMPLATE_CACHE_S = 10.0  # templates registered through another ingress replica show up within this
 DEAD = (ActorDiedError, ActorUnavailableError, RayActorError)
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -224,9 +226,9 @@ class Ingress:
             self.max_context = MAX_CONTEXT
         else:
             self.max_context = ModelConfig().max_context if self.config.model_path is None else 1 << 30
-        self._templates: dict[tuple[str, str], tuple[float, WorkflowSpec]] = {}  # -> (fetched at, spec)
+        self._templates: FreshCache[tuple[str, str], WorkflowSpec] = FreshCache(TEMPLATE_CACHE_S)
         # (tenant, body hash) -> the spec it registered, while that is still the tenant's current template
-        self._registered: dict[tuple[str, bytes], WorkflowSpec] = {}
+        self._registered: FreshCache[tuple[str, bytes], WorkflowSpec] = FreshCache(TEMPLATE_CACHE_S)
 
     # ------------------------------------------------------------------ plumbing
     async def _call_router(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -309,8 +311,8 @@ class Ingress:
     async def _template(self, tenant: str, name: str) -> WorkflowSpec:
         """The template, cached briefly."""
         cached = self._templates.get((tenant, name))
-        if cached is not None and time.monotonic() - cached[0] < TEMPLATE_CACHE_S:
-            return cached[1]
+        if cached is not None:
+            return cached
         spec = parse_spec(await self._call_router("get_template", tenant, name))
         self._remember(tenant, spec)
         return spec
@@ -325,9 +327,7 @@ class Ingress:
         return spec
 
     def _remember(self, tenant: str, spec: WorkflowSpec) -> None:
-        if len(self._templates) > 10_000:
-            self._templates.clear()
-        self._templates[(tenant, spec.name)] = (time.monotonic(), spec)
+        self._templates.put((tenant, spec.name), spec)
 
     # ------------------------------------------------------------------ completions
     async def completion(self, request: Request, *, chat: bool) -> Response:
@@ -549,17 +549,13 @@ class Ingress:
         # the same body again (clients re-register on start-up): answered here, no parse, no router call
         digest = (tenant, hashlib.blake2b(raw, digest_size=16).digest())
         seen = self._registered.get(digest)
-        if seen is not None:
-            current = self._templates.get((tenant, seen.name))
-            if current is not None and current[1] is seen and time.monotonic() - current[0] < TEMPLATE_CACHE_S:
-                return JSONResponse({"object": "workflow", **seen.to_dict()})
+        if seen is not None and self._templates.get((tenant, seen.name)) is seen:
+            return JSONResponse({"object": "workflow", **seen.to_dict()})
         body = await self._json(request, raw)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a workflow spec object", "workflow_spec")
         spec = await self._put_template(tenant, body)
-        if len(self._registered) > 10_000:
-            self._registered.clear()
-        self._registered[digest] = spec
+        self._registered.put(digest, spec)
         return JSONResponse({"object": "workflow", **spec.to_dict()})
 
     async def get_workflow(self, request: Request, name: str) -> Response:
@@ -643,6 +639,29 @@ def _engine_error(outcome: dict[str, Any]) -> ApiError:
     logger.error("engine replica %s failed a request: %s", outcome.get("replica"), outcome["error"])
     return ApiError(500, "the engine failed to serve the request; the server log has the details",
                     kind="server_error", code="engine_error")
+
+
+class FreshCache(Generic[K, V]):
+    """Values kept for `ttl_s` after they were put, then forgotten: expired entries leave from the front
+    on every put (O(what expired)), so the cache holds only what was put within the last `ttl_s`."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._items: OrderedDict[K, tuple[float, V]] = OrderedDict()
+
+    def get(self, key: K) -> V | None:
+        item = self._items.get(key)
+        return item[1] if item is not None and time.monotonic() - item[0] < self.ttl_s else None
+
+    def put(self, key: K, value: V) -> None:
+        now = time.monotonic()
+        self._items[key] = (now, value)
+        self._items.move_to_end(key)
+        while self._items and now - next(iter(self._items.values()))[0] >= self.ttl_s:
+            self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class _Call:

@@ -29,6 +29,7 @@ import logging
 import os
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,7 +53,8 @@ logger = logging.getLogger(__name__)
 Ended = tuple[str, str, str, str | None]  # an agent call that ended: (tenant, client id, agent, replica counted)
 
 
-@ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0, max_concurrency=10_000)
+# no task events: at hundreds of calls a second they would fill the GCS with records nobody reads
+@ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0, max_concurrency=10_000, enable_task_events=False)
 class WorkflowRouterActor:
     def __init__(self, store_url: str | None = None, ttl_s: float = 3600.0, balance_threshold: int = 2,
                  prefetch_horizon: int = 1, limits: dict[str, Any] | None = None,
@@ -73,6 +75,7 @@ class WorkflowRouterActor:
         self._dirty = asyncio.Event()  # the store has writes queued
         store.notify = self._dirty.set
         self._reported: dict[str, float] = {}  # replica -> when it last said something (monotonic)
+        self.other_calls: Counter[str] = Counter()  # calls besides the agent calls, by method (what they cost)
         self._maintenance: asyncio.Task[None] | None = None
         now = time.monotonic()
         for replica in inner.replicas(HEARTBEAT_MAX_AGE_S):  # a restart: who was serving
@@ -93,17 +96,20 @@ class WorkflowRouterActor:
     async def report(self, name: str, exposition: bytes | None = None) -> None:
         """A replica's periodic report: its heartbeat (which also re-registers it with a restarted
         router) and its metrics, which `/metrics` serves merged with the router's."""
+        self.other_calls["report"] += 1
         self._heard_from(name)
         self.store.heartbeat(name, {"load": self.core.loads[name]})
         if exposition is not None:
             self.expositions[name] = exposition
 
     async def cache_events(self, replica: str, events: list[tuple[str, str, str, int]]) -> None:
+        self.other_calls["cache_events"] += 1
         self._heard_from(replica)  # a restarted router learns of it here too
         self.core.cache_events(replica, [CacheEvent(*e) for e in events])
 
     async def pull_hints(self, replica: str, timeout_s: float = 1.0) -> dict[str, Any] | None:
         """Long poll: the replica's pending hints, waiting up to `timeout_s` for some to arrive."""
+        self.other_calls["pull_hints"] += 1
         self._heard_from(replica)
         batch = self.core.take_hints(replica)
         if batch is None:
@@ -148,6 +154,7 @@ class WorkflowRouterActor:
 
     async def end_calls(self, ended: list[Ended]) -> None:
         """Several calls' ends at once (what the ingress had not sent with a later call)."""
+        self.other_calls["end_calls"] += 1
         self._end_calls(ended)
 
     async def finish_client(self, tenant: str, client_id: str, ended: Sequence[Ended] = ()) -> None:
@@ -183,7 +190,8 @@ class WorkflowRouterActor:
         """What a soak or an operator watches: this process's CPU time and call counts (CPU per call),
         recent finish_client latencies, the sizes of the router's state, and the store's health."""
         return {"pid": os.getpid(), "cpu_s": time.process_time(), "start_calls": self.core.calls["start_call"],
-                "end_calls": self.core.calls["end_call"], "finish_seconds": list(self.core.finish_seconds),
+                "end_calls": self.core.calls["end_call"], "other_calls": dict(self.other_calls),
+                "finish_seconds": list(self.core.finish_seconds),
                 "finish_cpu_seconds": list(self.core.finish_cpu_seconds),
                 **self.core.sizes(), "store_up": self.store.up, "pending_writes": self.store.pending,
                 "reconciles": dict(self.store.reconciles)}
