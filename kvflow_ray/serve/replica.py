@@ -4,7 +4,7 @@ The replica serves `generate` / `stream` calls from the ingress and keeps two co
 the workflow router going on background threads:
 - hints: a long poll (`pull_hints`) that returns as soon as the router has new steps-to-execution,
   agents' prompts or retired workflows for this replica; they go straight to `engine.apply_hints`;
-- reports: every second a heartbeat with this replica's metrics; every 100 ms (when there are any)
+- reports: every second a heartbeat with this replica's metrics; every 250 ms (when there are any)
   the engine's cache events, so the router knows which prefixes live here.
 Router calls that fail (the router restarting) are retried; serving never waits on the router.
 
@@ -34,7 +34,7 @@ from kvflow_ray.serve.router_actor import get_router
 
 logger = logging.getLogger("ray.serve")
 REPORT_PERIOD_S = 1.0
-EVENTS_PERIOD_S = 0.1
+EVENTS_PERIOD_S = 0.25
 PROMPT_CACHE_TOKENS = 1 << 21  # tokenized agent prompts kept (about 16 MB of ids)
 
 
