@@ -354,6 +354,9 @@ def test_templates_unused_for_their_idle_ttl_are_dropped(store: Store) -> None:
     core.add_replica("r1")
     core.put_template("acme", PEER)
     core.put_template("acme", {"name": "once", "agents": {"solo": {"prompt": "x" * 6000}}})
+    core.start_call("acme", "busy", "planner", workflow="peer")
+    core.put_template("acme", {**PEER, "agents": {**PEER["agents"], "extra": {"after": ["planner"]}}})
+    assert len(core._old_versions) == 1  # the version `busy` started on, kept for the state TTL
     deadline = time.monotonic() + 5
     while "once" in core._templates["acme"]:
         route = core.start_call("acme", "busy", "planner", workflow="peer")  # `peer` stays in use
@@ -362,6 +365,7 @@ def test_templates_unused_for_their_idle_ttl_are_dropped(store: Store) -> None:
         assert time.monotonic() < deadline, "an unused template never expired"
         time.sleep(0.05)
     assert set(core._templates["acme"]) == {"peer"}
+    assert not core._old_versions  # past the state TTL, the replaced version is gone too
     assert store.get_template("acme", "once") is None and store.get_template("acme", "peer") is not None
     with pytest.raises(UnknownWorkflowError):
         core.start_call("acme", "late", "solo", workflow="once")

@@ -136,7 +136,8 @@ class RouterCore:
         # per tenant: current templates, least recently used first (idle ones leave from the front)
         self._templates: dict[str, OrderedDict[str, _Template]] = {}
         # replaced template versions live clients may still use, by (tenant, name@version)
-        self._old_versions: OrderedDict[tuple[str, str], WorkflowSpec] = OrderedDict()
+        # (kept, like their store copies, for the state TTL after they were replaced; oldest first)
+        self._old_versions: OrderedDict[tuple[str, str], tuple[float, WorkflowSpec]] = OrderedDict()
         # replica -> prefix -> tiers it holds the prefix in (a write-back briefly holds both)
         self._held: dict[str, dict[str, set[str]]] = {}
         self._locations: dict[str, dict[str, str]] = {}  # prefix hash -> {replica: best tier}
@@ -181,7 +182,7 @@ class RouterCore:
             for name, template in templates.items():
                 self.store.put_template(tenant, name, template.spec.to_dict(), ttl_s=self.template_ttl_s)
                 writes += 1
-        for (tenant, version), spec in self._old_versions.items():
+        for (tenant, version), (_kept_at, spec) in self._old_versions.items():
             self.store.put_template(tenant, version, spec.to_dict(), ttl_s=self.store.ttl_s)
             writes += 1
         for (tenant, client_id), record in self._clients.items():
@@ -275,9 +276,14 @@ class RouterCore:
         return f"{spec.name}@{_digest(spec.to_dict()).hex()[:16]}"
 
     def _remember_version(self, tenant: str, version: str, spec: WorkflowSpec) -> None:
-        self._old_versions[(tenant, version)] = spec
+        self._old_versions[(tenant, version)] = (time.monotonic(), spec)
         self._old_versions.move_to_end((tenant, version))
         while len(self._old_versions) > OLD_VERSIONS_IN_MEMORY:
+            self._old_versions.popitem(last=False)
+
+    def _expire_versions(self) -> None:
+        horizon = time.monotonic() - self.store.ttl_s
+        while self._old_versions and next(iter(self._old_versions.values()))[0] < horizon:
             self._old_versions.popitem(last=False)
 
     def _spec_of(self, tenant: str, record: dict[str, Any]) -> WorkflowSpec:
@@ -286,7 +292,8 @@ class RouterCore:
         version = record.get("version")
         if version is None or version == template.version:
             return template.spec
-        old = self._old_versions.get((tenant, version))
+        kept = self._old_versions.get((tenant, version))
+        old = kept[1] if kept is not None else None
         if old is None:  # beyond the memory bound: the store keeps it for the state TTL
             try:
                 raw = self.store.get_template(tenant, version)
@@ -521,6 +528,7 @@ class RouterCore:
         actor calls it once a second. How many clients expired."""
         for tenant in list(self._templates):
             self._expire_templates(tenant)
+        self._expire_versions()
         return sum(self._expire_live(tenant) for tenant in list(self._live))
 
     def sizes(self) -> dict[str, int]:
