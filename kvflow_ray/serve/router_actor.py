@@ -108,18 +108,17 @@ class WorkflowRouterActor:
         self.core.cache_events(replica, [CacheEvent(*e) for e in events])
 
     async def pull_hints(self, replica: str, timeout_s: float = 1.0) -> dict[str, Any] | None:
-        """Long poll: the replica's pending hints, waiting up to `timeout_s` for some to arrive."""
+        """Long poll: the replica's pending hints, once the next wakeup (at most `HINT_BATCH_S` after
+        they came) says so, or at once when that wakeup went while the replica was not waiting; None
+        after `timeout_s` without any."""
         self.other_calls["pull_hints"] += 1
         self._heard_from(replica)
-        batch = self.core.take_hints(replica)
-        if batch is None:
+        if self._wake_scheduled or not self.core.has_hints(replica):
             wakeup = self._wakeups.setdefault(replica, asyncio.Event())
             wakeup.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wakeup.wait(), timeout_s)
-            except TimeoutError:
-                return None
-            batch = self.core.take_hints(replica)
+        batch = self.core.take_hints(replica)
         return None if batch is None else dataclasses.asdict(batch)
 
     # ------------------------------------------------------------------ templates and calls

@@ -546,6 +546,9 @@ class RouterCore:
     def pending_hints(self) -> list[str]:
         return [replica for replica, batch in self._outbox.items() if batch]
 
+    def has_hints(self, replica: str) -> bool:
+        return bool(self._outbox.get(replica))
+
     def active_clients(self) -> Counter[str]:
         """Live workflow instances per tenant (the `kvflow_workflows_active` gauge), from memory:
         O(tenants + what expired since the last count), never a store scan."""
