@@ -30,8 +30,8 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import ray
 
@@ -50,6 +50,7 @@ FLUSH_PERIOD_S = 0.02  # how far the store may lag the router's memory
 HINT_BATCH_S = 0.1  # hints for a replica wait this long for more to go with them
 PROBE_PERIOD_S = 1.0  # store health checks, expiry and replica pruning
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 Ended = tuple[str, str, str, str | None]  # an agent call that ended: (tenant, client id, agent, replica counted)
 
 
@@ -235,7 +236,7 @@ class WorkflowRouterActor:
                 if self.store.up:
                     batch = self.store.take()
                     if batch:
-                        self.store.sent(batch, await asyncio.to_thread(self.store.send, batch))
+                        self.store.sent(batch, await self._off_loop(self.store.send, batch))
                 if time.monotonic() - probed_at >= PROBE_PERIOD_S:
                     probed_at = time.monotonic()
                     await self._probe()
@@ -244,9 +245,16 @@ class WorkflowRouterActor:
                 logger.exception("router maintenance failed; retrying")
                 await asyncio.sleep(PROBE_PERIOD_S)
 
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """A blocking store call: Redis's in a worker thread (the loop keeps serving meanwhile); the
+        in-process store's right here (a thread would only add GIL handoffs)."""
+        if self.backend == "redis":
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
     async def _probe(self) -> None:
         was_up = self.store.up
-        reason = self.store.probed(await asyncio.to_thread(self.store.probe))
+        reason = self.store.probed(await self._off_loop(self.store.probe))
         if was_up and not self.store.up:
             logger.warning("the state store is unreachable: serving from memory, %d writes queued",
                            self.store.pending)
