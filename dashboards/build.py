@@ -356,10 +356,18 @@ def overview() -> dict[str, Any]:
                    Target(f"count(count by (replica) ({selector('kvflow_queue_length', REPLICA)}))",
                           "exporting metrics"),
                    Target(or_zero(f"sum(increase(kvflow_router_replicas_lost_total{RATE}))"), "lost"),
-                   width=12, step_line=True),
-        timeseries("Store up", "1 while the router's state store answers its ping, 0 when it does not.", "none",
-                   Target("min by (backend) (kvflow_store_up)", "{{backend}}"), width=12, steps=UP_STEPS,
+                   width=8, step_line=True),
+        timeseries("Store up", "1 while the router's state store answers, 0 while it does not (the router "
+                   "serves from memory and queues its writes meanwhile).", "none",
+                   Target("min by (backend) (kvflow_store_up)", "{{backend}}"), width=8, steps=UP_STEPS,
                    threshold_style="line", min=0, max=1, step_line=True),
+        timeseries("Store writes waiting, write-backs", "State writes queued for the store (they pile up while "
+                   "it is unreachable), and times the router wrote its whole state back to it: after an outage "
+                   "(reconnect) or when it came back without its data (data_loss).", "short",
+                   Target("max(kvflow_store_pending_writes)", "writes waiting"),
+                   Target(or_zero(f"sum by (reason) (increase(kvflow_store_reconciles_total{RATE}))", label="reason"),
+                          "write-back: {{reason}}"),
+                   width=8, step_line=True),
     ]
     return dashboard(
         "kvflow-overview", "kvflow overview",
