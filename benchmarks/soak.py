@@ -61,8 +61,6 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: the package is t
 RESULTS = ROOT / "benchmarks" / "results" / "soak.json"
 TENANT = "default"  # no API keys: the one tenant
 KINDS = ("plain", "abandoned", "unique", "reregister")
-WORDS = ("ledger", "accrual", "segment", "guidance", "margin", "liquidity", "covenant", "impairment", "tranche",
-         "amortisation", "dividend", "backlog", "hedge", "provision", "goodwill", "yield", "capex", "churn")
 MB = 1 << 20
 ROUTER_COUNTERS = {"pid", "start_calls", "end_calls"}  # stats() ints that are not sizes of the router's state
 
@@ -146,17 +144,10 @@ def shared_revision(peer: Any, revision: int) -> Any:
 
 def unique_variant(peer: Any, index: int, preamble_chars: int, salt: str) -> Any:
     """PEER under a name of its own, a unique preamble before every agent's prompt (never reused)."""
-    from kvflow_ray.client import Workflow
+    from kvflow_ray.client.loadgen import with_preamble
 
-    rng = random.Random(f"{salt}-{index}")
-    preamble = f"Handbook {salt}-{index}: "
-    while len(preamble) < preamble_chars:
-        preamble += " ".join(rng.choice(WORDS) for _ in range(12)) + ". "
-    data = peer.spec.to_dict()
-    data["name"] = f"soak-u{index}-{salt}"
-    for agent in data["agents"].values():
-        agent["prompt"] = preamble[:preamble_chars] + "\n" + (agent.get("prompt") or "")
-    return Workflow.from_dict(data)
+    return with_preamble(peer, f"soak-u{index}-{salt}", f"Handbook {salt}-{index}: ", f"{salt}-{index}",
+                         preamble_chars)
 
 
 def plan(n: int, abandon: float, unique: float, reregister: float, seed: int) -> list[str]:

@@ -147,17 +147,20 @@ def test_open_store(redis_url: str) -> None:
         open_store("redis://127.0.0.1:1/0")
 
 
-def test_ping_says_whether_the_store_answers(free_port: Callable[[], int], tmp_path: object) -> None:
-    """`kvflow_store_up` (and the KVFlowRedisUnreachable alert) reads this: a private redis-server,
-    stopped under the store's feet."""
-    assert MemoryStore().ping()
+def test_the_probe_says_whether_the_store_answers(free_port: Callable[[], int], tmp_path: object) -> None:
+    """`kvflow_store_up` (and the KVFlowRedisUnreachable alert) reads what the router's probe saw: a
+    private redis-server, stopped under the store's feet."""
+    memory = BufferedStore(MemoryStore())
+    memory.set_marker("kvflow-router")
+    assert memory.flush() is None and memory.probe() is None
     server = RedisProcess(free_port(), tmp_path, aof=False).start()  # type: ignore[arg-type]
     try:
-        store = RedisStore(server.url)
-        assert store.ping()
+        store = BufferedStore(RedisStore(server.url))
+        store.set_marker("kvflow-router")
+        assert store.flush() is None and store.probe() is None
     finally:
         server.stop()
-    assert not store.ping()
+    assert store.probe() == "down"
 
 
 @pytest.mark.parametrize("aof", [True, False], ids=["aof", "no-persistence"])

@@ -98,24 +98,28 @@ WORDS = ("ledger", "accrual", "segment", "guidance", "margin", "liquidity", "cov
          "amortisation", "dividend", "backlog", "hedge", "provision", "goodwill", "yield", "capex", "churn")
 
 
+def with_preamble(workflow: Workflow, name: str, heading: str, seed: int | str, preamble_chars: int) -> Workflow:
+    """`workflow` under `name`, with a preamble before every agent's prompt: `heading`, then filler
+    words drawn from `seed`, `preamble_chars` long in all (a handbook: rules, examples)."""
+    import random
+
+    rng = random.Random(seed)
+    preamble = heading
+    while len(preamble) < preamble_chars:
+        preamble += " ".join(rng.choice(WORDS) for _ in range(12)) + ". "
+    data = workflow.spec.to_dict()
+    data["name"] = name
+    for agent in data["agents"].values():
+        agent["prompt"] = preamble[:preamble_chars] + "\n" + (agent.get("prompt") or "")
+    return Workflow.from_dict(data)
+
+
 def application_variants(workflow: Workflow, n: int, preamble_chars: int = 1200) -> list[Workflow]:
     """`n` applications built on one workflow: same graph, and each application's agents share an
     application-specific preamble (its handbook: rules, examples) before their own prompt, so no two
     applications share cached prefixes. This is the multi-tenant load a shared cluster sees."""
-    import random
-
-    variants = []
-    for k in range(n):
-        rng = random.Random(k)
-        preamble = f"Handbook of application {k}: "
-        while len(preamble) < preamble_chars:
-            preamble += " ".join(rng.choice(WORDS) for _ in range(12)) + ". "
-        data = workflow.spec.to_dict()
-        data["name"] = f"{workflow.name}-app{k}"
-        for agent in data["agents"].values():
-            agent["prompt"] = preamble[:preamble_chars] + "\n" + (agent.get("prompt") or "")
-        variants.append(Workflow.from_dict(data))
-    return variants
+    return [with_preamble(workflow, f"{workflow.name}-app{k}", f"Handbook of application {k}: ", k, preamble_chars)
+            for k in range(n)]
 
 
 class _Client:

@@ -52,7 +52,7 @@ from kvflow_ray.serve.openai_api import (
     usage,
 )
 from kvflow_ray.serve.request_router import ROUTE_KWARG
-from kvflow_ray.serve.router_actor import get_router
+from kvflow_ray.serve.router_actor import Ended, get_router
 from kvflow_ray.serve.router_core import NoReplicaError, TenantLimitError, UnknownClientError, UnknownWorkflowError
 from kvflow_ray.serve.store import StoreUnavailableError, check_name
 
@@ -215,7 +215,7 @@ class Ingress:
         self._tasks: set[asyncio.Task[None]] = set()  # router calls that must finish whatever the caller does
         # calls that ended and the router has not heard of yet: they ride on the next router call, or
         # go on their own after ENDED_FLUSH_S
-        self._ended: list[tuple[str, str, str, str | None]] = []
+        self._ended: list[Ended] = []
         self._ended_flush: asyncio.TimerHandle | None = None
         # the engines' own tokenizer and context (the engine checks a prompt against its pool too)
         self.tokenizer = load_tokenizer(self.config.tokenizer_path())
@@ -492,7 +492,7 @@ class Ingress:
             self._ended_flush = asyncio.get_running_loop().call_later(ENDED_FLUSH_S, self._flush_ended,
                                                                       context=contextvars.Context())
 
-    def _take_ended(self) -> list[tuple[str, str, str, str | None]]:
+    def _take_ended(self) -> list[Ended]:
         ended, self._ended = self._ended, []
         return ended
 
@@ -659,9 +659,6 @@ class FreshCache(Generic[K, V]):
         self._items.move_to_end(key)
         while self._items and now - next(iter(self._items.values()))[0] >= self.ttl_s:
             self._items.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 class _Call:

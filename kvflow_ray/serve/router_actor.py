@@ -11,7 +11,7 @@ without the router holding handles to Serve's replica actors. `RouterCore` itsel
 runs on the actor's one event loop, so no two calls interleave inside it.
 
 A maintenance task on the same loop writes the store behind the calls (within `FLUSH_PERIOD_S` of a
-change, in a worker thread, so no call waits on Redis), and once a second probes the store (back after
+change; Redis from a worker thread, so no call waits on it), and once a second probes the store (back after
 an outage? lost its data?), writes the router's state back when needed, and forgets replicas that
 stopped reporting and clients idle past the state TTL.
 
@@ -174,8 +174,8 @@ class WorkflowRouterActor:
     # ------------------------------------------------------------------ observability
     async def metrics_text(self) -> bytes:
         """The router's metrics and every live replica's, as one Prometheus exposition, built from what
-        the router holds in memory (live clients per tenant included: no store scan; a store ping is
-        the only round trip), so a scrape costs the router next to nothing."""
+        the router holds in memory (live clients per tenant, the store's health as its last flush and
+        probe saw it: no store round trip), so a scrape costs the router next to nothing."""
         self._start_maintenance()
         self.metrics.set_active(self.core.active_clients())
         self.metrics.set_health(len(self.core.loads), self.backend, self.store.up)

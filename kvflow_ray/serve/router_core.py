@@ -201,8 +201,9 @@ class RouterCore:
         self.loads.setdefault(check_name("replica", name), 0)
 
     def remove_replica(self, name: str) -> None:
-        """A dead replica: its load, outbox and prefixes are forgotten at once (O(what it held)), so its
-        clients' next calls route elsewhere, and a replica that comes back under the name starts at 0."""
+        """A dead replica: its load, outbox and prefixes are forgotten at once (O(what it held + live
+        clients), rare), so its clients' next calls route elsewhere, and a replica that comes back
+        under the name starts at 0."""
         self.loads.pop(name, None)
         self._outbox.pop(name, None)
         for replicas in self._told.values():

@@ -88,10 +88,6 @@ class Store(Protocol):
         """Replicas whose last heartbeat is at most `max_age_s` old."""
         ...
 
-    def ping(self) -> bool:
-        """Whether the backing store answers now (exported as `kvflow_store_up`)."""
-        ...
-
     def get_marker(self) -> str | None:
         """The router's marker key: written once, never expiring, so its absence means the store lost data."""
         ...
@@ -187,12 +183,16 @@ class MemoryStore:
         return sorted(k[len(prefix):] for k in keys)
 
     def template_items(self) -> Iterator[tuple[str, str, dict[str, Any]]]:
+        yield from ((*ids, json.loads(raw)) for ids, raw in self._scan(_parse_template_key))
+
+    def _scan(self, parse: Callable[[str], Any]) -> Iterator[tuple[Any, str]]:
+        """(parsed key, value) of every live key `parse` recognises (RedisStore._scan's twin)."""
         with self._lock:
             items = [(k, self._get(k)) for k in list(self._data)]
         for key, raw in items:
-            ids = _parse_template_key(key)
+            ids = parse(key)
             if raw is not None and ids is not None:
-                yield *ids, json.loads(raw)
+                yield ids, raw
 
     def put_client(self, tenant: str, client_id: str, state: dict[str, Any]) -> None:
         key = _client_key(tenant, client_id)
@@ -213,12 +213,7 @@ class MemoryStore:
         return present
 
     def clients(self) -> Iterator[tuple[str, str, dict[str, Any]]]:
-        with self._lock:
-            items = [(k, self._get(k)) for k in list(self._data)]
-        for key, raw in items:
-            ids = _parse_client_key(key)
-            if raw is not None and ids is not None:
-                yield *ids, json.loads(raw)
+        yield from ((*ids, json.loads(raw)) for ids, raw in self._scan(_parse_client_key))
 
     def set_location(self, prefix_hash: str, replica: str, tier: str | None) -> None:
         _check_tier(tier)
@@ -249,9 +244,6 @@ class MemoryStore:
             self._data.pop(_key("replica", replica), None)
         for prefix_hash in prefixes:
             self.set_location(prefix_hash, replica, None)
-
-    def ping(self) -> bool:
-        return True  # in process: it is up while the router is
 
     def get_marker(self) -> str | None:
         with self._lock:
@@ -366,14 +358,6 @@ class RedisStore:
         self._r.delete(_key("replica", replica))
         for prefix_hash in prefixes:
             self._r.hdel(_location_key(prefix_hash), replica)
-
-    def ping(self) -> bool:
-        import redis
-
-        try:
-            return bool(self._r.ping())
-        except redis.RedisError:
-            return False
 
     def get_marker(self) -> str | None:
         return self._r.get(_key("router"))
