@@ -272,6 +272,8 @@ def test_a_client_finished_during_its_call_returns_the_answer_and_retires_after(
     assert router.take_hints("r1") is None
     with pytest.raises(UnknownClientError, match="finished"):
         router.start_call("acme", "c1", "executor")  # no new call of a finished client
+    with pytest.raises(UnknownClientError, match="finished"):
+        router.client_workflow("acme", "c1")  # nor its workflow, which would start a new instance of it
     assert router.finish_client("acme", "c1") == []  # finishing twice is harmless
     hints = router.end_call("acme", "c1", "planner", "r1")  # the call ends normally, with its answer
     assert {h.retire[0] for _replica, h in hints} == {"acme/c1"}

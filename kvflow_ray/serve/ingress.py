@@ -501,10 +501,20 @@ class Ingress:
         ended = self._take_ended()
         if not ended:
             return
-        task = asyncio.get_running_loop().create_task(self._call_router("end_calls", ended))
+        # submitted here, not in the task: Ray runs one caller's calls in submission order, so the
+        # ends reach the router before any later call of this ingress (a client's next call finds
+        # its previous one over)
+        sent = self.router.end_calls.remote(ended)
+        task = asyncio.get_running_loop().create_task(self._await_ends(sent, ended))
         self._tasks.add(task)  # held until done: a task nobody references can be collected mid-flight
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(self._log_failure)
+
+    async def _await_ends(self, sent: Any, ended: list[Ended]) -> None:
+        try:
+            await sent
+        except DEAD:  # the router restarted: send them again once it is back
+            await self._call_router("end_calls", ended)
 
     async def _stream(self, call: _Call | None, parsed: ParsedRequest, engine_request: dict[str, Any],
                       prompt_tokens: int, release: Callable[[], None]) -> AsyncIterator[str]:

@@ -377,8 +377,9 @@ class RouterCore:
         """The workflow a live client runs (for requests that name only the client and agent)."""
         check_name("client_id", client_id)
         record = self._get_client(tenant, client_id)
-        if record is None:
-            raise UnknownClientError(f"unknown client {client_id!r}: its first request must name the workflow")
+        if record is None or (tenant, client_id) in self._finishing:
+            raise UnknownClientError(f"unknown client {client_id!r}: its first request must name the workflow"
+                                     + (" (it is finished; its last calls are completing)" if record else ""))
         return str(record["workflow"])
 
     # ------------------------------------------------------------------ calls
@@ -411,7 +412,7 @@ class RouterCore:
         check_name("client_id", client_id)
         self.store.check()
         if (tenant, client_id) in self._finishing:
-            raise UnknownClientError(f"client {client_id!r} is finished (its last calls are completing)")
+            raise UnknownClientError(f"unknown client {client_id!r}: it is finished (its last calls are completing)")
         record = self._get_client(tenant, client_id)
         if record is None or (workflow is not None and record["workflow"] != workflow):
             if workflow is None:
