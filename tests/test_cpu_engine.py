@@ -23,8 +23,8 @@ from kvflow_ray.engines.cpu.bench import run_cpu_policies  # noqa: E402
 from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig  # noqa: E402
 from kvflow_ray.engines.cpu.engine import CpuEngine  # noqa: E402
 from kvflow_ray.engines.cpu.model import CpuModel, sample  # noqa: E402
-from kvflow_ray.engines.cpu.tokenizer import ByteTokenizer  # noqa: E402
 from kvflow_ray.engines.sim import workload  # noqa: E402
+from kvflow_ray.engines.tokenizer import ByteTokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # KV of equal computations done in different pieces (cached prefix + suffix, padded batches) differs by ~1e-6.

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvflow_ray.engines.cpu.model import CpuModel, ModelConfig, sample  # noqa: E402
-from kvflow_ray.engines.cpu.tokenizer import ByteTokenizer, HFTokenizer, format_chat, load_tokenizer  # noqa: E402
+from kvflow_ray.engines.tokenizer import ByteTokenizer, HFTokenizer, format_chat, load_tokenizer  # noqa: E402
 
 # float32 differences between mathematically equal computations (different matmul shapes, cat orders) are ~1e-6.
 TOL = {"atol": 1e-5, "rtol": 1e-5}

@@ -15,11 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvflow_ray.core.graph import (
+    KEY_PART_RE,
     AgentSpec,
     SpecError,
     UnknownAgentError,
     WorkflowSpec,
     WorkflowState,
+    is_name,
     load_spec,
     loads_spec,
     parse_spec,
@@ -121,6 +123,25 @@ def test_barrier_all_arrived_is_ready() -> None:
     state.start("D")  # consumes the arrivals
     assert state.arrived.get("D") is None
     assert state.steps_to_execution() == {"A": INF, "B": INF, "C": INF, "D": 0}
+
+
+def test_finish_and_ready_is_the_walk_step() -> None:
+    state = WorkflowState(diamond())
+    assert state.finish_and_ready("A") == ["B", "C"]  # file order
+    state.start("B")
+    state.start("C")
+    assert state.finish_and_ready("B") == []  # D's barrier still waits for C
+    assert state.finish_and_ready("C") == ["D"]
+    # join any: the first arrival makes the successor ready, a later one does not start it twice
+    state = WorkflowState(barrier("any"), running=["executor1", "executor2"])
+    assert state.finish_and_ready("executor1") == ["expresser"]
+    state.start("expresser")
+    assert state.finish_and_ready("executor2") == []
+    # a loop reports its return to the entry; starting it is the caller's call
+    loop = WorkflowState(parse_spec(chain("p", "r", loop=True)))
+    assert loop.finish_and_ready("p") == ["r"]
+    loop.start("r")
+    assert loop.finish_and_ready("r") == ["p"] and loop.running == set()
 
 
 def test_finished_sequential_successor_is_next() -> None:
@@ -274,6 +295,18 @@ def test_error_name_missing() -> None:
 @pytest.mark.parametrize("bad", ["has space", "", "x" * 65, "slash/name", 42])
 def test_error_bad_workflow_name(bad: object) -> None:
     expect_error(valid_data() | {"name": bad}, "name")
+
+
+@pytest.mark.parametrize("name", ["a", "x" * 64, "Peer_v2.1-beta"])
+def test_spec_names_fit_store_keys_with_a_version(name: str) -> None:
+    # a replaced template is kept as `name@version`: every spec name must leave that a valid key part
+    assert is_name(name) and is_name(f"{name}@{'f' * 16}", KEY_PART_RE)
+    assert not is_name(f"{name}@{'f' * 16}")  # '@' is the version separator, never part of a spec name
+
+
+@pytest.mark.parametrize("bad", ["a:b", "a b", "*", "", "x" * 129, None, 7])
+def test_key_part_rule_rejects_what_could_escape_a_namespace(bad: object) -> None:
+    assert not is_name(bad, KEY_PART_RE) and not is_name(bad)
 
 
 def test_error_agents_missing() -> None:

@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from kvflow_ray.engines.base import GenerateResult
-from kvflow_ray.engines.cpu.tokenizer import ByteTokenizer
+from kvflow_ray.engines.base import GenerateRequest, GenerateResult, request_tokens
+from kvflow_ray.engines.sglang import protocol
+from kvflow_ray.engines.tokenizer import ByteTokenizer
 from kvflow_ray.serve.openai_api import ApiError, fixed_boundary, parse_request, response_body, stream_chunk
 
 CHAT = {"model": "m", "messages": [{"role": "system", "content": "You are the Planner. Plan."},
@@ -43,6 +44,11 @@ BAD: dict[str, tuple[Any, bool, str, str | None]] = {
                            "unknown parameter 'kvflow.tenant'", "kvflow.tenant"),
     "kvflow fixed negative": ({**CHAT, "kvflow": {"client_id": "c", "agent": "a", "fixed_prefix_tokens": -1}}, True,
                               "non-negative", "kvflow.fixed_prefix_tokens"),
+    "kvflow empty client": ({**CHAT, "kvflow": {"client_id": "", "agent": "a"}}, True,
+                            "'kvflow.client_id' must be a non-empty string", "kvflow.client_id"),
+    "custom_params fixed negative": ({**CHAT, "custom_params": {"kvflow": {"client_id": "c", "agent": "a",
+                                                                           "fixed_prefix_tokens": -1}}}, True,
+                                     "must be a non-negative integer", "custom_params.kvflow.fixed_prefix_tokens"),
 }
 
 
@@ -57,6 +63,21 @@ def test_bad_requests_get_openai_errors(case: str) -> None:
             "kvflow unknown key": "unknown_parameter", "not an object": None}.get(case, "invalid_value")
     assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error", "param": param,
                                     "code": code}}
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("client_id", ""), ("agent", ""), ("fixed_prefix_tokens", -1), ("fixed_prefix_tokens", True)])
+def test_every_door_applies_one_metadata_rule(field: str, value: object) -> None:
+    # the OpenAI body, SGLang's custom_params and GenerateRequest all refuse the same values
+    meta = {"client_id": "c", "agent": "a", field: value}
+    with pytest.raises(ApiError, match=rf"'kvflow\.{field}' must be (a non-|an integer, got a boolean)"):
+        parse_request({**CHAT, "kvflow": meta}, chat=True)
+    with pytest.raises(ValueError, match=rf"custom_params\.kvflow\.{field} must be a non-"):
+        protocol.parse_request_params({"kvflow": meta})
+    request = GenerateRequest(tokens=[1, 2, 3], workflow=meta["client_id"], agent=meta["agent"],
+                              fixed_prefix_tokens=meta.get("fixed_prefix_tokens"))
+    with pytest.raises(ValueError, match="must be a non-"):
+        request_tokens(request, model_name="m", encode=list, vocab_size=10, max_context=64, device_tokens=64)
 
 
 def test_fixed_boundary_of_a_chat_request() -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from kvflow_ray.engines.cpu.tokenizer import ByteTokenizer
+from kvflow_ray.engines.tokenizer import ByteTokenizer
 from kvflow_ray.serve.app import LocalServer
 from kvflow_ray.serve.config import AppConfig
 

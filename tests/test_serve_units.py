@@ -16,7 +16,7 @@ from kvflow_ray.client import Workflow
 from kvflow_ray.client.loadgen import _calls_per_iteration, application_variants, percentile
 from kvflow_ray.commands import serve as serve_command
 from kvflow_ray.engines.base import GenerateResult
-from kvflow_ray.engines.cpu.tokenizer import ByteTokenizer
+from kvflow_ray.engines.tokenizer import ByteTokenizer
 from kvflow_ray.serve.config import AppConfig
 from kvflow_ray.serve.metrics import ReplicaMetrics, RouterMetrics, merge_expositions
 from kvflow_ray.serve.openai_api import agent_prefix, fixed_boundary

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from kvflow_ray.engines.cpu.tokenizer import ByteTokenizer
 from kvflow_ray.engines.stops import StopMatcher, StopTokens
+from kvflow_ray.engines.tokenizer import ByteTokenizer
 
 
 def _feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[list[str], bool]:

@@ -3,9 +3,12 @@ kvflow-ray server, through the SDK (so through the OpenAI SDK), with what a plat
 see afterwards: workflow latency percentiles, hit ratios by tier, and how often the router's
 affinity held.
 
-Each client walks the step graph as the workflow declares it (the same walk as the simulator's
-clients): entry agents first, then every successor that becomes ready; agents that become ready
-together (an AND fan-out) run concurrently; a return to the entry ends one iteration of a loop.
+Each client walks the step graph as the workflow declares it, with the same step as the simulator's
+clients (`WorkflowState.finish_and_ready`): entry agents first, then every successor that becomes
+ready; a return to the entry ends one iteration of a loop. Unlike the simulator, which starts each
+successor the moment its predecessors finish, a client plans an iteration up front as stages
+(`iteration_stages`): agents that become ready together (an AND fan-out) run concurrently, and the
+next stage waits for the whole stage.
 Each agent call sends the agent's fixed prompt (system message) plus a dynamic user message that
 carries the task and the previous agent's output.
 """
@@ -171,8 +174,9 @@ class _Client:
 
 def iteration_stages(workflow: Workflow) -> list[list[str]]:
     """One iteration's walk of the step graph, as stages of agents that become ready together (they
-    run concurrently): the entry agents, then every successor that becomes ready, until the walk
-    returns to the entry (a loop) or drains (a DAG). The walk depends on the graph alone."""
+    run concurrently): the entry agents, then every successor that becomes ready once the whole
+    stage has finished (in stage order), until the walk returns to the entry (a loop) or drains (a
+    DAG). The walk depends on the graph alone."""
     spec = workflow.spec
     entry = set(spec.start_agents())
     state = WorkflowState(spec, running=[])
@@ -183,10 +187,8 @@ def iteration_stages(workflow: Workflow) -> list[list[str]]:
         for agent in ready:
             state.start(agent)
         following: list[str] = []
-        for agent in ready:
-            state.finish(agent)
-            following += [v for v in spec.successors(agent)
-                          if v not in following and v not in state.running and state.ready(v)]
+        for agent in ready:  # the stage's agents finish in stage order
+            following += [v for v in state.finish_and_ready(agent) if v not in following]
         ready = [v for v in following if v not in entry]  # back at the entry: the iteration is over
     return stages
 

@@ -1,19 +1,30 @@
-"""Admission: in which order waiting requests are considered for the next batch.
+"""Admission: which waiting requests are considered for the next batch, in which order, and what a
+request whose prefix is still loading from the host tier does meanwhile.
 
-`status-aware` (KVFlow) holds back a request whose prefix is still loading from the host tier while
-other requests are ready, so compute never idles behind a copy it could have overlapped.
+A policy owns all of that, so the scheduler (`core.scheduler`) and the SGLang plugin's prefill adder
+act on the same object: `order` ranks the waiting requests, `loads_while_queued` says whether a
+queued request's host -> device load starts at once (status-aware) or only once it is admitted, and
+`batch_waits_for_loads` whether a prefill batch waits for a member's load (FCFS) or runs without it.
+
+`status-aware` (KVFlow) holds back a request whose prefix is still loading while other requests
+are ready, so compute never idles behind a copy it could have overlapped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Protocol, TypeVar
+
+from kvflow_ray.core.registry import PolicyContext, Registry
 
 R = TypeVar("R")
 
 
 class AdmissionPolicy(Protocol):
     name: str
+    loads_while_queued: bool  # start a queued request's host -> device load before it is admitted
+    batch_waits_for_loads: bool  # a prefill whose KV is loading holds its batch back (else it is passed over)
 
     def order(self, waiting: Sequence[R], is_loading: Callable[[R], bool]) -> list[R]:
         """The requests to try to admit now, in order."""
@@ -22,6 +33,8 @@ class AdmissionPolicy(Protocol):
 
 class FCFSAdmission:
     name = "fcfs"
+    loads_while_queued = False
+    batch_waits_for_loads = True
 
     def order(self, waiting: Sequence[R], is_loading: Callable[[R], bool]) -> list[R]:
         return list(waiting)
@@ -29,7 +42,24 @@ class FCFSAdmission:
 
 class StatusAwareAdmission:
     name = "status-aware"
+    loads_while_queued = True
+    batch_waits_for_loads = False
 
     def order(self, waiting: Sequence[R], is_loading: Callable[[R], bool]) -> list[R]:
         ready = [r for r in waiting if not is_loading(r)]
         return ready if ready else list(waiting)
+
+
+ADMISSION: Registry[AdmissionPolicy] = Registry("admission")
+
+
+@partial(ADMISSION.register, "fcfs")
+def _fcfs(context: PolicyContext) -> AdmissionPolicy:
+    """arrival order; a batch waits for its members' loads (SGLang's default)"""
+    return FCFSAdmission()
+
+
+@partial(ADMISSION.register, "status-aware")
+def _status_aware(context: PolicyContext) -> AdmissionPolicy:
+    """ready requests first, queued loads start at once (KVFlow)"""
+    return StatusAwareAdmission()

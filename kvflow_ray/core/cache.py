@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvflow_ray.core.policies import EvictionPolicy
-from kvflow_ray.core.radix import GpuState, Match, PrefetchOp, RadixNode, RadixTree, Tag
+from kvflow_ray.core.prefetch import PrefetchLedger
+from kvflow_ray.core.radix import GpuState, Match, RadixNode, RadixTree, Tag
 
 NodeFilter = Callable[[RadixNode], bool]
 
@@ -26,8 +27,6 @@ class EvictionCounters:
     written_back_tokens: int = 0  # device -> host copies started by eviction
     dropped_tokens: int = 0  # KV that left both tiers (recompute on next use)
     evicted_cpu_tokens: int = 0  # host copies freed to make room on the host
-    prefetch_used: int = 0  # prefetches a request's prefix used (at least one of their nodes)
-    prefetch_wasted: int = 0  # prefetches whose nodes all left the device before any request used them
 
 
 class TieredCache:
@@ -44,10 +43,11 @@ class TieredCache:
         self.eviction = eviction
         self.private_tokens = 0
         self.pending_free = 0  # device tokens freed once in-flight write-backs complete
-        # Fix: host space reserved by device -> host copies in flight (counted in `tree.cpu_tokens` only
-        # once they land); without it, several write-backs started together overfilled the host tier.
+        # host space reserved by device -> host copies in flight (they count in `tree.cpu_tokens` only
+        # once they land): host use = tree.cpu_tokens + offloading_tokens <= cpu_capacity, always
         self.offloading_tokens = 0
         self.counters = EvictionCounters()
+        self.prefetches = PrefetchLedger()
         # last node of each agent's fixed prompt once fully cached: device residency is prefix-closed,
         # so "this node is READY" answers "is the whole prompt on the device?" without a tree walk
         self.prompt_tails: dict[Tag, RadixNode] = {}
@@ -152,10 +152,10 @@ class TieredCache:
             if not self._evictable(node):
                 continue
             parent = node.parent
-            # Fix: dropping `node` can complete the deferred evictions of pending ancestors in a chain
-            # (`_settle_pending`), exposing a device leaf above them; it is offered below along with the
-            # parent. Before, make_room could give up with that leaf still evictable and nothing pending,
-            # so a caller waiting for memory waited for an event that never came.
+            # Dropping `node` can complete the deferred evictions of pending ancestors in a chain
+            # (`_settle_pending`), exposing a device leaf above them: it is offered too, so make_room
+            # never gives up while an evictable leaf remains (with nothing pending, no later event
+            # would free memory for a caller waiting on it).
             above = parent
             while above is not None and above.evict_pending and not above.offloading:
                 above = above.parent
@@ -176,33 +176,14 @@ class TieredCache:
                     heapq.heappush(heap, (pri(up), up.id, up))
         return self.free_tokens >= n, writebacks
 
-    def prefetched(self, nodes: Sequence[RadixNode]) -> None:
-        """`nodes` are being loaded by one prefetch: remember it, to tell used from wasted."""
-        op = PrefetchOp(on_device=len(nodes))
-        for node in nodes:
-            node.prefetch = op
-
-    def use_prefetched(self, nodes: Sequence[RadixNode]) -> None:
-        """A request's prefix includes `nodes` (on the device or loading): their prefetches paid off."""
-        for node in nodes:
-            op = node.prefetch
-            if op is not None and not op.used:
-                op.used = True
-                self.counters.prefetch_used += 1
-
     def _drop_gpu(self, node: RadixNode) -> None:
-        op = node.prefetch
-        if op is not None:
-            node.prefetch = None
-            op.on_device -= 1
-            if op.on_device == 0 and not op.used:
-                self.counters.prefetch_wasted += 1
+        self.prefetches.left_device(node)
         self.counters.evicted_gpu_tokens += len(node.key)
         if not node.cpu:
             self.counters.dropped_tokens += len(node.key)
-            # Fix: host-only descendants (written back earlier) extend this node's KV. With no copy of
-            # the node left anywhere they can never be loaded again, and the node used to stay in the
-            # tree holding nothing (a later match handed it to start_load, which failed). Free them too.
+            # Host-only descendants (written back earlier) extend this node's KV; with no copy of the
+            # node left anywhere they can never be loaded again, so they go too (a node stays in the
+            # tree only while it holds KV somewhere).
             self._drop_host_subtree(node)
         parent = node.parent
         self.tree.drop_gpu(node)
@@ -233,9 +214,9 @@ class TieredCache:
 
     def _cancel_pending_ancestors(self, node: RadixNode | None) -> None:
         """A kept node blocks its pending ancestors for good: give their space back to the books."""
-        # Fix: ancestors whose own write-back is still in flight are called off too (their copy lands
-        # as a plain backup). Skipping them left them pending with a kept device child once the copy
-        # landed: no event could settle them, and `pending_free` counted them for good.
+        # Ancestors whose own write-back is still in flight are called off too (their copy lands as a
+        # plain backup): a pending node with a kept device child could never be settled, and
+        # `pending_free` would count it for good.
         while node is not None and node.evict_pending:
             self._unpend(node)
             node = node.parent
@@ -277,8 +258,8 @@ class TieredCache:
         return self._host_free() >= n
 
     def _host_free(self) -> int:
-        # Fix: write-backs in flight hold their host space (`offloading_tokens`) until they land in
-        # `tree.cpu_tokens`; counting only landed copies let copies started together overfill the host.
+        # write-backs in flight hold their host space (`offloading_tokens`) until they land in
+        # `tree.cpu_tokens`, so copies started together never overfill the host
         return self.cpu_capacity - self.tree.cpu_tokens - self.offloading_tokens
 
     # ------------------------------------------------------------------ copies
@@ -295,9 +276,9 @@ class TieredCache:
         return tokens
 
     def _keep_pending(self, nodes: Iterable[RadixNode]) -> None:
-        """Fix: call off the deferred eviction of `nodes`, which now hold a new device descendant (a
-        commit or a load below them). They cannot leave before it, so no landing copy settles them, and
-        `pending_free` kept counting them for good: make_room then waited for memory that never came."""
+        """Call off the deferred eviction of `nodes`, which now hold a new device descendant (a commit
+        or a load below them). They cannot leave before it, so no landing copy would settle them and
+        `pending_free` must not count them: it counts only memory an event will free."""
         for node in nodes:
             if node.evict_pending:
                 self._unpend(node)

@@ -36,9 +36,12 @@ from kvflow_ray.core.safe_yaml import (
 __all__ = [
     "AGENT_KEYS",
     "JOINS",
+    "KEY_PART_PATTERN",
+    "KEY_PART_RE",
     "MAX_PROMPT_FILE_BYTES",
     "MAX_SPEC_FILE_BYTES",
     "NAME_PATTERN",
+    "NAME_RE",
     "TOP_LEVEL_KEYS",
     "AgentSpec",
     "SpecError",
@@ -47,15 +50,29 @@ __all__ = [
     "UnknownAgentError",
     "WorkflowSpec",
     "WorkflowState",
+    "is_name",
     "load_spec",
     "loads_spec",
     "parse_spec",
 ]
 
-# Workflow and agent names end up in Redis keys, Prometheus labels and URLs, so they are restricted
-# to characters that need no escaping in any of those.
+# The two name rules of the system, side by side because one is built on the other. Both use only
+# characters that need no escaping in Redis keys, Prometheus labels and URLs, and neither contains
+# ':' (the key separator), so no name can reach into another key's namespace.
+# - NAME_PATTERN: workflow and agent names of a spec.
+# - KEY_PART_PATTERN: every part of a store key (tenants, client ids, template names, replica names,
+#   prefix hashes). Wider on purpose: a replaced template is kept as `name@version` (16 hex digits),
+#   so '@' is reserved as that separator (a spec name never holds it) and 128 leaves room for a
+#   64-character name plus its version.
 NAME_PATTERN = r"[A-Za-z0-9_.-]{1,64}"
-_NAME_RE = re.compile(NAME_PATTERN)
+KEY_PART_PATTERN = r"[A-Za-z0-9_.@-]{1,128}"
+NAME_RE = re.compile(NAME_PATTERN)
+KEY_PART_RE = re.compile(KEY_PART_PATTERN)
+
+
+def is_name(value: object, rule: re.Pattern[str] = NAME_RE) -> bool:
+    """Whether `value` is a string that `rule` (NAME_RE or KEY_PART_RE) matches in full."""
+    return isinstance(value, str) and rule.fullmatch(value) is not None
 
 TOP_LEVEL_KEYS: tuple[str, ...] = ("name", "entry", "agents", "description")
 AGENT_KEYS: tuple[str, ...] = ("prompt", "prompt_file", "after", "join", "description")
@@ -317,6 +334,14 @@ class WorkflowState:
             return False
         return spec.join == "any" or all(u in got for u in spec.after)
 
+    def finish_and_ready(self, agent: str) -> list[str]:
+        """The step of every walk of the graph: ``finish(agent)``, then the successors of ``agent``
+        that may start now and are not running, in file order. Starting them (``start``) is the
+        caller's move, and so is reading a start agent in the list as a return to the entry (one
+        pass of a loop over)."""
+        self.finish(agent)
+        return [v for v in self.spec._successors[agent] if v not in self.running and self.ready(v)]
+
     def steps_to_execution(self) -> dict[str, float]:
         """E value of every agent, in spec order: 0 when running, ``math.inf`` when it cannot run
         again, otherwise f(E of pending predecessors) + 1 with f = max (``join: all``) or min
@@ -432,7 +457,7 @@ def _check_name(field_path: str, value: object) -> None:
     if not isinstance(value, str):
         hint = " (quote it: YAML reads yes/no/on/off and numbers as non-strings)" if value is not None else ""
         raise SpecError(field_path, f"name must be a string, got {_type_name(value)}{hint}")
-    if not _NAME_RE.fullmatch(value):
+    if not is_name(value):
         raise SpecError(field_path, f"invalid name {value!r}: must match {NAME_PATTERN}")
 
 

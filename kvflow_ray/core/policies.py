@@ -13,9 +13,11 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from typing import Protocol
 
 from kvflow_ray.core.radix import RadixNode, Tag
+from kvflow_ray.core.registry import PolicyContext, Registry
 
 INF = math.inf
 
@@ -210,16 +212,31 @@ class BeladyPolicy(_DistancePolicy):
         return self.future.position
 
 
+EVICTION: Registry[EvictionPolicy] = Registry("eviction")
+
+
+@partial(EVICTION.register, "lru")
+def _lru(context: PolicyContext) -> EvictionPolicy:
+    """least recently used first (SGLang's default)"""
+    return LRUPolicy()
+
+
+@partial(EVICTION.register, "kvflow")
+def _kvflow(context: PolicyContext) -> EvictionPolicy:
+    """farthest steps-to-execution first, then LRU (KVFlow)"""
+    if context.book is None:
+        raise ValueError("the kvflow eviction policy needs a StepBook")
+    return KVFlowPolicy(context.book)
+
+
+@partial(EVICTION.register, "belady")
+def _belady(context: PolicyContext) -> EvictionPolicy:
+    """farthest next use in a known future first (offline bound)"""
+    if context.future is None:
+        raise ValueError("the belady eviction policy needs the future access sequence")
+    return BeladyPolicy(context.future)
+
+
 def make_eviction_policy(name: str, book: StepBook | None = None,
                          future: FutureAccesses | None = None) -> EvictionPolicy:
-    if name == "lru":
-        return LRUPolicy()
-    if name == "kvflow":
-        if book is None:
-            raise ValueError("the kvflow eviction policy needs a StepBook")
-        return KVFlowPolicy(book)
-    if name == "belady":
-        if future is None:
-            raise ValueError("the belady eviction policy needs the future access sequence")
-        return BeladyPolicy(future)
-    raise ValueError(f"unknown eviction policy {name!r} (known: lru, kvflow, belady)")
+    return EVICTION.create(name, PolicyContext(book=book, future=future))

@@ -1,42 +1,43 @@
 """Prefetch: which host-tier prefixes to load onto the device before their agents run.
 
-A policy only chooses *which agents* (nearest first, within a horizon and a concurrency cap);
-`plan_prefetch` turns that into loads within a budget: free device tokens plus tokens that can be
-evicted without touching anything needed as soon or sooner than the agent being prefetched.
+Three parts, each written once and used by every engine (the core scheduler and the SGLang plugin):
+- a `PrefetchPolicy` chooses *which* agents (`choose`, nearest first) and *how many* loads may be in
+  flight (`max_inflight`);
+- `plan_loads` walks those choices and asks a `PrefetchTarget` (one per cache implementation) to
+  load each agent's fixed prompt within the budget: free device tokens plus tokens evictable without
+  touching anything needed as soon or sooner, minus what queued requests need (`queued_need`);
+  nearest first, strictly: once the nearest missing prompt does not fit, planning stops;
+- a `PrefetchLedger` counts each prefetch as issued, completed, used or wasted.
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from functools import partial
+from typing import Any, Protocol
 
-from kvflow_ray.core.cache import TieredCache
 from kvflow_ray.core.policies import StepBook
 from kvflow_ray.core.radix import RadixNode, Tag
-
-
-@dataclass
-class PrefetchOp:
-    tag: Tag
-    steps: float
-    nodes: list[RadixNode]  # host-only nodes now LOADING, in path order
-    tokens: int
-    writebacks: list[RadixNode] = field(default_factory=list)  # evictions that need a device -> host copy
+from kvflow_ray.core.registry import PolicyContext, Registry
 
 
 class PrefetchPolicy(Protocol):
     name: str
+    max_inflight: int  # prefetch loads in flight at once (0: this policy never prefetches)
 
-    def choose(self, book: StepBook, inflight: int) -> list[tuple[Tag, float]]:
-        """Agents to prefetch for, nearest first, given `inflight` prefetches already running."""
+    def choose(self, book: StepBook) -> Iterable[tuple[Tag, float]]:
+        """Agents to prefetch for, nearest first, with their steps-to-execution."""
         ...
 
 
 class NoPrefetch:
     name = "none"
+    max_inflight = 0
 
-    def choose(self, book: StepBook, inflight: int) -> list[tuple[Tag, float]]:
-        return []
+    def choose(self, book: StepBook) -> Iterable[tuple[Tag, float]]:
+        return ()
 
 
 class StepsAheadPrefetch:
@@ -51,57 +52,181 @@ class StepsAheadPrefetch:
         self.horizon = horizon
         self.max_inflight = max_inflight
 
-    def choose(self, book: StepBook, inflight: int) -> list[tuple[Tag, float]]:
-        room = self.max_inflight - inflight
-        if room <= 0:
-            return []
+    def choose(self, book: StepBook) -> Iterable[tuple[Tag, float]]:
         near = sorted((e, tag) for tag, e in book.near.items() if e <= self.horizon)
         return [(tag, e) for e, tag in near]
 
 
-def plan_prefetch(cache: TieredCache, policy: PrefetchPolicy, book: StepBook, inflight: int,
-                  reserved_tokens: int = 0) -> list[PrefetchOp]:
-    """Start the loads `policy` asks for that fit the budget; the engine copies the returned nodes.
+PREFETCH: Registry[PrefetchPolicy] = Registry("prefetch")
 
-    `reserved_tokens` is device memory that requests already queued need: a prefetch never takes it,
-    because a load for an agent that runs *later* must not delay one that could run *now* (and under
-    memory pressure such a load would be evicted again before use)."""
-    ops: list[PrefetchOp] = []
-    node_distance = getattr(cache.eviction, "node_distance", None)
-    for tag, steps in policy.choose(book, inflight):
-        if inflight + len(ops) >= getattr(policy, "max_inflight", 0):
+
+@partial(PREFETCH.register, "none")
+def _none(context: PolicyContext) -> PrefetchPolicy:
+    """never prefetch (loads happen on demand)"""
+    return NoPrefetch()
+
+
+@partial(PREFETCH.register, "steps-ahead")
+def _steps_ahead(context: PolicyContext, *, horizon: int = 1, max_inflight: int = 4) -> PrefetchPolicy:
+    """load the prompts of agents at most `horizon` steps away, nearest first (KVFlow)"""
+    return StepsAheadPrefetch(horizon, max_inflight)
+
+
+# ---------------------------------------------------------------------------------------------- planning
+def queued_need(queued: Iterable[tuple[int, int, int]]) -> int:
+    """Device tokens that queued requests still need, from (prompt tokens, prompt tokens already on
+    the device, output budget) of each: a prefetch never takes them, because a load for an agent that
+    runs *later* must not delay one that could run *now* (and under memory pressure such a load
+    would be evicted again before use)."""
+    return sum(max(prompt - cached, 0) + max_new for prompt, cached, max_new in queued)
+
+
+class Load(enum.Enum):
+    """What a target did with one agent's prompt."""
+
+    STARTED = "started"  # a load is in flight
+    NOTHING = "nothing"  # nothing to load: on the device already, loading, or not on the host tier
+    NO_ROOM = "no_room"  # it does not fit the budget: stop planning (nearest first, strictly)
+
+
+class PrefetchTarget(Protocol):
+    """One cache implementation's side of prefetch: find an agent's prompt on the host tier and load
+    it if it fits, evicting only nodes whose nearest user is farther than `steps`."""
+
+    def load_prompt(self, tag: Tag, tokens: Sequence[int], namespace: str, steps: float, reserved: int) -> Load: ...
+
+
+def plan_loads(policy: PrefetchPolicy, book: StepBook, inflight: int, target: PrefetchTarget,
+               reserved: int = 0) -> int:
+    """Start the loads `policy` asks for, nearest first, while fewer than `policy.max_inflight`
+    are in flight and each fits; returns how many started. `reserved`: `queued_need(...)`."""
+    started = 0
+    for tag, steps in policy.choose(book):
+        if inflight + started >= policy.max_inflight:
             break
         tokens = book.prompt(tag)
-        namespace = book.salt(tag[0])  # the prompt is cached where its workflow's requests put it
-        if tokens is None or cache.prompt_on_device(tag, namespace):
+        if tokens is None:
             continue
+        # the prompt is cached where its workflow's requests put it (their namespace)
+        outcome = target.load_prompt(tag, tokens, book.salt(tag[0]), steps, reserved)
+        if outcome is Load.NO_ROOM:
+            # a farther agent's budget is never larger (it may evict fewer nodes): stop here
+            break
+        if outcome is Load.STARTED:
+            started += 1
+    return started
+
+
+@dataclass
+class PrefetchOp:
+    tag: Tag
+    steps: float
+    nodes: list[RadixNode]  # host-only nodes now LOADING, in path order
+    tokens: int
+    writebacks: list[RadixNode] = field(default_factory=list)  # evictions that need a device -> host copy
+
+
+@dataclass
+class TieredCacheTarget:
+    """`PrefetchTarget` over the core `TieredCache`: collects the loads (and the write-backs eviction
+    started) as `PrefetchOp`s for the engine to copy."""
+
+    cache: Any  # cache.TieredCache (imported lazily: cache.py imports the ledger from here)
+    ops: list[PrefetchOp] = field(default_factory=list)
+
+    def load_prompt(self, tag: Tag, tokens: Sequence[int], namespace: str, steps: float, reserved: int) -> Load:
+        cache = self.cache
+        if cache.prompt_on_device(tag, namespace):
+            return Load.NOTHING
         match = cache.tree.match_prefix(tokens, namespace=namespace)
         cache.remember_prompt(tag, tokens, match)
         _ready, _loading, host = match.split_by_tier()
         if not host:
-            continue
+            return Load.NOTHING
         need = sum(len(node.key) for node in host)
-        if need + reserved_tokens > cache.gpu_capacity:
-            break
-        # Fix: lock the prompt's path while making room, so eviction never drops the device parent
-        # of the nodes about to load (begin_load then failed "load parents first") nor the host
-        # copies being loaded; the distance filter alone missed path nodes not (or farther) tagged.
+        if need + reserved > cache.gpu_capacity:
+            return Load.NO_ROOM
+        # The prompt's path is locked while room is made: eviction must drop neither the device
+        # parent of the nodes about to load (a load needs its parents on the device) nor the host
+        # copies being loaded, whatever their tags say.
         cache.tree.lock(match.last)
         try:
+            node_distance = getattr(cache.eviction, "node_distance", None)
             if node_distance is not None:
-                def farther(node: RadixNode, steps: float = steps) -> bool:
+                def farther(node: RadixNode) -> bool:
                     return node_distance(node) > steps
-                ok, writebacks = cache.make_room(need + reserved_tokens, farther)
+                ok, writebacks = cache.make_room(need + reserved, farther)
             else:
-                ok, writebacks = cache.make_room(need + reserved_tokens)
+                ok, writebacks = cache.make_room(need + reserved)
             if not ok:
                 if writebacks:  # room comes once these copies finish; the engine must still run them
-                    ops.append(PrefetchOp(tag, steps, [], 0, writebacks))
-                # Nearest first, strictly: a farther agent's budget is never larger (it may evict
-                # fewer nodes), so once the nearest missing prompt does not fit, stop planning.
-                break
+                    self.ops.append(PrefetchOp(tag, steps, [], 0, writebacks))
+                return Load.NO_ROOM
             cache.tree.touch(match.path)
-            ops.append(PrefetchOp(tag, steps, host, cache.start_load(host), writebacks))
+            self.ops.append(PrefetchOp(tag, steps, host, cache.start_load(host), writebacks))
+            return Load.STARTED
         finally:
             cache.tree.unlock(match.last)
-    return ops
+
+
+def plan_prefetch(cache: Any, policy: PrefetchPolicy, book: StepBook, inflight: int,
+                  reserved_tokens: int = 0) -> list[PrefetchOp]:
+    """`plan_loads` on a `TieredCache`: the loads started (and write-backs to run) as ops."""
+    target = TieredCacheTarget(cache)
+    plan_loads(policy, book, inflight, target, reserved_tokens)
+    return target.ops
+
+
+# ---------------------------------------------------------------------------------------------- the ledger
+@dataclass(eq=False)
+class _Prefetch:
+    on_device: int  # its nodes still holding the device copy it loaded
+    used: bool = False
+
+
+@dataclass
+class PrefetchLedger:
+    """Outcomes of prefetches, one definition for every engine: a prefetch is *used* once a request
+    admitted to a batch has any of its nodes in its cached prefix; *wasted* if all its nodes left the
+    device before that. Nodes are keyed by `node.id` (any tree: the core's, SGLang's)."""
+
+    issued: int = 0
+    completed: int = 0
+    used: int = 0
+    wasted: int = 0
+    _by_node: dict[Hashable, _Prefetch] = field(default_factory=dict)
+
+    def started(self, nodes: Sequence[Any]) -> None:
+        """One prefetch loads `nodes`."""
+        self.issued += 1
+        op = _Prefetch(on_device=len(nodes))
+        for node in nodes:
+            self._by_node[node.id] = op
+
+    def landed(self) -> None:
+        self.completed += 1
+
+    def use(self, path: Iterable[Any]) -> None:
+        """A request's cached prefix is `path` (on the device or loading): its prefetches paid off."""
+        if not self._by_node:
+            return
+        for node in path:
+            op = self._by_node.get(node.id)
+            if op is not None and not op.used:
+                op.used = True
+                self.used += 1
+
+    def left_device(self, node: Any) -> None:
+        """`node`'s device copy is gone (evicted, or the node left the tree)."""
+        op = self._by_node.pop(node.id, None)
+        if op is not None:
+            op.on_device -= 1
+            if op.on_device == 0 and not op.used:
+                self.wasted += 1
+
+    def tracked(self) -> list[Any]:
+        """Node ids whose device copy a prefetch brought and that have not left the device."""
+        return list(self._by_node)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"issued": self.issued, "completed": self.completed, "used": self.used, "wasted": self.wasted}

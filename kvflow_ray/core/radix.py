@@ -49,15 +49,6 @@ _ids = itertools.count()
 
 
 @dataclass(eq=False)
-class PrefetchOp:
-    """One prefetch (a load of an agent's prompt nodes ahead of its call). Used once a request's
-    prefix includes any of its nodes; wasted if all its nodes leave the device before that."""
-
-    on_device: int  # its nodes still holding the device copy it loaded
-    used: bool = False
-
-
-@dataclass(eq=False)
 class RadixNode:
     key: tuple[int, ...]
     parent: RadixNode | None
@@ -79,7 +70,6 @@ class RadixNode:
     loaded_at: float = 0.0  # engine clock when its latest host -> device load landed (stall accounting)
     # cached min-distance for the eviction policy: (policy version, value)
     prio_cache: tuple[int, float] = (-1, 0.0)
-    prefetch: PrefetchOp | None = None  # the prefetch that brought its device copy, until used or evicted
 
     @property
     def tier(self) -> Tier:
@@ -252,8 +242,8 @@ class RadixTree:
             key=node.key[:at], parent=parent, gpu=node.gpu, cpu=node.cpu, lock_ref=node.lock_ref,
             last_access=node.last_access, tags=set(node.tags), namespace=node.namespace,
             gpu_value=_head(node.gpu_value, at), cpu_value=_head(node.cpu_value, at),
-            # Fix: a deferred eviction (TieredCache counted the whole node in `pending_free`) covers
-            # both halves; without this the upper half's tokens stayed in `pending_free` for good.
+            # a deferred eviction (TieredCache counted the whole node in `pending_free`) covers both
+            # halves, so `pending_free` still equals the pending nodes' tokens
             evict_pending=node.evict_pending,
         )
         parent.children[self._key_of(upper)] = upper  # replaces `node` there: same first page

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
+
+from kvflow_ray.core.registry import PolicyContext, Registry
 
 TIER_RANK = {"gpu": 0, "cpu": 1}
 
@@ -24,6 +28,15 @@ class RouteDecision:
     replica: str
     outcome: str  # "affinity" | "balanced" | "cold"
     tier: str | None  # where the chosen replica holds the prefix (None: it does not)
+
+
+class RoutingPolicy(Protocol):
+    def route(self, holders: Mapping[str, str], loads: Mapping[str, int], prefix_tokens: int,
+              home: str | None = None) -> RouteDecision:
+        """`holders`: replica -> tier holding the agent's fixed prefix; `loads`: queued + running
+        requests of every live replica (the candidates); `home`: where the workflow's previous agent
+        ran, if anywhere."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -64,3 +77,13 @@ class PrefixAffinityRouter:
         if cheapest in live_holders:  # overloaded holders can still be the cheapest choice
             outcome = "affinity"
         return RouteDecision(cheapest, outcome, live_holders.get(cheapest))
+
+
+ROUTING: Registry[RoutingPolicy] = Registry("routing")
+
+
+@partial(ROUTING.register, "prefix-affinity")
+def _prefix_affinity(context: PolicyContext, *, balance_threshold: int = 4, queued_request_cost: float = 1.0,
+                     host_token_cost: float = 0.0002, miss_token_cost: float = 0.001) -> RoutingPolicy:
+    """the replica holding the prefix unless it is overloaded, else the cheapest (workflow router)"""
+    return PrefixAffinityRouter(balance_threshold, queued_request_cost, host_token_cost, miss_token_cost)

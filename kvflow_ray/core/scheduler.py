@@ -12,36 +12,39 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-from kvflow_ray.core.admission import AdmissionPolicy, FCFSAdmission, StatusAwareAdmission
+from kvflow_ray.core.admission import ADMISSION, AdmissionPolicy
 from kvflow_ray.core.cache import TieredCache
-from kvflow_ray.core.policies import StepBook
-from kvflow_ray.core.prefetch import NoPrefetch, PrefetchPolicy, StepsAheadPrefetch, plan_prefetch
+from kvflow_ray.core.policies import EVICTION, FutureAccesses, StepBook
+from kvflow_ray.core.prefetch import PREFETCH, PrefetchLedger, PrefetchPolicy, plan_prefetch, queued_need
 from kvflow_ray.core.radix import GpuState, RadixNode, Tag
+from kvflow_ray.core.registry import PolicyContext
+from kvflow_ray.core.snapshot import EngineSnapshot
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """A named combination of core policies, as compared in the benchmarks."""
+    """A named combination of core policies, as compared in the benchmarks. Each policy is a name in
+    its registry (`policies.EVICTION`, `prefetch.PREFETCH`, `admission.ADMISSION`)."""
 
     name: str
-    eviction: str  # lru | kvflow | belady
+    eviction: str  # lru | kvflow | belady | any registered eviction policy
     host_tier: bool  # evicted KV is written back to a host tier and loaded on demand
-    prefetch: bool  # proactive host -> device loads for agents about to run
-    admission: str  # fcfs | status-aware
+    prefetch: str  # none | steps-ahead | any registered prefetch policy
+    admission: str  # fcfs | status-aware | any registered admission policy
     infinite: bool = False  # no device capacity limit (lower bound on latency)
     oracle: bool = False  # eviction reads the future access sequence (an offline bound: a reference run's trace)
 
 
 POLICIES: dict[str, PolicyConfig] = {
-    "lru": PolicyConfig("lru", "lru", host_tier=False, prefetch=False, admission="fcfs"),
-    "hicache": PolicyConfig("hicache", "lru", host_tier=True, prefetch=False, admission="fcfs"),
-    "kvflow": PolicyConfig("kvflow", "kvflow", host_tier=True, prefetch=True, admission="status-aware"),
-    "kvflow-noprefetch": PolicyConfig("kvflow-noprefetch", "kvflow", host_tier=True, prefetch=False,
+    "lru": PolicyConfig("lru", "lru", host_tier=False, prefetch="none", admission="fcfs"),
+    "hicache": PolicyConfig("hicache", "lru", host_tier=True, prefetch="none", admission="fcfs"),
+    "kvflow": PolicyConfig("kvflow", "kvflow", host_tier=True, prefetch="steps-ahead", admission="status-aware"),
+    "kvflow-noprefetch": PolicyConfig("kvflow-noprefetch", "kvflow", host_tier=True, prefetch="none",
                                       admission="status-aware"),
-    "belady": PolicyConfig("belady", "belady", host_tier=True, prefetch=False, admission="fcfs", oracle=True),
-    "infinite": PolicyConfig("infinite", "lru", host_tier=False, prefetch=False, admission="fcfs", infinite=True),
+    "belady": PolicyConfig("belady", "belady", host_tier=True, prefetch="none", admission="fcfs", oracle=True),
+    "infinite": PolicyConfig("infinite", "lru", host_tier=False, prefetch="none", admission="fcfs", infinite=True),
 }
 
 
@@ -95,9 +98,8 @@ class ReplicaStats:
     miss_tokens: int = 0
     loaded_tokens: int = 0
     stall_s: float = 0.0
-    prefetch_issued: int = 0
-    prefetch_completed: int = 0
     requests: int = 0
+    prefetch: PrefetchLedger = field(default_factory=PrefetchLedger)  # the cache's ledger
 
 
 class Copier(Protocol):
@@ -118,32 +120,71 @@ class Batch:
     decode: list[CacheRequest]
 
 
-# Policies an engine serving live requests can run: not the offline bounds of the simulator (no finite
-# pool, or eviction that needs the future).
-ENGINE_POLICIES = tuple(name for name, p in POLICIES.items() if not (p.infinite or p.oracle))
+def register_policy(config: PolicyConfig) -> PolicyConfig:
+    """Add (or replace) a named combination; its parts must be registered policies."""
+    EVICTION.get(config.eviction)
+    PREFETCH.get(config.prefetch)
+    ADMISSION.get(config.admission)
+    POLICIES[config.name] = config
+    return config
+
+
+def engine_policies() -> tuple[str, ...]:
+    """Policies an engine serving live requests can run: not the offline bounds of the simulator (no
+    finite pool, or eviction that needs the future)."""
+    return tuple(name for name, p in POLICIES.items() if not (p.infinite or p.oracle))
+
+
+def resolve_policy(name: str, *, serving_on: str | None = None) -> PolicyConfig:
+    """The combination called `name`; `serving_on` (e.g. "the CPU engine"): it must be one a live
+    engine can run, and the error names that engine."""
+    if serving_on is not None:
+        if name not in engine_policies():
+            known = ", ".join(engine_policies())
+            raise ValueError(f"policy {name!r} cannot run on {serving_on} (choose one of {known})")
+    elif name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
+    return POLICIES[name]
+
+
+class CacheListener(Protocol):
+    """Hears what enters and leaves each tier (an engine's `CacheEventLog`, which tells the router)."""
+
+    def record(self, kind: str, tier: str, node: RadixNode) -> None: ...
+
+    def on_free(self, node: RadixNode, tier: str) -> None: ...
+
+    def committed(self, last: RadixNode | None, end: int, adopted: list[tuple[int, int]]) -> None: ...
 
 
 class ReplicaScheduler:
+    """One replica's request lifecycle. Engines build it with `build_replica` and drive it:
+    `submit`/`apply_hints` in, `next_batch` and the `*_done` reports as work completes. It owns the
+    ordering rules between the engine and the cache (a copy's tier events before its effects, a
+    finished request's slots back before prefetch is planned), so engines cannot get them wrong."""
+
     def __init__(self, cache: TieredCache, policy: PolicyConfig, book: StepBook, copier: Copier, *,
                  clock: Callable[[], float], horizon: int = 1, max_inflight: int = 4,
-                 max_running: int = 1 << 30, measuring: Callable[[], bool] = lambda: True) -> None:
+                 max_running: int = 1 << 30, measuring: Callable[[], bool] = lambda: True,
+                 events: CacheListener | None = None) -> None:
         self.cache = cache
         self.policy = policy
         self.book = book
         self.copier = copier
         self.clock = clock
         self.measuring = measuring
+        self.events = events
         self.max_running = max_running
-        self.admission: AdmissionPolicy = (StatusAwareAdmission() if policy.admission == "status-aware"
-                                           else FCFSAdmission())
-        self.prefetcher: PrefetchPolicy = (StepsAheadPrefetch(horizon, max_inflight) if policy.prefetch
-                                           else NoPrefetch())
+        context = PolicyContext(book=book)
+        self.admission: AdmissionPolicy = ADMISSION.create(policy.admission, context)
+        self.prefetcher: PrefetchPolicy = PREFETCH.create(policy.prefetch, context,
+                                                          {"horizon": horizon, "max_inflight": max_inflight})
         self.waiting: list[CacheRequest] = []
         self.running: list[CacheRequest] = []
         self.prefetch_inflight = 0
         self._last_plan: tuple[int, ...] | None = None
         self.queued_reserved = 0  # see _start_queued_loads
-        self.stats = ReplicaStats()
+        self.stats = ReplicaStats(prefetch=cache.prefetches)
 
     @property
     def idle(self) -> bool:
@@ -202,29 +243,27 @@ class ReplicaScheduler:
         self.plan_prefetch()
 
     # ------------------------------------------------------------------ reporting
-    def snapshot(self) -> dict[str, Any]:
-        """Occupancy and cumulative counters, as every engine reports them in `stats()` (the serving
-        layer's metrics read these keys)."""
+    def snapshot(self) -> EngineSnapshot:
+        """Occupancy and cumulative counters, as every engine reports them in `stats()`."""
         s, c = self.stats, self.cache.counters
-        return {
-            "waiting": len(self.waiting),
-            "running": len(self.running),
-            "prompt_tokens": {"gpu": s.gpu_tokens, "cpu": s.cpu_tokens, "miss": s.miss_tokens},
-            "loaded_tokens": s.loaded_tokens,
-            "prefetch": {"issued": s.prefetch_issued, "completed": s.prefetch_completed,
-                         "used": c.prefetch_used, "wasted": c.prefetch_wasted},
-            "prefetch_stall_s": s.stall_s,
-            "evicted_tokens": {"gpu": c.evicted_gpu_tokens, "cpu": c.evicted_cpu_tokens,
-                               "written_back": c.written_back_tokens, "dropped": c.dropped_tokens},
-            "cache_tokens": {"gpu": self.cache.tree.gpu_tokens, "cpu": self.cache.tree.cpu_tokens,
-                             "private": self.cache.private_tokens},
-            "capacity_tokens": {"gpu": self.cache.gpu_capacity, "cpu": self.cache.cpu_capacity},
-        }
+        return EngineSnapshot(
+            waiting=len(self.waiting),
+            running=len(self.running),
+            prompt_tokens={"gpu": s.gpu_tokens, "cpu": s.cpu_tokens, "miss": s.miss_tokens},
+            loaded_tokens=s.loaded_tokens,
+            prefetch=s.prefetch.as_dict(),
+            prefetch_stall_s=s.stall_s,
+            evicted_tokens={"gpu": c.evicted_gpu_tokens, "cpu": c.evicted_cpu_tokens,
+                            "written_back": c.written_back_tokens, "dropped": c.dropped_tokens},
+            cache_tokens={"gpu": self.cache.tree.gpu_tokens, "cpu": self.cache.tree.cpu_tokens,
+                          "private": self.cache.private_tokens},
+            capacity_tokens={"gpu": self.cache.gpu_capacity, "cpu": self.cache.cpu_capacity},
+        )
 
     # ------------------------------------------------------------------ prefetch
     def plan_prefetch(self) -> None:
         """New steps-to-execution values or freed memory: plan prefetches (no-op without prefetch)."""
-        if not self.policy.prefetch:
+        if not self.prefetcher.max_inflight:
             return
         # nothing that planning reads has changed since the last plan: it would find nothing new
         key = (self.cache.tree.version, self.book.version, self.prefetch_inflight, len(self.waiting),
@@ -233,13 +272,12 @@ class ReplicaScheduler:
             return
         self._last_plan = key
         # what queued requests still need on the device (their uncached prompt part and output)
-        reserved = sum(len(r.tokens) - r.ready_at_arrival + r.max_new for r in self.waiting)
+        reserved = queued_need((len(r.tokens), r.ready_at_arrival, r.max_new) for r in self.waiting)
         for op in plan_prefetch(self.cache, self.prefetcher, self.book, self.prefetch_inflight, reserved):
             self.copier.write_back(op.writebacks)
             if op.nodes:
                 self.prefetch_inflight += 1
-                self.stats.prefetch_issued += 1
-                self.cache.prefetched(op.nodes)
+                self.cache.prefetches.started(op.nodes)
                 self._load(op.nodes, op.tokens, prefetch=True)
 
     # ------------------------------------------------------------------ copies
@@ -253,12 +291,17 @@ class ReplicaScheduler:
         for i, node in enumerate(nodes):
             self.cache.finish_load(node, None if values is None else values[i])
             node.loaded_at = now
+        if self.events is not None:
+            for node in nodes:
+                self.events.record("stored", "gpu", node)
         if prefetch:
             self.prefetch_inflight -= 1
-            self.stats.prefetch_completed += 1
+            self.cache.prefetches.landed()
             self.plan_prefetch()
 
     def offload_done(self, node: RadixNode, value: object = None) -> None:
+        if self.events is not None:
+            self.events.record("stored", "cpu", node)  # before finish_offload, which may free the device copy
         self.cache.finish_offload(node, value)
         self.plan_prefetch()  # room that a prefetch was waiting for may be free now
 
@@ -289,8 +332,9 @@ class ReplicaScheduler:
         return len(req.tokens) - min(matched, len(req.tokens) - 1) + req.max_new
 
     def _start_queued_loads(self) -> None:
-        """Status-aware engines start the host->device load of queued requests right away and run
-        ready work meanwhile (FCFS engines load only once a request reaches the batch).
+        """Admission policies that load while queued (status-aware) start the host->device load of
+        queued requests right away and run ready work meanwhile (others load only once a request
+        reaches the batch).
 
         A queued load locks its prefix until the request is admitted (otherwise loads for different
         queued requests evict each other before use), and starts only while free memory still covers
@@ -320,7 +364,7 @@ class ReplicaScheduler:
     def admit(self) -> list[CacheRequest]:
         """Move waiting requests into the running set while memory allows; returns the admitted."""
         admitted: list[CacheRequest] = []
-        if self.policy.admission == "status-aware":
+        if self.admission.loads_while_queued:
             self._start_queued_loads()
         # Requests holding a queued load go first: their memory is already reserved, so admitting them
         # takes nothing from anyone. Otherwise a request ahead of them that does not fit (because
@@ -345,7 +389,7 @@ class ReplicaScheduler:
                 self.queued_reserved -= req.reserved
                 req.reserved = 0
             req.locked = match.last
-            self.cache.use_prefetched(match.path)
+            self.cache.prefetches.use(match.path)
             if host:
                 self._load(host, self.cache.start_load(host), prefetch=False)
             self.cache.alloc(private)
@@ -382,7 +426,7 @@ class ReplicaScheduler:
                 if not self.kv_ready(req):
                     # FCFS: the batch containing this request waits for its load (the stall KVFlow's
                     # status-aware admission avoids by admitting ready requests first).
-                    blocked = blocked or self.policy.admission == "fcfs"
+                    blocked = blocked or self.admission.batch_waits_for_loads
                     continue
                 if budget > 0:
                     n = min(budget, len(req.tokens) - req.prefill_pos)
@@ -405,11 +449,14 @@ class ReplicaScheduler:
                      adopted: list[tuple[int, int]] | None = None) -> bool:
         """`n` more prompt tokens have KV. At the end of the prompt the KV joins the tree (shareable
         now; `gpu_value` is the engine's payload for the whole prompt) and the first output token
-        exists. Returns True when the request is finished."""
+        exists. Returns True when the request is finished. `adopted` receives the ranges of the prompt
+        whose KV the tree took from `gpu_value` (the engine frees the rest)."""
         req.prefill_pos += n
         if req.prefilling:
             return False
         computed = len(req.tokens) - min(req.matched, len(req.tokens) - 1)
+        if adopted is None and self.events is not None:
+            adopted = []
         path = self.cache.commit(req.tokens, computed, gpu_value, adopted, keep_uncovered=True,
                                  namespace=req.cache_salt)
         req.committed = sum(len(node.key) for node in path)
@@ -420,6 +467,8 @@ class ReplicaScheduler:
         self.cache.tree.lock(path[-1] if path else None)
         self.cache.tree.unlock(req.locked)
         req.locked = path[-1] if path else None
+        if self.events is not None:
+            self.events.committed(req.locked, req.committed, adopted or [])
         return self.decoded(req)
 
     def decoded(self, req: CacheRequest, eos: bool = False) -> bool:
@@ -428,11 +477,12 @@ class ReplicaScheduler:
         return eos or req.decoded >= req.max_new
 
     def finish(self, req: CacheRequest, sequence: tuple[int, ...], gpu_value: object = None,
-               adopted: list[tuple[int, int]] | None = None) -> None:
+               adopted: list[tuple[int, int]] | None = None, free_slots: Callable[[], None] | None = None) -> None:
         """The request is done: `sequence` (prompt + output whose KV exists) joins the tree, the rest
-        of its private memory is released. The engine then hands the request's leftover device slots
-        back and calls `plan_prefetch()` (memory freed: a prefetch that did not fit may fit now); a
-        prefetch planned before that would be given slots the engine has not freed yet."""
+        of its private memory is released, `free_slots()` hands the engine's leftover device slots
+        back (those the tree did not adopt), and then prefetch is planned (memory freed: a prefetch
+        that did not fit may fit now). Planned before `free_slots`, a load would be given slots the
+        engine has not freed yet."""
         self.cache.commit(sequence, req.private, gpu_value, adopted, namespace=req.cache_salt)
         req.private = 0
         self.cache.tree.unlock(req.locked)
@@ -444,3 +494,33 @@ class ReplicaScheduler:
             self.stats.cpu_tokens += req.cpu_hit
             self.stats.miss_tokens += req.miss
             self.stats.stall_s += req.stall
+        if free_slots is not None:
+            free_slots()
+        self.plan_prefetch()
+
+
+def build_replica(policy: str | PolicyConfig, copier: Copier, *, gpu_capacity: int, cpu_capacity: int = 0,
+                  clock: Callable[[], float], book: StepBook | None = None, future: FutureAccesses | None = None,
+                  horizon: int = 1, max_inflight: int = 4, max_running: int = 1 << 30,
+                  measuring: Callable[[], bool] = lambda: True, events: CacheListener | None = None,
+                  free_value: Callable[[RadixNode, str, object], None] | None = None,
+                  serving_on: str | None = None) -> ReplicaScheduler:
+    """The one recipe every engine builds a replica with: the named policy combination (`serving_on`:
+    the engine, which must be able to run it live, see `resolve_policy`), a step book (shared by
+    several replicas when given), the eviction policy from its registry, the tiered cache (an
+    `infinite` policy lifts the device limit) and the scheduler. `free_value(node, tier, value)`: the
+    engine releases a dropped copy's payload (`events` hears the drop after it)."""
+    config = resolve_policy(policy, serving_on=serving_on) if isinstance(policy, str) else policy
+    book = book if book is not None else StepBook(near_horizon=max(horizon, 2))
+    eviction = EVICTION.create(config.eviction, PolicyContext(book=book, future=future))
+    capacity = 1 << 60 if config.infinite else gpu_capacity
+    cache = TieredCache(capacity, eviction, cpu_capacity=cpu_capacity, host_tier=config.host_tier)
+    if free_value is not None or events is not None:
+        def on_free(node: RadixNode, tier: str, value: object) -> None:
+            if free_value is not None:
+                free_value(node, tier, value)
+            if events is not None:
+                events.on_free(node, tier)
+        cache.tree.on_free = on_free
+    return ReplicaScheduler(cache, config, book, copier, clock=clock, horizon=horizon,
+                            max_inflight=max_inflight, max_running=max_running, measuring=measuring, events=events)

@@ -17,6 +17,26 @@ from typing import Any, Protocol
 
 MAX_STOP_STRINGS = 4  # stop strings one request may give (OpenAI's limit)
 
+# Workflow metadata (DESIGN.md §7) enters through three doors: the OpenAI body's `kvflow` object
+# (`serve.openai_api`), SGLang's `custom_params["kvflow"]` (`engines.sglang.protocol`) and the fields
+# of `GenerateRequest` (`workflow` holds the client id there, tenant-scoped). `meta_problem` is the
+# one rule for these fields; each door names the field in its own words. Lengths are bounded only
+# where clients send the metadata (the OpenAI door): an engine's workflow key is a client id with
+# the tenant in front, longer than any client id.
+META_FIELDS = ("client_id", "agent", "fixed_prefix_tokens")
+
+
+def meta_problem(field: str, value: object) -> str | None:
+    """What is wrong with `value` as the workflow-metadata `field` (one of META_FIELDS), as
+    "must be ..."; None when it is valid. `fixed_prefix_tokens` may be None (not given)."""
+    if field == "fixed_prefix_tokens":
+        if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return None
+        return "must be a non-negative integer"
+    if field not in META_FIELDS:
+        raise ValueError(f"{field!r} is not a workflow metadata field ({', '.join(META_FIELDS)})")
+    return None if isinstance(value, str) and value else "must be a non-empty string"
+
 
 @dataclass
 class GenerateRequest:
@@ -113,8 +133,14 @@ def request_tokens(request: GenerateRequest, *, model_name: str, encode: Callabl
     if need > device_tokens:
         raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) = {need} exceeds "
                          f"the device KV pool of {device_tokens} tokens")
+    # `workflow` follows the client-id rule: it is the client id, tenant-scoped
+    for name, rule, value in (("workflow", "client_id", request.workflow), ("agent", "agent", request.agent),
+                              ("fixed_prefix_tokens", "fixed_prefix_tokens", request.fixed_prefix_tokens)):
+        problem = None if value is None else meta_problem(rule, value)
+        if problem:
+            raise ValueError(f"{name} {problem}")
     fixed = request.fixed_prefix_tokens
-    if fixed is not None and not 0 <= fixed <= len(tokens):
+    if fixed is not None and fixed > len(tokens):
         raise ValueError(f"fixed_prefix_tokens={fixed} is outside the prompt (0..{len(tokens)})")
     if (request.workflow is None) != (request.agent is None):
         raise ValueError("workflow metadata needs both a workflow (client id) and an agent")

@@ -63,6 +63,9 @@ class AppConfig(BaseModel):
     # a prefix holder keeps the call while its queue is at most this many requests longer than the
     # least loaded replica's; low for slow engines (a queued request costs seconds on a CPU engine)
     balance_threshold: int = 2
+    # the workflow router's placement policy: a name in `core.routing.ROUTING` (its `balance_threshold`
+    # is the setting above)
+    route_policy: str = "prefix-affinity"
     api_keys: dict[str, str] = Field(default_factory=dict)  # bearer key -> tenant; empty = one "default" tenant
     # the name of an environment variable holding more keys as JSON {"key": "tenant"} (a Kubernetes
     # Secret mounted as env), so keys stay out of config files; read where the app is built
@@ -144,6 +147,9 @@ class AppConfig(BaseModel):
                                  f"(available: {', '.join(available_profiles())})")
             if self.time_scale <= 0:
                 raise ValueError(f"time_scale must be positive, got {self.time_scale}")
+        from kvflow_ray.core.routing import ROUTING
+
+        ROUTING.get(self.route_policy)  # names the known ones when it is not
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {tuple(ROUTINGS)}, got {_short(self.routing)}")
         if self.replicas < 1:
@@ -198,7 +204,7 @@ class AppConfig(BaseModel):
         return {"store_url": self.redis, "ttl_s": self.state_ttl_s, "balance_threshold": self.balance_threshold,
                 "prefetch_horizon": self.horizon, "limits": self.limits.model_dump(),
                 "template_ttl_s": self.template_idle_ttl_s, "store_grace_s": self.store_grace_s,
-                "store_max_pending": self.store_max_pending_writes}
+                "store_max_pending": self.store_max_pending_writes, "route_policy": self.route_policy}
 
     def tokenizer_path(self) -> str | None:
         """Where the tokenizer of the served model lives; None: byte-level (engines without one: sim, the
@@ -256,7 +262,7 @@ def _short(value: object, limit: int = 80) -> str:
 
 
 def _check_tenant(where: str, name: object) -> None:
-    from kvflow_ray.serve.store import NAME
+    from kvflow_ray.core.graph import KEY_PART_RE as NAME
 
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ValueError(f"{where}: tenant name {_short(name)} is not valid (1-128 of A-Z a-z 0-9 _ . @ -)")

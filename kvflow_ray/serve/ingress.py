@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException
 from kvflow_ray.core.graph import SpecError, SpecLimitError, UnknownAgentError, WorkflowSpec, parse_spec
 from kvflow_ray.engines.base import GenerateResult, prefix_hash
 from kvflow_ray.engines.cpu.config import ModelConfig
-from kvflow_ray.engines.cpu.tokenizer import load_tokenizer
+from kvflow_ray.engines.tokenizer import load_tokenizer
 from kvflow_ray.serve.config import AppConfig
 from kvflow_ray.serve.openai_api import (
     ApiError,

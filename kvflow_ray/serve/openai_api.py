@@ -17,9 +17,18 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from kvflow_ray.engines.base import MAX_STOP_STRINGS, GenerateResult
+from kvflow_ray.engines.base import MAX_STOP_STRINGS, META_FIELDS, GenerateResult, meta_problem
 
 MAX_TOKENS_LIMIT = 32_768
 MAX_MESSAGES = 4096
@@ -51,13 +60,23 @@ class _Strict(BaseModel):
 
 
 class KvflowMeta(_Strict):
-    """The `kvflow` object of a request (DESIGN.md §7)."""
+    """The `kvflow` object of a request (DESIGN.md §7). The types and length bounds are this door's;
+    what client_id, agent and fixed_prefix_tokens may hold is `engines.base.meta_problem`'s rule,
+    shared with every engine. `workflow` and `workflow_spec` are for the router alone."""
 
-    client_id: StrictStr = Field(min_length=1, max_length=128)
-    agent: StrictStr = Field(min_length=1, max_length=128)
+    client_id: StrictStr = Field(max_length=128)
+    agent: StrictStr = Field(max_length=128)
     workflow: StrictStr | None = Field(None, min_length=1, max_length=128)
-    fixed_prefix_tokens: int | None = Field(None, ge=0)
+    fixed_prefix_tokens: int | None = None
     workflow_spec: dict[str, Any] | None = None
+
+    @field_validator(*META_FIELDS)
+    @classmethod
+    def _meta_rule(cls, value: object, info: ValidationInfo) -> object:
+        problem = meta_problem(str(info.field_name), value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
 
 class CustomParams(_Strict):
@@ -198,7 +217,7 @@ UNION_MESSAGES = {  # parameters of several shapes: one message for all of them
 RANGES = {"max_tokens": f"must be between 1 and {MAX_TOKENS_LIMIT}",
           "max_completion_tokens": f"must be between 1 and {MAX_TOKENS_LIMIT}",
           "temperature": "must be between 0 and 2", "top_p": "must be greater than 0 and at most 1",
-          "n": "must be 1 (only n=1 is supported)", "kvflow.fixed_prefix_tokens": "must be a non-negative integer"}
+          "n": "must be 1 (only n=1 is supported)"}
 BOUNDS = {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">", "less_than": "<"}
 TYPES = {"int": "an integer", "float": "a number", "string": "a string", "bool": "a boolean", "dict": "an object",
          "model": "an object", "list": "an array"}

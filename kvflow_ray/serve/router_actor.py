@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import ray
 
-from kvflow_ray.core.routing import PrefixAffinityRouter
+from kvflow_ray.core.routing import ROUTING
 from kvflow_ray.engines.base import CacheEvent
 from kvflow_ray.serve.config import TenantLimits
 from kvflow_ray.serve.metrics import RouterMetrics, merge_expositions
@@ -60,12 +60,13 @@ class WorkflowRouterActor:
     def __init__(self, store_url: str | None = None, ttl_s: float = 3600.0, balance_threshold: int = 2,
                  prefetch_horizon: int = 1, limits: dict[str, Any] | None = None,
                  template_ttl_s: float | None = None, store_grace_s: float = 30.0,
-                 store_max_pending: int = 100_000) -> None:
+                 store_max_pending: int = 100_000, route_policy: str = "prefix-affinity") -> None:
         self.instance = uuid.uuid4().hex  # changes on every (re)start
         inner = open_store(store_url, ttl_s)
         self.backend = "redis" if isinstance(inner, RedisStore) else "memory"
         store = BufferedStore(inner, grace_s=store_grace_s, max_pending=store_max_pending)
-        self.core = RouterCore(store, PrefixAffinityRouter(balance_threshold=balance_threshold),
+        policy = ROUTING.create(route_policy, settings={"balance_threshold": balance_threshold})
+        self.core = RouterCore(store, policy,
                                prefetch_horizon=prefetch_horizon, limits=TenantLimits(**(limits or {})),
                                template_ttl_s=template_ttl_s)
         self.store = store
@@ -283,7 +284,7 @@ class WorkflowRouterActor:
 def get_router(store_url: str | None = None, *, create: bool = True, ttl_s: float = 3600.0,
                balance_threshold: int = 2, prefetch_horizon: int = 1, limits: dict[str, Any] | None = None,
                template_ttl_s: float | None = None, store_grace_s: float = 30.0,
-               store_max_pending: int = 100_000) -> Any:
+               store_max_pending: int = 100_000, route_policy: str = "prefix-affinity") -> Any:
     """The deployment's router actor, created on first use (named, so every process finds the same
     one; the first creator's settings win)."""
     if not create:
@@ -291,7 +292,8 @@ def get_router(store_url: str | None = None, *, create: bool = True, ttl_s: floa
     return WorkflowRouterActor.options(name=ROUTER_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True,
                                        lifetime="detached").remote(store_url, ttl_s, balance_threshold,
                                                                    prefetch_horizon, limits, template_ttl_s,
-                                                                   store_grace_s, store_max_pending)
+                                                                   store_grace_s, store_max_pending,
+                                                                   route_policy)
 
 
 def stop_router() -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow_ray.core.graph import UnknownAgentError, WorkflowSpec, WorkflowState, parse_spec
-from kvflow_ray.core.routing import PrefixAffinityRouter
+from kvflow_ray.core.routing import ROUTING, RoutingPolicy
 from kvflow_ray.engines.base import CacheEvent, Hints
 from kvflow_ray.serve.config import TenantLimits
 from kvflow_ray.serve.store import BufferedStore, Store, check_name
@@ -116,7 +116,7 @@ def workflow_key(tenant: str, client_id: str) -> str:
 
 
 class RouterCore:
-    def __init__(self, store: Store | BufferedStore, policy: PrefixAffinityRouter | None = None,
+    def __init__(self, store: Store | BufferedStore, policy: RoutingPolicy | None = None,
                  prefetch_horizon: int = 1, limits: TenantLimits | None = None,
                  template_ttl_s: float | None = None) -> None:
         # a plain store (tests, tools): every write goes through at once
@@ -124,7 +124,7 @@ class RouterCore:
         self.limits = limits or TenantLimits()
         self.spec_limits = self.limits.spec_limits()
         self.template_ttl_s = max(template_ttl_s or 0.0, self.store.ttl_s)  # never shorter than a client's life
-        self.policy = policy or PrefixAffinityRouter()
+        self.policy = policy or ROUTING.create("prefix-affinity")
         self.prefetch_horizon = prefetch_horizon  # the engines prefetch agents this many steps ahead
         self.loads: dict[str, int] = {}  # live replicas -> requests queued or running there
         self.decisions: Counter[str] = Counter()

@@ -15,21 +15,21 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
-NAME = re.compile(r"[A-Za-z0-9_.@-]{1,128}")
+from kvflow_ray.core.graph import KEY_PART_RE, is_name
+
 TIERS = ("gpu", "cpu")
 
 
 def check_name(kind: str, value: str) -> str:
-    """Tenants, client ids and template names become key parts: restrict them so none can reach
-    into another namespace (no `*`, spaces or wildcards)."""
-    if not isinstance(value, str) or not NAME.fullmatch(value):
+    """Tenants, client ids and template names become key parts: restrict them (`core.graph`'s
+    KEY_PART_RE) so none can reach into another namespace (no `:`, `*`, spaces or wildcards)."""
+    if not is_name(value, KEY_PART_RE):
         raise ValueError(f"{kind} {value!r} is not a valid name (1-128 of A-Z a-z 0-9 _ . @ -)")
     return value
 

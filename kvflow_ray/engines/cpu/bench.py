@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from kvflow_ray.core.graph import WorkflowState
-from kvflow_ray.core.scheduler import ENGINE_POLICIES
+from kvflow_ray.core.scheduler import engine_policies
 from kvflow_ray.engines.base import GenerateRequest, Hints
 from kvflow_ray.engines.cpu.config import CpuEngineConfig
 from kvflow_ray.engines.cpu.engine import CpuEngine, CpuRequest
@@ -125,10 +125,10 @@ def run_cpu_policies(scenario: Scenario, config: CpuEngineConfig, policies: list
                      model: CpuModel | None = None,
                      progress: Callable[[str, int], Callable[[], None]] | None = None) -> dict[str, Any]:
     """Every policy on the same scenario and the same model (built once), one after another."""
-    unknown = [p for p in policies if p not in ENGINE_POLICIES]
+    unknown = [p for p in policies if p not in engine_policies()]
     if unknown:
         raise ValueError(f"--policies: {', '.join(unknown)} cannot run on the CPU engine "
-                         f"(it runs {', '.join(ENGINE_POLICIES)})")
+                         f"(it runs {', '.join(engine_policies())})")
     model = model if model is not None else CpuModel(config.model, threads=config.threads)
     results: dict[str, Any] = {}
     for policy in policies:

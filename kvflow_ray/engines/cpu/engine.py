@@ -23,17 +23,16 @@ from typing import Any
 
 import torch
 
-from kvflow_ray.core.cache import TieredCache
-from kvflow_ray.core.policies import StepBook, make_eviction_policy
+from kvflow_ray.core.policies import StepBook
 from kvflow_ray.core.radix import RadixNode
-from kvflow_ray.core.scheduler import ENGINE_POLICIES, POLICIES, CacheRequest, ReplicaScheduler
+from kvflow_ray.core.scheduler import CacheRequest, build_replica, resolve_policy
 from kvflow_ray.engines.base import BackgroundEngine, CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
 from kvflow_ray.engines.cpu.config import CpuEngineConfig
 from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream, KVPool
 from kvflow_ray.engines.cpu.model import CpuModel, sample
-from kvflow_ray.engines.cpu.tokenizer import load_tokenizer
 from kvflow_ray.engines.events import CacheEventLog
 from kvflow_ray.engines.stops import StopTokens
+from kvflow_ray.engines.tokenizer import load_tokenizer
 
 
 @dataclass(eq=False)
@@ -60,10 +59,7 @@ class CpuEngine(BackgroundEngine):
     def __init__(self, config: CpuEngineConfig | None = None, *, model: CpuModel | None = None,
                  book: StepBook | None = None) -> None:
         self.config = config = config or CpuEngineConfig()
-        if config.policy not in ENGINE_POLICIES:
-            raise ValueError(f"policy {config.policy!r} cannot run on the CPU engine "
-                             f"(choose one of {', '.join(ENGINE_POLICIES)})")
-        policy = POLICIES[config.policy]
+        policy = resolve_policy(config.policy, serving_on="the CPU engine")
         sizes = ("device_kv_tokens", "chunk_tokens", "max_running") + (("host_kv_tokens",) if policy.host_tier else ())
         for name in sizes:
             if getattr(config, name) <= 0:
@@ -76,19 +72,18 @@ class CpuEngine(BackgroundEngine):
         self.device = KVPool("device", config.device_kv_tokens, m.n_layers, m.n_kv_heads, m.head_dim, m.torch_dtype)
         self.host = (KVPool("host", config.host_kv_tokens, m.n_layers, m.n_kv_heads, m.head_dim, m.torch_dtype)
                      if policy.host_tier else None)
-        self.book = book if book is not None else StepBook(near_horizon=max(config.horizon, 2))
-        self.cache = TieredCache(config.device_kv_tokens, make_eviction_policy(policy.eviction, self.book),
-                                 cpu_capacity=config.host_kv_tokens, host_tier=policy.host_tier)
-        self.cache.tree.on_free = self._on_free
-        self.scheduler = ReplicaScheduler(self.cache, policy, self.book, self, clock=time.perf_counter,
-                                          horizon=config.horizon, max_inflight=config.max_inflight,
-                                          max_running=config.max_running)
+        self.events = CacheEventLog()
+        self.scheduler = build_replica(policy, self, gpu_capacity=config.device_kv_tokens,
+                                       cpu_capacity=config.host_kv_tokens, clock=time.perf_counter, book=book,
+                                       horizon=config.horizon, max_inflight=config.max_inflight,
+                                       max_running=config.max_running, events=self.events, free_value=self._free_value)
+        self.book = self.scheduler.book
+        self.cache = self.scheduler.cache
         self._copies: queue.Queue[CopyJob] = queue.Queue()
         self._copies_inflight = 0
         self.h2d = CopyStream("h2d", config.link_gbps, self._copies)
         self.d2h = CopyStream("d2h", config.link_gbps, self._copies)
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self.events = CacheEventLog()
         self._loop: threading.Thread | None = None
         self._stop = threading.Event()
         self._step_lock = threading.Lock()
@@ -137,7 +132,7 @@ class CpuEngine(BackgroundEngine):
             "requests_done": self.requests_done,
             "requests_failed": self.requests_failed,
             "requests_rejected": self.requests_rejected,
-            **self.scheduler.snapshot(),
+            **self.scheduler.snapshot().to_dict(),
             "pool_bytes": self.device.nbytes + (self.host.nbytes if self.host else 0),
             "compute_s": self.compute_s,
             "forward_steps": self.forward_steps,
@@ -262,8 +257,6 @@ class CpuEngine(BackgroundEngine):
 
         def done() -> None:
             self.scheduler.load_done(nodes, prefetch, list(dst))
-            for node in nodes:
-                self.events.record("stored", "gpu", node)
 
         self._copy(self.h2d, CopyJob(self.host, src, self.device, torch.cat(dst), done))
 
@@ -275,7 +268,6 @@ class CpuEngine(BackgroundEngine):
             dst = self.host.alloc(len(node.key))
 
             def done(node: RadixNode = node, dst: torch.Tensor = dst) -> None:
-                self.events.record("stored", "cpu", node)  # before offload_done, which may free the device copy
                 self.scheduler.offload_done(node, dst)
 
             self._copy(self.d2h, CopyJob(self.device, node.gpu_value, self.host, dst, done))  # type: ignore[arg-type]
@@ -297,11 +289,10 @@ class CpuEngine(BackgroundEngine):
             except queue.Empty:
                 return
 
-    def _on_free(self, node: RadixNode, tier: str, value: object) -> None:
+    def _free_value(self, node: RadixNode, tier: str, value: object) -> None:
         pool = self.device if tier == "gpu" else self.host
         if value is not None and pool is not None:
             pool.free(value)  # type: ignore[arg-type]
-        self.events.on_free(node, tier)
 
     # ------------------------------------------------------------------ compute
     def _path_slots(self, node: RadixNode | None) -> torch.Tensor:
@@ -332,7 +323,6 @@ class CpuEngine(BackgroundEngine):
         # see TieredCache.commit) stays in the request's own slots until it finishes
         covered = req.committed
         self._free_unadopted(req.own[:covered - req.base], req.base, adopted)
-        self.events.committed(req.locked, covered, adopted)
         req.ctx = torch.cat([self._path_slots(req.locked), req.own[covered - req.base:]])
         assert len(req.ctx) == prompt_len + req.max_new, (len(req.ctx), prompt_len, req.max_new)
         if self._emit(req, token) or finished:
@@ -371,13 +361,10 @@ class CpuEngine(BackgroundEngine):
         prompt_len = len(req.tokens)
         sequence = req.tokens + tuple(req.out[:-1])  # the last token was sampled, never fed: no KV
         adopted: list[tuple[int, int]] = []
-        self.scheduler.finish(req, sequence, req.ctx[:len(sequence)], adopted)
-        self._free_unadopted(req.own[req.committed - req.base:], req.committed, adopted)
-        # Fix: plan only now. Planned inside finish(), a prefetch's load took pool slots while this
-        # request's leftover slots (at least its last, never-fed token's) were not back yet: the pool
-        # came up short of what the cache had counted free ("60 slots wanted, 59 free") and the load
-        # failed, under load, in the serving tests.
-        self.scheduler.plan_prefetch()
+        own = req.own
+        self.scheduler.finish(req, sequence, req.ctx[:len(sequence)], adopted,
+                              free_slots=lambda: self._free_unadopted(own[req.committed - req.base:], req.committed,
+                                                                      adopted))
         req.ctx = req.own = None
         assert req.stops is not None
         req.stops.finish()  # streams what was held back in case it started a stop string

@@ -1,6 +1,7 @@
 """The contract between the SGLang plugin (inside SGLang's scheduler process) and whoever drives an
 SGLang engine with it (the kvflow-ray engine adapter, the GPU smoke script). Pure Python: no sglang,
-no torch, so both sides and the tests import it anywhere.
+no torch (it imports only `engines.base`, which is pure too), so both sides and the tests import it
+anywhere.
 
 - **Per request**: `sampling_params["custom_params"]["kvflow"] = request_params(...)`, a *flat* dict
   (SGLang's msgpack IPC rejects nested values in `custom_params`). The request's cache namespace is
@@ -20,6 +21,8 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+from kvflow_ray.engines.base import META_FIELDS, meta_problem
 
 PLUGIN_NAME = "kvflow"  # entry-point name; also the `--radix-eviction-policy` name
 CUSTOM_PARAMS_KEY = "kvflow"
@@ -42,22 +45,20 @@ def request_params(client_id: str, agent: str, fixed_prefix_tokens: int | None =
 
 def parse_request_params(custom_params: Mapping[str, Any] | None) -> tuple[Tag, int | None] | None:
     """The (client id, agent) tag and the explicit fixed-prefix length of a request, or None for a
-    plain request. Raises ValueError naming the bad field."""
+    plain request. Raises ValueError naming the bad field (the rules: `engines.base.meta_problem`)."""
     if not custom_params or CUSTOM_PARAMS_KEY not in custom_params:
         return None
     params = custom_params[CUSTOM_PARAMS_KEY]
     if not isinstance(params, Mapping):
         raise ValueError(f"custom_params.{CUSTOM_PARAMS_KEY} must be an object, got {type(params).__name__}")
-    unknown = set(params) - {"client_id", "agent", "fixed_prefix_tokens"}
+    unknown = set(params) - set(META_FIELDS)
     if unknown:
         raise ValueError(f"custom_params.{CUSTOM_PARAMS_KEY}: unknown key(s) {sorted(unknown)}")
-    for key in ("client_id", "agent"):
-        if not isinstance(params.get(key), str) or not params[key]:
-            raise ValueError(f"custom_params.{CUSTOM_PARAMS_KEY}.{key} must be a non-empty string")
-    fixed = params.get("fixed_prefix_tokens")
-    if fixed is not None and (isinstance(fixed, bool) or not isinstance(fixed, int) or fixed < 0):
-        raise ValueError(f"custom_params.{CUSTOM_PARAMS_KEY}.fixed_prefix_tokens must be an integer >= 0")
-    return (params["client_id"], params["agent"]), fixed
+    for key in META_FIELDS:
+        problem = meta_problem(key, params.get(key))
+        if problem:
+            raise ValueError(f"custom_params.{CUSTOM_PARAMS_KEY}.{key} {problem}")
+    return (params["client_id"], params["agent"]), params.get("fixed_prefix_tokens")
 
 
 def encode_hints(steps: Mapping[str, Mapping[str, float]] | None = None,

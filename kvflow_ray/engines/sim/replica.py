@@ -9,17 +9,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from kvflow_ray.core.cache import TieredCache
-from kvflow_ray.core.policies import EvictionPolicy, StepBook
+from kvflow_ray.core.policies import FutureAccesses, StepBook
 from kvflow_ray.core.radix import RadixNode
-from kvflow_ray.core.scheduler import Batch, CacheRequest, PolicyConfig, ReplicaScheduler, ReplicaStats
+from kvflow_ray.core.scheduler import Batch, CacheRequest, PolicyConfig, ReplicaStats, build_replica
 from kvflow_ray.engines.events import CacheEventLog
 from kvflow_ray.engines.sim.profile import Profile
 
-if TYPE_CHECKING:
-    from kvflow_ray.engines.sim.simulator import Simulation
+
+class SimClock(Protocol):
+    """The event loop a replica runs on: the offline simulation's (simulated time) or the serving
+    engine's `WallClock`. Events scheduled for the same time run in the order they were scheduled."""
+
+    @property
+    def now(self) -> float: ...
+
+    @property
+    def measuring(self) -> bool: ...  # whether requests finishing now count in the statistics
+
+    def at(self, when: float, fn: Callable[[], None]) -> None: ...
 
 @dataclass(eq=False)
 class SimRequest(CacheRequest):
@@ -30,23 +39,21 @@ class SimRequest(CacheRequest):
 
 
 class SimReplica:
-    def __init__(self, sim: Simulation, index: int, profile: Profile, policy: PolicyConfig,
-                 eviction: EvictionPolicy, book: StepBook, *, horizon: int = 1, max_inflight: int = 4,
-                 gpu_capacity: int | None = None, events: CacheEventLog | None = None) -> None:
+    def __init__(self, sim: SimClock, index: int, profile: Profile, policy: str | PolicyConfig,
+                 book: StepBook | None = None, *, future: FutureAccesses | None = None, horizon: int = 1,
+                 max_inflight: int = 4, gpu_capacity: int | None = None, events: CacheEventLog | None = None,
+                 serving_on: str | None = None) -> None:
         self.sim = sim
         self.events = events  # serving: what the router learns of this replica's cache (offline: None)
         self.index = index
         self.profile = profile
-        self.policy = policy
-        capacity = profile.gpu_kv_tokens if gpu_capacity is None else gpu_capacity
-        if policy.infinite:
-            capacity = 1 << 60
-        self.cache = TieredCache(capacity, eviction, cpu_capacity=profile.host_kv_tokens,
-                                 host_tier=policy.host_tier)
-        self.scheduler = ReplicaScheduler(self.cache, policy, book, self, clock=lambda: sim.now,
-                                          horizon=horizon, max_inflight=max_inflight,
-                                          max_running=profile.max_running_requests,
-                                          measuring=lambda: sim.measuring)
+        self.scheduler = build_replica(
+            policy, self, gpu_capacity=profile.gpu_kv_tokens if gpu_capacity is None else gpu_capacity,
+            cpu_capacity=profile.host_kv_tokens, clock=lambda: sim.now, book=book, future=future,
+            horizon=horizon, max_inflight=max_inflight, max_running=profile.max_running_requests,
+            measuring=lambda: sim.measuring, events=events, serving_on=serving_on)
+        self.cache = self.scheduler.cache
+        self.policy = self.scheduler.policy
         self.busy = False
         self.kick_pending = False
         self.h2d_free_at = 0.0
@@ -86,9 +93,6 @@ class SimReplica:
 
         def done() -> None:
             self.scheduler.load_done(nodes, prefetch)
-            if self.events is not None:
-                for node in nodes:
-                    self.events.record("stored", "gpu", node)
             self.kick()
 
         self.sim.at(self.h2d_free_at, done)
@@ -99,8 +103,6 @@ class SimReplica:
             self.d2h_free_at = start + self.profile.d2h_time(len(node.key))
 
             def done(node: RadixNode = node) -> None:
-                if self.events is not None:
-                    self.events.record("stored", "cpu", node)  # before offload_done, which may free the device copy
                 self.scheduler.offload_done(node)
                 self.kick()
 
@@ -122,13 +124,10 @@ class SimReplica:
     def _step_done(self, batch: Batch) -> None:
         self.busy = False
         for req, n in batch.prefill:
-            adopted: list[tuple[int, int]] = []
-            finished = self.scheduler.prefill_done(req, n, None, adopted)
+            finished = self.scheduler.prefill_done(req, n)
             if not req.prefilling:
                 assert isinstance(req, SimRequest)
                 req.first_token_at = self.sim.now
-                if self.events is not None:
-                    self.events.committed(req.locked, req.committed, adopted)
             if finished or self._output_done(req, 0):
                 self._finish(req)
         for req in batch.decode:
@@ -145,7 +144,6 @@ class SimReplica:
 
     def _finish(self, req: CacheRequest) -> None:
         assert isinstance(req, SimRequest)
-        self.scheduler.finish(req, req.tokens + req.output_tokens)
-        self.scheduler.plan_prefetch()  # simulated memory has no slots to hand back: plan at once
+        self.scheduler.finish(req, req.tokens + req.output_tokens)  # simulated memory: no slots to hand back
         assert req.on_done is not None
         req.on_done(req)

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvflow_ray.core.radix import Tag
-from kvflow_ray.core.scheduler import POLICIES, ReplicaStats
+from kvflow_ray.core.scheduler import POLICIES, ReplicaStats, resolve_policy
 from kvflow_ray.engines.sim.profile import Profile
 from kvflow_ray.engines.sim.simulator import IterationRecord, Simulation
 from kvflow_ray.engines.sim.workload import Scenario
@@ -34,7 +34,7 @@ def _percentile(values: Sequence[float], q: float) -> float:
 def simulate(scenario: Scenario, profile: Profile, policy: str, *, replicas: int = 1, horizon: int = 1,
              max_inflight: int = 4, future: list[Tag] | None = None,
              gpu_capacity: int | None = None) -> tuple[dict[str, Any], Simulation]:
-    sim = Simulation(profile, POLICIES[policy], replicas=replicas, horizon=horizon, max_inflight=max_inflight,
+    sim = Simulation(profile, resolve_policy(policy), replicas=replicas, horizon=horizon, max_inflight=max_inflight,
                      future=future, gpu_capacity=gpu_capacity)
     for plan in scenario.plans:
         sim.add_client(plan)
@@ -66,7 +66,7 @@ def summarise_run(iterations: Sequence[IterationRecord], stats: Sequence[Replica
         "prefetch_stall_s": sum(s.stall_s for s in stats) / len(measured) if measured else 0.0,
         "makespan_s": makespan,
         "workflows_measured": len(measured),
-        "prefetch_issued": sum(s.prefetch_issued for s in stats),
+        "prefetch_issued": sum(s.prefetch.issued for s in stats),
         "device_kv_tokens": device_kv_tokens,
     }
 

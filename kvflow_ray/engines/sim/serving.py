@@ -21,14 +21,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow_ray.core.policies import StepBook, make_eviction_policy
-from kvflow_ray.core.scheduler import ENGINE_POLICIES, POLICIES
 from kvflow_ray.engines.base import BackgroundEngine, CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
-from kvflow_ray.engines.cpu.tokenizer import ByteTokenizer
 from kvflow_ray.engines.events import CacheEventLog
 from kvflow_ray.engines.sim.profile import Profile, load_profile
 from kvflow_ray.engines.sim.replica import SimReplica, SimRequest
 from kvflow_ray.engines.stops import StopTokens
+from kvflow_ray.engines.tokenizer import ByteTokenizer
 
 MAX_CONTEXT = 131_072  # the profiles' models (Llama 3.1, Qwen 2.5) take 128k tokens
 
@@ -92,22 +90,21 @@ class SimEngine(BackgroundEngine):
 
     def __init__(self, profile: str | Profile = "a10g-llama3.1-8b", *, policy: str = "kvflow", horizon: int = 1,
                  time_scale: float = 1.0, device_kv_tokens: int | None = None, max_inflight: int = 4) -> None:
-        if policy not in ENGINE_POLICIES:
-            raise ValueError(f"policy {policy!r} cannot serve requests (choose one of {', '.join(ENGINE_POLICIES)})")
         self.profile = load_profile(profile) if isinstance(profile, str) else profile
         self.policy = policy
         self.tokenizer = ByteTokenizer()
         self.events = CacheEventLog()
-        self.book = StepBook(near_horizon=max(horizon, 2))
         self.clock = WallClock(time_scale)
-        policy_config = POLICIES[policy]
-        self.replica = SimReplica(self.clock, 0, self.profile, policy_config,  # type: ignore[arg-type]
-                                  make_eviction_policy(policy_config.eviction, self.book), self.book,
-                                  horizon=horizon, max_inflight=max_inflight, gpu_capacity=device_kv_tokens,
-                                  events=self.events)
+        try:
+            self.replica = SimReplica(self.clock, 0, self.profile, policy, horizon=horizon,
+                                      max_inflight=max_inflight, gpu_capacity=device_kv_tokens, events=self.events,
+                                      serving_on="the simulator engine")
+        except ValueError:
+            self.clock.close()
+            raise
+        self.book = self.replica.scheduler.book
         self.cache = self.replica.cache
         self.scheduler = self.replica.scheduler
-        self.cache.tree.on_free = lambda node, tier, _value: self.events.on_free(node, tier)
         self.requests_done = 0
         self.requests_rejected = 0
 
@@ -181,7 +178,8 @@ class SimEngine(BackgroundEngine):
 
     def stats(self) -> dict[str, Any]:
         return {"policy": self.policy, "profile": self.profile.name, "requests_done": self.requests_done,
-                "requests_failed": 0, "requests_rejected": self.requests_rejected, **self.scheduler.snapshot()}
+                "requests_failed": 0, "requests_rejected": self.requests_rejected,
+                **self.scheduler.snapshot().to_dict()}
 
     def start(self) -> SimEngine:
         return self  # the clock thread runs from construction

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvflow_ray.core.graph import WorkflowSpec, WorkflowState
-from kvflow_ray.core.policies import FutureAccesses, StepBook, make_eviction_policy
+from kvflow_ray.core.policies import FutureAccesses, StepBook
 from kvflow_ray.core.radix import Tag
 from kvflow_ray.core.scheduler import PolicyConfig
 from kvflow_ray.engines.sim.profile import Profile
@@ -76,9 +76,8 @@ class Simulation:
         if policy.oracle and future is None:
             raise ValueError(f"{policy.name} needs the future access sequence (run another policy first)")
         self.replicas = [
-            SimReplica(self, i, profile, policy,
-                       make_eviction_policy(policy.eviction, self.book, self.future), self.book,
-                       horizon=horizon, max_inflight=max_inflight, gpu_capacity=gpu_capacity)
+            SimReplica(self, i, profile, policy, self.book, future=self.future, horizon=horizon,
+                       max_inflight=max_inflight, gpu_capacity=gpu_capacity)
             for i in range(replicas)
         ]
         self._placement: dict[str, int] = {}
@@ -177,7 +176,9 @@ class ClientHost(Protocol):
 @dataclass
 class WorkflowClient:
     """Runs one workflow instance: starts agents as the step graph allows, one request per agent
-    call, and counts an iteration each time the workflow returns to its entry (loops) or drains (DAGs)."""
+    call, and counts an iteration each time the workflow returns to its entry (loops) or drains (DAGs).
+    Event-driven: each completion starts the successors it made ready at once (`finish_and_ready`,
+    the step `client.loadgen.iteration_stages` takes too, there a whole stage at a time)."""
 
     sim: ClientHost
     plan: ClientPlan
@@ -217,8 +218,7 @@ class WorkflowClient:
 
     def on_done(self, agent: str) -> None:
         state = self.state
-        state.finish(agent)
-        ready = [v for v in self.plan.spec.successors(agent) if v not in state.running and state.ready(v)]
+        ready = state.finish_and_ready(agent)
         loop_back = [v for v in ready if v in self._entry]
         if loop_back:  # back at the entry: one pass of the loop is done
             if self._end_iteration():

@@ -1,4 +1,4 @@
-"""Tokenizers for the CPU engine: a byte-level one for random-weight models, and a wrapper around a local HF one.
+"""Tokenizers for every engine and the ingress: byte-level (for random-weight models) or a local HF one.
 
 Both share one small interface (`Tokenizer`): `encode` never adds special tokens by itself, since the chat template
 already spells out whatever a model expects at the start; `decode` drops specials.

@@ -1,0 +1,98 @@
+"""Policy registries: name -> factory, one per decision (eviction, prefetch, admission, routing).
+
+Adding a policy is one class and one `register` call; every engine, the CLI's `--policies`, the serve
+config and the SGLang plugin's `--radix-eviction-policy-config` build policies only through these,
+so nothing outside a registry compares policy names.
+
+A factory takes a `PolicyContext` (what the workflow layer offers a policy: the step book, an
+offline trace) and keyword-only options with defaults; those keywords are the options the policy
+takes, read from its signature, so they are declared once.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy may read besides its options. `book`: steps-to-execution and fixed prompts
+    (`policies.StepBook`); `future`: the known future access sequence (`policies.FutureAccesses`,
+    offline bounds only)."""
+
+    book: Any = None
+    future: Any = None
+
+    def need(self, what: str, policy: str) -> Any:
+        value = getattr(self, what)
+        if value is None:
+            raise ValueError(f"the {policy!r} policy needs a {what} (PolicyContext.{what})")
+        return value
+
+
+@dataclass(frozen=True)
+class Registered(Generic[T]):
+    name: str
+    factory: Callable[..., T]
+    options: Mapping[str, Any]  # option -> default
+    summary: str
+
+
+class Registry(Generic[T]):
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, Registered[T]] = {}
+
+    def register(self, name: str, factory: Callable[..., T], summary: str = "") -> Callable[..., T]:
+        """Register `factory(context, *, option=default, ...)` under `name` (returns it, so it can
+        decorate). Re-registering a name replaces it (a test's toy policy, a plugin's variant)."""
+        options = {p.name: p.default for p in inspect.signature(factory).parameters.values()
+                   if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        missing = [k for k, v in options.items() if v is inspect.Parameter.empty]
+        if missing:
+            raise TypeError(f"{self.kind} policy {name!r}: options need defaults ({', '.join(missing)})")
+        doc = summary or (inspect.getdoc(factory) or "").split("\n")[0]
+        self._entries[name] = Registered(name, factory, options, doc)
+        return factory
+
+    def unregister(self, name: str) -> None:
+        self._entries.pop(name, None)
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def get(self, name: str) -> Registered[T]:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise ValueError(f"unknown {self.kind} policy {name!r} (known: {', '.join(self._entries)})") from None
+
+    def check_options(self, name: str, options: Mapping[str, Any]) -> None:
+        """Reject options the policy does not take (a user's typo must not pass silently)."""
+        entry = self.get(name)
+        unknown = sorted(set(options) - set(entry.options))
+        if unknown:
+            takes = ", ".join(entry.options) or "no options"
+            raise ValueError(f"{self.kind} policy {name!r} does not take {', '.join(unknown)} (it takes {takes})")
+
+    def create(self, name: str, context: PolicyContext | None = None, settings: Mapping[str, Any] | None = None,
+               **options: Any) -> T:
+        """Build policy `name`. `options` are checked (each must be one the policy takes);
+        `settings` are an engine's settings offered to every policy (`horizon`, `max_inflight`):
+        each policy takes those it declares and ignores the rest."""
+        entry = self.get(name)
+        self.check_options(name, options)
+        chosen = {k: v for k, v in (settings or {}).items() if k in entry.options}
+        chosen.update(options)
+        return entry.factory(context or PolicyContext(), **chosen)
+
+
+__all__ = ["PolicyContext", "Registered", "Registry"]

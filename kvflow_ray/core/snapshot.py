@@ -1,0 +1,38 @@
+"""`EngineSnapshot`: what every engine reports about its cache and queue, in one typed shape.
+
+The core scheduler builds it (simulator, CPU engine); the SGLang plugin builds it from its scheduler
+process; the serving layer's metrics and SGLang's `/metrics` read it. `to_dict()` is the JSON form
+engines put in `stats()` (DESIGN.md §9); `from_dict` reads it back (the SGLang adapter reads the
+plugin's `stats.json`). Counters are cumulative since the engine started.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class EngineSnapshot:
+    waiting: int = 0  # requests queued for admission
+    running: int = 0  # requests in the running batch
+    prompt_tokens: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "cpu": 0, "miss": 0})
+    loaded_tokens: int = 0  # host -> device tokens copied (demand loads and prefetches)
+    prefetch: dict[str, int] = field(default_factory=lambda: {"issued": 0, "completed": 0, "used": 0, "wasted": 0})
+    prefetch_stall_s: float = 0.0  # total time requests waited for their KV to load
+    # device copies freed (gpu), of which written back first (written_back) or lost (dropped); host copies freed
+    evicted_tokens: dict[str, int] = field(
+        default_factory=lambda: {"gpu": 0, "cpu": 0, "written_back": 0, "dropped": 0})
+    cache_tokens: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "cpu": 0})
+    capacity_tokens: dict[str, int] = field(default_factory=dict)
+    held: int = 0  # admission passes that skipped a request whose prefix was loading
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineSnapshot:
+        """The fields of `data` this type has (an older writer may lack some: they keep defaults)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
