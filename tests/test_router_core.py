@@ -11,6 +11,7 @@ import pytest
 from redis_proc import RedisProcess
 
 from kvflow_ray.core.graph import SpecError, UnknownAgentError
+from kvflow_ray.core.policies import StepBook
 from kvflow_ray.engines.base import CacheEvent, Hints
 from kvflow_ray.serve.router_core import NoReplicaError, RouterCore, UnknownClientError, UnknownWorkflowError
 from kvflow_ray.serve.store import BufferedStore, MemoryStore, RedisStore, Store
@@ -177,8 +178,8 @@ def test_a_cold_agent_goes_to_its_workflows_home_replica(router: RouterCore) -> 
 
 
 def test_prefetch_is_hinted_only_where_the_next_agent_will_run(router: RouterCore) -> None:
-    """Every replica hears the steps (for eviction); only the replica the next agent will be routed
-    to hears it within the prefetch horizon, so only that one loads its prompt ahead."""
+    """Every replica hears the same steps (for eviction); the others hear that the next agent runs
+    elsewhere, so only the replica it will be routed to loads its prompt ahead."""
     router.cache_events("r2", [CacheEvent("stored", "cpu", "h-executor", 20)])  # r2 has it on the host
     router.cache_events("r1", [CacheEvent("stored", "cpu", "h-executor", 20)])  # so has r1 ...
     router.loads["r1"] = 3  # ... but r1 is busy: the executor would go to r2
@@ -187,9 +188,14 @@ def test_prefetch_is_hinted_only_where_the_next_agent_will_run(router: RouterCor
     assert route.replica == "r2"
     router.end_call("acme", "c1", "executor", "r2")
     hints = dict(router.start_call("acme", "c1", "planner").hints)  # the executor is next again (E = 1)
-    assert hints["r2"].steps["acme/c1"]["executor"] == 1
-    assert hints["r1"].steps["acme/c1"]["executor"] == 2  # kept by priority there, not prefetched
+    assert hints["r2"].steps["acme/c1"]["executor"] == hints["r1"].steps["acme/c1"]["executor"] == 1
+    assert "executor" in hints["r1"].elsewhere["acme/c1"] and "executor" not in hints["r2"].elsewhere["acme/c1"]
     assert hints["r1"].steps["acme/c1"]["planner"] == hints["r2"].steps["acme/c1"]["planner"] == 0
+    batch = router.take_hints("r1")  # what the replica is sent
+    assert batch is not None and "executor" in batch.elsewhere["acme/c1"]
+    book = StepBook()
+    book.apply(batch.steps, {}, batch.retire, batch.salts, batch.elsewhere)
+    assert book.steps(("acme/c1", "executor")) == 1 and ("acme/c1", "executor") not in book.near
 
 
 # ---------------------------------------------------------------------------------------------- tenant limits

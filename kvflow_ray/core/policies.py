@@ -37,17 +37,21 @@ class StepBook:
         # matched, tagged and prefetched where its requests will look for them
         self._salts: dict[str, str] = {}
         self.near_horizon = near_horizon
-        # agents with E <= near_horizon, so prefetch planning never scans every live workflow
+        # agents with E <= near_horizon that this replica may prefetch for, so prefetch planning never
+        # scans every live workflow (an agent the router sends elsewhere is not among them)
         self.near: dict[Tag, float] = {}
 
-    def set_steps(self, workflow: str, steps: Mapping[str, float]) -> None:
+    def set_steps(self, workflow: str, steps: Mapping[str, float], elsewhere: Iterable[str] = ()) -> None:
+        """`elsewhere`: agents the router will run on another replica: their steps still rank this
+        replica's cache (it may hold their prompts), but they are not prefetched here."""
         old = self._steps.get(workflow, {})
         for agent, e in old.items():
             if e <= self.near_horizon:
                 self.near.pop((workflow, agent), None)
         self._steps[workflow] = dict(steps)
+        skip = set(elsewhere)
         for agent, e in steps.items():
-            if e <= self.near_horizon:
+            if e <= self.near_horizon and agent not in skip:
                 self.near[(workflow, agent)] = e
         self.version += 1
 
@@ -69,15 +73,17 @@ class StepBook:
         return workflow in self._steps
 
     def apply(self, steps: Mapping[str, Mapping[str, float]], prompts: Mapping[Tag, Sequence[int]],
-              retire: Iterable[str], salts: Mapping[str, str] | None = None) -> None:
+              retire: Iterable[str], salts: Mapping[str, str] | None = None,
+              elsewhere: Mapping[str, Iterable[str]] | None = None) -> None:
         """One batch of hints from the workflow layer, in the order every engine applies them:
-        namespaces, prompts, then new steps-to-execution, then retired instances."""
+        namespaces, prompts, then new steps-to-execution (with the agents to prefetch elsewhere),
+        then retired instances."""
         for workflow, salt in (salts or {}).items():
             self.set_salt(workflow, salt)
         for tag, tokens in prompts.items():
             self.register_prompt(tag, tokens)
         for workflow, agent_steps in steps.items():
-            self.set_steps(workflow, agent_steps)
+            self.set_steps(workflow, agent_steps, (elsewhere or {}).get(workflow, ()))
         for workflow in retire:
             self.retire(workflow)
 

@@ -232,12 +232,14 @@ class ReplicaScheduler:
             req.locked = None
 
     def apply_hints(self, steps: Mapping[str, Mapping[str, float]], prompts: Mapping[Tag, Sequence[int]],
-                    retire: Iterable[str], salts: Mapping[str, str] | None = None) -> None:
+                    retire: Iterable[str], salts: Mapping[str, str] | None = None,
+                    elsewhere: Mapping[str, Iterable[str]] | None = None) -> None:
         """What the workflow layer says: each workflow instance's cache namespace (`salts`), agents'
-        fixed prompts, new steps-to-execution, finished workflow instances (their prompts lose their
-        tags); then plan prefetches (each prompt in its workflow's namespace)."""
+        fixed prompts, new steps-to-execution (and the agents another replica will run:
+        `elsewhere`), finished workflow instances (their prompts lose their tags); then plan
+        prefetches (each prompt in its workflow's namespace)."""
         retire = list(retire)
-        self.book.apply(steps, prompts, retire, salts)
+        self.book.apply(steps, prompts, retire, salts, elsewhere)
         for workflow in retire:
             self.cache.retire_workflow(workflow)
         self.plan_prefetch()

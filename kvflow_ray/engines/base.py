@@ -86,6 +86,9 @@ class Hints:
     retire: Sequence[str] = ()
     # workflow instance -> the cache namespace (`GenerateRequest.cache_salt`) its prompts live in
     salts: Mapping[str, str] = field(default_factory=dict)
+    # workflow instance -> agents the router will run on another replica: ranked by their steps here,
+    # never prefetched here
+    elsewhere: Mapping[str, Sequence[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

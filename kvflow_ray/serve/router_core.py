@@ -86,6 +86,8 @@ class HintBatch:
     prompts: dict[str, dict[str, str]] = field(default_factory=dict)
     retire: list[str] = field(default_factory=list)
     salts: dict[str, str] = field(default_factory=dict)  # instance -> its cache namespace (with its prompts)
+    # instance -> agents about to run that the routing policy sends to another replica (sent with its steps)
+    elsewhere: dict[str, list[str]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.steps or self.prompts or self.retire)
@@ -519,6 +521,7 @@ class RouterCore:
             batch = self._outbox.setdefault(replica, HintBatch())
             batch.steps.pop(key, None)
             batch.prompts.pop(key, None)
+            batch.elsewhere.pop(key, None)
             batch.salts.pop(key, None)
             batch.retire.append(key)
         retire = Hints(retire=[key])
@@ -590,28 +593,29 @@ class RouterCore:
                record: dict[str, Any]) -> list[tuple[str, Hints]]:
         """New steps-to-execution of one workflow instance for every live replica (any of them may
         hold some of its prefixes: shared templates, so eviction everywhere needs them). Prefetch
-        is for the replica an upcoming agent will be routed to: elsewhere, agents within the
-        prefetch horizon are reported one step beyond it, so other replicas keep their prompts
-        by priority but do not load them. A replica learns the agents' prompts (for prefetch) the
-        first time it hears of the instance."""
-        steps_now = state.steps_to_execution()
-        targets = self._prefetch_targets(steps_now, record)
+        is for the replica the routing policy will send an upcoming agent to: every other replica
+        is told the agent runs `elsewhere`, so it ranks the agent's prompt by its steps but does not
+        load it. A replica learns the agents' prompts (for prefetch) the first time it hears of the
+        instance."""
+        steps = state.steps_to_execution()
+        targets = self._prefetch_targets(steps, record)
         prompts = {agent: a.prompt for agent, a in spec.agents.items() if a.prompt}
         salt = str(record.get("salt", ""))
         out = []
         for replica in sorted(self.loads):
-            steps = dict(steps_now)
-            for agent, target in targets.items():
-                if target != replica:
-                    steps[agent] = max(steps[agent], self.prefetch_horizon + 1)
+            elsewhere = sorted(agent for agent, target in targets.items() if target != replica)
             batch = self._outbox.setdefault(replica, HintBatch())
             batch.steps[key] = steps
+            if elsewhere:
+                batch.elsewhere[key] = elsewhere
+            else:
+                batch.elsewhere.pop(key, None)
             told = self._told.setdefault(key, set())
             if prompts and replica not in told:
                 told.add(replica)
                 batch.prompts[key] = prompts
                 batch.salts[key] = salt
-            out.append((replica, Hints(steps={key: steps}, salts={key: salt})))
+            out.append((replica, Hints(steps={key: steps}, salts={key: salt}, elsewhere={key: elsewhere})))
         return out
 
     def _prefetch_targets(self, steps: dict[str, float], record: dict[str, Any]) -> dict[str, str]:

@@ -247,7 +247,7 @@ class CpuEngine(BackgroundEngine):
             self._fail(req, exc)
 
     def _apply(self, hints: Hints) -> None:
-        self.scheduler.apply_hints(hints.steps, hints.prompts, hints.retire, hints.salts)
+        self.scheduler.apply_hints(hints.steps, hints.prompts, hints.retire, hints.salts, hints.elsewhere)
 
     # ------------------------------------------------------------------ copies (the Copier protocol)
     def load(self, nodes: list[RadixNode], tokens: int, prefetch: bool) -> None:

@@ -63,10 +63,13 @@ def parse_request_params(custom_params: Mapping[str, Any] | None) -> tuple[Tag, 
 
 def encode_hints(steps: Mapping[str, Mapping[str, float]] | None = None,
                  prompts: Mapping[Tag, Sequence[int]] | None = None,
-                 retire: Iterable[str] = (), salts: Mapping[str, str] | None = None) -> str:
+                 retire: Iterable[str] = (), salts: Mapping[str, str] | None = None,
+                 elsewhere: Mapping[str, Iterable[str]] | None = None) -> str:
     """JSON for `kvflow_apply_hints`: the fields of `engines.base.Hints` (an infinite
-    steps-to-execution travels as null; `salts`: each workflow instance's cache namespace)."""
+    steps-to-execution travels as null; `salts`: each workflow instance's cache namespace;
+    `elsewhere`: agents another replica will run)."""
     return json.dumps({
+        "elsewhere": {str(wf): [str(a) for a in agents] for wf, agents in (elsewhere or {}).items()},
         "steps": {wf: {a: (None if math.isinf(e) else e) for a, e in agents.items()}
                   for wf, agents in (steps or {}).items()},
         "prompts": [[wf, agent, [int(t) for t in tokens]] for (wf, agent), tokens in (prompts or {}).items()],
@@ -76,9 +79,9 @@ def encode_hints(steps: Mapping[str, Mapping[str, float]] | None = None,
 
 
 def decode_hints(payload: str) -> tuple[dict[str, dict[str, float]], dict[Tag, tuple[int, ...]], list[str],
-                                        dict[str, str]]:
-    """Inverse of `encode_hints`: (steps, prompts, retire, salts); raises ValueError on a malformed
-    payload."""
+                                        dict[str, str], dict[str, list[str]]]:
+    """Inverse of `encode_hints`: (steps, prompts, retire, salts, elsewhere); raises ValueError on a
+    malformed payload."""
     try:
         data = json.loads(payload)
         steps = {str(wf): {str(a): (math.inf if e is None else float(e)) for a, e in agents.items()}
@@ -87,9 +90,10 @@ def decode_hints(payload: str) -> tuple[dict[str, dict[str, float]], dict[Tag, t
                    for wf, agent, tokens in data.get("prompts", [])}
         retire = [str(wf) for wf in data.get("retire", [])]
         salts = {str(wf): str(salt) for wf, salt in data.get("salts", {}).items()}
+        elsewhere = {str(wf): [str(a) for a in agents] for wf, agents in data.get("elsewhere", {}).items()}
     except (TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"malformed kvflow hints payload: {exc}") from exc
-    return steps, prompts, retire, salts
+    return steps, prompts, retire, salts, elsewhere
 
 
 # How each policy of the comparison maps onto SGLang server arguments. Every policy runs on the

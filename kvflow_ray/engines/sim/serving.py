@@ -168,7 +168,7 @@ class SimEngine(BackgroundEngine):
 
     def apply_hints(self, hints: Hints) -> None:
         def apply() -> None:
-            self.scheduler.apply_hints(hints.steps, hints.prompts, hints.retire, hints.salts)
+            self.scheduler.apply_hints(hints.steps, hints.prompts, hints.retire, hints.salts, hints.elsewhere)
             self.replica.kick()
 
         self.clock.soon(apply)
