@@ -19,6 +19,7 @@ import json
 import sys
 
 from kvflow_ray.core.graph import SpecError, load_spec
+from kvflow_ray.core.scheduler import POLICIES
 from kvflow_ray.engines.sim import workload
 from kvflow_ray.engines.sim.profile import available_profiles, load_profile
 from kvflow_ray.engines.sim.runner import parse_policies, run_policies
@@ -51,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="a10g-llama3.1-8b",
                         help=f"GPU cost profile name or YAML path (built in: {', '.join(available_profiles())}; "
                              "cpu-reference after `kvflow-ray bench calibrate`)")
-    parser.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
+    parser.add_argument("--policies", default=DEFAULT_POLICIES,
+                        help=f"comma-separated, of: {', '.join(POLICIES)} (default {DEFAULT_POLICIES}); a combination "
+                             "of registered policies is added with core.scheduler.register_policy")
     parser.add_argument("--replicas", type=int, default=1, help="simulated GPU replicas")
     parser.add_argument("--horizon", type=int, default=1, help="prefetch agents at most this many steps ahead")
     parser.add_argument("--max-inflight", type=int, default=4, help="concurrent prefetch loads per replica")
