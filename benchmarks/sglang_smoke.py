@@ -329,10 +329,11 @@ def report(profile: str, params: Mapping[str, Any], config: Mapping[str, Any],
 # ---------------------------------------------------------------------------------------------- running
 def run_policy(policy: str, args: argparse.Namespace, model_dir: Path, plan: ClientPlan, device_tokens: int,
                hicache_ratio: float) -> dict[str, Any]:
+    from kvflow_ray.core.scheduler import resolve_policy
     from kvflow_ray.engines.sglang.engine import SglangEngine
-    from kvflow_ray.engines.sglang.protocol import STATUS_INTERVAL_S, server_args_for_policy
+    from kvflow_ray.engines.sglang.protocol import STATUS_INTERVAL_S
 
-    host_tier = bool(server_args_for_policy(policy).get("enable_hierarchical_cache"))
+    host_tier = resolve_policy(policy, serving_on="SGLang").host_tier
     extra = dict(args.server_arg or {})
     log(f"{policy}: starting SGLang (device pool {device_tokens} tokens"
         f"{f', host pool {hicache_ratio:g}x' if host_tier else ', no host tier'})")

@@ -334,8 +334,8 @@ def overview() -> dict[str, Any]:
         timeseries("Cache occupancy", "Tokens held in each tier, per replica.", "short",
                    Target(sum_by(["replica", "tier"], selector("kvflow_cache_tokens", REPLICA)),
                           "{{replica}} {{tier}}"), axis_label="tokens"),
-        timeseries("Queue length by replica", "Requests waiting or running on each replica; a replica far above "
-                   "the others is a hot spot the router should balance away.", "short",
+        timeseries("Queue length by replica", "Requests waiting for admission on each replica (running ones not "
+                   "counted); a replica far above the others is a hot spot the router should balance away.", "short",
                    Target(sum_by(["replica"], selector("kvflow_queue_length", REPLICA)), "{{replica}}")),
     ]
     router = [

@@ -98,6 +98,20 @@ def test_workflow_metadata_travels_flat_in_custom_params() -> None:
     assert no_boundary["custom_params"] == {"kvflow": {"client_id": "w", "agent": "a"}}
 
 
+@pytest.mark.parametrize(("params", "message"), [
+    ({"client_id": "", "agent": "a"}, "custom_params.kvflow.client_id must be a non-empty string"),
+    ({"client_id": "c", "agent": 3}, "custom_params.kvflow.agent must be a non-empty string"),
+    ({"client_id": "c", "agent": "a", "fixed_prefix_tokens": -1}, "fixed_prefix_tokens must be a non-negative"),
+    ({"client_id": "c", "agent": "a", "fixed_prefix_tokens": True}, "fixed_prefix_tokens must be a non-negative"),
+    ({"client_id": "c", "agent": "a", "tenant": "t"}, r"unknown key\(s\) \['tenant'\]"),
+])
+def test_plugin_params_follow_the_shared_metadata_rule(params: dict[str, Any], message: str) -> None:
+    # the same rule (engines.base.meta_problem) the OpenAI door and every engine apply
+    with pytest.raises(ValueError, match=message):
+        protocol.parse_request_params({"kvflow": params})
+    assert protocol.parse_request_params(None) is None and protocol.parse_request_params({"other": 1}) is None
+
+
 def test_the_cache_salt_travels_as_sglangs_own_cache_salt() -> None:
     """SGLang 0.5.23 namespaces its radix tree by `async_generate(cache_salt=...)`; the default namespace
     sends none (SGLang treats "" as none too). Hints carry each workflow's salt to the plugin."""
@@ -106,9 +120,9 @@ def test_the_cache_salt_travels_as_sglangs_own_cache_salt() -> None:
                                        "stream": True, "rid": "kvflow-1", "cache_salt": "tenant-a"}
     plain = SglangRequest(rid="kvflow-2", tokens=(1, 2, 3), params={})
     assert "cache_salt" not in generate_kwargs(plain)
-    payload = protocol.encode_hints({"c1": {"a": 0}}, {("c1", "a"): [1, 2]}, ["c0"], {"c1": "tenant-a"})
+    payload = protocol.encode_hints({"c1": {"a": 0}}, {("c1", "a"): [1, 2]}, ["c0"], {"c1": "tenant-a"}, {"c1": ["b"]})
     assert protocol.decode_hints(payload) == ({"c1": {"a": 0.0}}, {("c1", "a"): (1, 2)}, ["c0"],
-                                              {"c1": "tenant-a"})
+                                              {"c1": "tenant-a"}, {"c1": ["b"]})
     assert protocol.decode_hints(protocol.encode_hints())[3] == {}
 
 
@@ -228,10 +242,20 @@ def test_server_args_per_policy() -> None:
     assert kvflow["skip_tokenizer_init"] is True and kvflow["load_format"] == "dummy"
     assert kvflow["hicache_write_policy"] == "write_through" and kvflow["page_size"] == 16
     assert "skip_tokenizer_init" not in lru  # only when asked: SGLang tokenizes otherwise
+    # the plugin builds the combination's core policies from its config; options merge in
+    assert kvflow["radix_eviction_policy_config"] == {"eviction": "kvflow", "prefetch": "steps-ahead",
+                                                      "admission": "status-aware"}
+    tuned = build_server_args("/models/m", "kvflow-noprefetch", extra={"radix_eviction_policy_config": {"horizon": 2}})
+    assert tuned["radix_eviction_policy"] == "kvflow" and tuned["enable_hierarchical_cache"] is True
+    assert tuned["radix_eviction_policy_config"] == {"eviction": "kvflow", "prefetch": "none",
+                                                     "admission": "status-aware", "horizon": 2}
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"policy": "belady"}, "not available on SGLang"),
+    ({"policy": "belady"}, "cannot run on SGLang"),
+    ({"extra": {"radix_eviction_policy_config": {"horizn": 2}}}, "unknown key.*horizn.*accepted: eviction"),
+    ({"extra": {"radix_eviction_policy_config": {"eviction": "lru"}}}, "set by the adapter from policy"),
+    ({"policy": "lru", "extra": {"radix_eviction_policy_config": {"horizon": 2}}}, "SGLang's own eviction"),
     ({"model_path": ""}, "model_path is required"),
     ({"extra": {"radix_eviction_policy": "lfu"}}, "set by the adapter"),
     ({"extra": {"model_path": "/other"}}, "set by the adapter"),
@@ -282,7 +306,7 @@ def test_engine_sglang_config_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         m.setitem(sys.modules, "sglang", None)  # not importable, installed or not
         with pytest.raises(ValueError, match=r"pip install 'kvflow-ray\[sglang\]'"):
             AppConfig(engine="sglang", model_path="/models/m")
-    with pytest.raises(ValueError, match="not available on SGLang"):
+    with pytest.raises(ValueError, match="cannot run on SGLang"):
         AppConfig(engine="sglang", model_path="/models/m", policy="belady")
     with pytest.raises(ValueError, match="has none"):
         AppConfig(engine="sglang", model_path="/models/m", policy="lru", sglang_args={"hicache_ratio": 4})
@@ -580,7 +604,7 @@ def test_the_adapter_serves_requests_hints_events_and_stats(stand_in_sglang: typ
                              retire=["w0"]))
     engine.apply_hints(Hints())  # nothing to say: no round trip
     assert [m for m, _ in sg.rpcs] == [protocol.RPC_APPLY_HINTS]
-    steps, prompts, retire, salts = protocol.decode_hints(sg.rpcs[0][1]["payload"])
+    steps, prompts, retire, salts, _elsewhere = protocol.decode_hints(sg.rpcs[0][1]["payload"])
     assert steps == {"w1": {"planner": 0, "writer": math.inf}} and prompts == {("w1", "planner"): tuple(prompt)}
     assert retire == ["w0"] and salts == {}
     # the plugin's events, drained

@@ -1,19 +1,24 @@
 """Prometheus metrics (DESIGN.md §9): counters end in `_total`, times are seconds.
 
 Each process (a replica, the router) owns a `CollectorRegistry`, so several replicas in one test
-process do not collide; `exposition()` renders it for `GET /metrics`. Replicas feed per-request
-results and periodic engine stats; the router feeds its decisions.
+process do not collide; `exposition()` renders it for `GET /metrics`. A replica's engine series
+come from `engines.metric_defs` (the definitions SGLang's `/metrics` uses too): the per-request ones
+are observed from each result, the rest are read from the engine's latest snapshot when the
+registry is collected. The router feeds its decisions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvflow_ray.core.snapshot import EngineSnapshot
+from kvflow_ray.engines import metric_defs as defs
 from kvflow_ray.engines.base import GenerateResult
 
 # `*_created` series double every family in the exposition and no dashboard reads them.
@@ -22,28 +27,62 @@ disable_created_metrics()
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
+# Prompt tokens are counted from each result, as the stall is: a request's tiers then show in the
+# same exposition as its latency. The engine snapshot's prompt_tokens are the same per-request sums.
+PER_RESULT = (defs.PROMPT_TOKENS, defs.PREFETCH_STALL)
+FROM_SNAPSHOT = tuple(d for d in defs.ENGINE_METRICS if d.read is not None and d not in PER_RESULT)
+
+StatsSource = Callable[[], "Mapping[str, Any] | EngineSnapshot"]
+
+
+def as_snapshot(stats: Mapping[str, Any] | EngineSnapshot) -> EngineSnapshot:
+    """An engine's `stats()` (the snapshot's dict form plus engine-specific keys) as a snapshot."""
+    return stats if isinstance(stats, EngineSnapshot) else EngineSnapshot.from_dict(stats)
+
+
+class SnapshotCollector:
+    """The snapshot-derived series of one replica, computed when the registry is collected from
+    the snapshot `source` returns then: counters are the engine's cumulative totals as they stand."""
+
+    def __init__(self, replica: str, source: StatsSource) -> None:
+        self.replica = replica
+        self.source = source
+
+    def _families(self, snapshot: EngineSnapshot | None) -> Iterator[Metric]:
+        for d in FROM_SNAPSHOT:
+            kind = CounterMetricFamily if d.kind == "counter" else GaugeMetricFamily
+            family = kind(d.name, d.help, labels=("replica", *d.labels))
+            if snapshot is not None:
+                for labels, value in d.values(snapshot).items():
+                    family.add_metric((self.replica, *labels), value)
+            yield family
+
+    def describe(self) -> Iterable[Metric]:
+        """The family names, without reading the engine (the registry checks them for collisions)."""
+        return list(self._families(None))
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._families(as_snapshot(self.source())))
+
 
 class ReplicaMetrics:
-    """What one engine replica exports."""
+    """What one engine replica exports. `stats`: the engine's `stats()`, called at every
+    collection; without it the collector reads the last snapshot given to `observe_stats`."""
 
-    def __init__(self, replica: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, replica: str, registry: CollectorRegistry | None = None,
+                 stats: StatsSource | None = None) -> None:
         self.replica = replica
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.prompt_tokens = Counter("kvflow_prompt_tokens", "Prompt tokens by where their KV came from",
-                                     ["replica", "tier"], registry=r)
-        self.prefetch = Counter("kvflow_prefetch", "Prefetch loads by outcome", ["replica", "outcome"], registry=r)
-        self.stall = Histogram("kvflow_prefetch_stall_seconds", "Time a request waited for its KV to load",
-                               ["replica"], buckets=LATENCY_BUCKETS, registry=r)
-        self.evicted = Counter("kvflow_evicted_tokens", "Tokens evicted from a tier", ["replica", "tier", "reason"],
-                               registry=r)
-        self.cache_tokens = Gauge("kvflow_cache_tokens", "Tokens cached per tier", ["replica", "tier"], registry=r)
-        self.queue = Gauge("kvflow_queue_length", "Requests waiting or running", ["replica"], registry=r)
+        self._snapshot = EngineSnapshot()  # an engine that has not reported: nothing counted yet
+        self.prompt_tokens = defs.make_metric(defs.PROMPT_TOKENS, ("replica",), r)
+        self.stall = defs.make_metric(defs.PREFETCH_STALL, ("replica",), r)
+        self.engine = SnapshotCollector(replica, stats or (lambda: self._snapshot))
+        r.register(self.engine)  # type: ignore[arg-type]
         self.ttft = Histogram("kvflow_ttft_seconds", "Time to first token", ["replica"], buckets=LATENCY_BUCKETS,
                               registry=r)
         self.latency = Histogram("kvflow_request_latency_seconds", "Request latency", ["replica"],
                                  buckets=LATENCY_BUCKETS, registry=r)
-        self._last: dict[str, float] = {}  # engine counters already exported (stats are cumulative)
 
     def observe_result(self, result: GenerateResult) -> None:
         for tier, tokens in (("gpu", result.gpu_hit_tokens), ("cpu", result.cpu_hit_tokens),
@@ -53,24 +92,10 @@ class ReplicaMetrics:
         self.ttft.labels(self.replica).observe(result.ttft_s)
         self.latency.labels(self.replica).observe(result.latency_s)
 
-    def observe_stats(self, stats: Mapping[str, Any]) -> None:
-        """Engine `stats()` (cumulative): counters advance by what is new since the last call."""
-        for tier in ("gpu", "cpu"):
-            self.cache_tokens.labels(self.replica, tier).set(stats["cache_tokens"][tier])
-        self.queue.labels(self.replica).set(stats["waiting"] + stats["running"])
-        evicted = stats["evicted_tokens"]
-        self._advance(self.evicted.labels(self.replica, "gpu", "written_back"), "wb", evicted["written_back"])
-        self._advance(self.evicted.labels(self.replica, "gpu", "dropped"), "gpu_drop",
-                      evicted["gpu"] - evicted["written_back"])
-        self._advance(self.evicted.labels(self.replica, "cpu", "capacity"), "cpu", evicted["cpu"])
-        for outcome in ("issued", "completed", "used", "wasted"):
-            self._advance(self.prefetch.labels(self.replica, outcome), outcome, stats["prefetch"][outcome])
-
-    def _advance(self, counter: Any, key: str, value: float) -> None:
-        delta = value - self._last.get(key, 0.0)
-        if delta > 0:
-            counter.inc(delta)
-        self._last[key] = max(value, self._last.get(key, 0.0))
+    def observe_stats(self, stats: Mapping[str, Any] | EngineSnapshot) -> None:
+        """The engine's latest `stats()` (cumulative), read at the next collection when this
+        object was built without a `stats` source."""
+        self._snapshot = as_snapshot(stats)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

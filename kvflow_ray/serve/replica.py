@@ -71,7 +71,7 @@ class EngineReplica:
         self.name: str = serve.get_replica_context().replica_id.unique_id
         self.engine = make_engine(self.config)
         self.tokenizer = self.engine.tokenizer
-        self.metrics = ReplicaMetrics(self.name)
+        self.metrics = ReplicaMetrics(self.name, stats=self.engine.stats)  # engine series read at each report
         self.router = get_router(**self.config.router_options())
         # agent prompt text -> its token ids, least recently used first; bounded in tokens, since every
         # workflow instance may bring prompts of its own
@@ -181,7 +181,8 @@ class EngineReplica:
     def _to_hints(self, batch: dict[str, Any]) -> Hints:
         prompts = {(key, agent): self._prompt_tokens(text)
                    for key, agents in batch["prompts"].items() for agent, text in agents.items()}
-        return Hints(steps=batch["steps"], prompts=prompts, retire=batch["retire"], salts=batch.get("salts", {}))
+        return Hints(steps=batch["steps"], prompts=prompts, retire=batch["retire"], salts=batch.get("salts", {}),
+                     elsewhere=batch.get("elsewhere", {}))
 
     def _hint_loop(self) -> None:
         while not self._stop.is_set():
@@ -203,7 +204,6 @@ class EngineReplica:
     def _report_loop(self) -> None:
         while not self._stop.wait(REPORT_PERIOD_S):
             try:
-                self.metrics.observe_stats(self.engine.stats())
                 self._push_events()
                 ray.get(self.router.report.remote(self.name, self.metrics.exposition()), timeout=10)
             except Exception as exc:  # the router is restarting: report again next period

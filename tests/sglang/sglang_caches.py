@@ -104,8 +104,10 @@ class CacheRig:
             self.cache.dec_lock_ref(handle)
 
 
-def build(tree: str, policy: str, *, kv_tokens: int = 4096, page_size: int = 1) -> CacheRig:
-    """A cache of SGLang's unified tree (Python tree core) or its legacy `RadixCache`."""
+def build(tree: str, policy: str, *, kv_tokens: int = 4096, page_size: int = 1,
+          policy_config: dict[str, Any] | None = None) -> CacheRig:
+    """A cache of SGLang's unified tree (Python tree core) or its legacy `RadixCache`; `policy_config`
+    is `--radix-eviction-policy-config` (SGLang passes it to the eviction strategy's factory)."""
     req_pool = ReqToTokenPool(size=8, max_context_len=kv_tokens, device="cpu", enable_memory_saver=False)
     kv = MHATokenToKVPool(size=kv_tokens, page_size=page_size, dtype=torch.bfloat16, head_num=1, head_dim=8,
                           layer_num=1, device="cpu", enable_memory_saver=False)
@@ -115,12 +117,12 @@ def build(tree: str, policy: str, *, kv_tokens: int = 4096, page_size: int = 1) 
         # no tree_core_backend given: the plugin's hook must pick the Python core for kvflow
         cache = UnifiedRadixCache(CacheInitParams(
             disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator, page_size=page_size,
-            tree_components=(ComponentType.FULL,), eviction_policy=policy,
+            tree_components=(ComponentType.FULL,), eviction_policy=policy, eviction_policy_config=policy_config,
             tree_core_backend=None if policy == "kvflow" else "python"))
     elif tree == "legacy":
         cache = RadixCache(CacheInitParams(disable=False, req_to_token_pool=req_pool,
                                            token_to_kv_pool_allocator=allocator, page_size=page_size,
-                                           eviction_policy=policy))
+                                           eviction_policy=policy, eviction_policy_config=policy_config))
     else:
         raise ValueError(tree)
     return CacheRig(tree, cache, req_pool, allocator)

@@ -1,8 +1,9 @@
 """Status-aware admission through SGLang's own `PrefillAdder` (the plugin's subclass, chosen by the
-hooked `Scheduler.get_prefill_adder_class`), on a real cache and real `Req`s.
+hooked `Scheduler.get_prefill_adder_class`) and `SchedulePolicy.calc_priority` (hooked to order the
+waiting queue), on a real cache and real `Req`s; prefetch outcomes in the plugin's `PrefetchLedger`.
 
 A prefetch in flight cannot be started on CPU (HiCache's host pool needs CUDA), so the test marks
-the nodes of one prompt as loading in the plugin's state, exactly as `start_prefetches` does after
+the nodes of one prompt as loading in the plugin's state, exactly as `SGLangPrefetchTarget` does after
 `UnifiedRadixCache.load_back`; everything else is SGLang's admission code."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import sglang_caches as sc
 from sglang.srt.managers.schedule_batch import Req
-from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -76,6 +77,19 @@ def test_gate_skips_a_loading_request_and_admits_a_ready_one(rig: sc.CacheRig) -
     assert "ra" not in st.held_since
 
 
+def test_sglangs_queue_order_puts_loading_requests_behind_ready_ones(rig: sc.CacheRig) -> None:
+    """Status-aware admission orders the waiting queue through the hooked `SchedulePolicy.calc_priority`
+    (in place, the scheduler's own list): ready requests first, in SGLang's order."""
+    ra, rb = waiting_req(rig, [*A, 1], "ra"), waiting_req(rig, [*B, 2], "rb")
+    state().loading_ids.update(node.id for node in path_to_root(rig.node(ra.last_node)))
+    queue = [ra, rb]
+    SchedulePolicy("fcfs", rig.cache, False, False, False).calc_priority(queue)
+    assert [r.rid for r in queue] == ["rb", "ra"]
+    state().loading_ids.clear()
+    SchedulePolicy("fcfs", rig.cache, False, False, False).calc_priority(queue)
+    assert [r.rid for r in queue] == ["rb", "ra"], "nothing loading: SGLang's order is kept"
+
+
 def test_a_loading_request_is_held_even_alone(rig: sc.CacheRig) -> None:
     """SGLang's batch waits only on loads it queued itself, and a prefetched node shows device
     indices before its copy ends: admitting it would read KV still being written."""
@@ -105,9 +119,47 @@ def test_a_prefetched_prompt_is_counted_used_when_a_request_reads_it(rig: sc.Cac
     st = state()
     anchor = rig.node(rig.match(A).last_device_node)
     st.loading_started(("c1", "a"), anchor, [anchor], len(anchor.key), now=0.0)
-    assert st.counters.prefetch["issued"] == 1
+    assert st.counters.ledger.as_dict()["issued"] == 1
     st.reap(still_loading=set(), attached=lambda node: True)  # SGLang acked the copy
-    assert st.counters.prefetch["completed"] == 1 and not st.loading_ids
+    assert st.counters.ledger.as_dict()["completed"] == 1 and not st.loading_ids
     adder = adder_for(rig)
     adder.add_one_req(waiting_req(rig, [*A, 7], "user"), False, None)
-    assert st.counters.prefetch["used"] == 1
+    assert st.counters.ledger.as_dict() == {"issued": 1, "completed": 1, "used": 1, "wasted": 0}
+
+
+def prefetch_two_nodes(rig: sc.CacheRig) -> list[object]:
+    """A's prompt split in two nodes (another prompt shares its first 50 tokens), both loaded by one
+    prefetch, landed."""
+    rig.serve(A[:50] + list(range(900, 950)))
+    head = rig.node(rig.match(A[:50]).last_device_node)
+    tail = rig.node(rig.match(A).last_device_node)
+    assert tail.parent is head
+    st = state()
+    st.loading_started(("c1", "a"), tail, [head, tail], len(A), now=0.0)
+    st.reap(still_loading=set(), attached=lambda node: True)
+    return [head, tail]
+
+
+def test_a_prefetch_is_used_when_a_request_reads_any_of_its_nodes(rig: sc.CacheRig) -> None:
+    """One definition for every engine (core.prefetch.PrefetchLedger): a request whose cached prefix
+    holds only the first of the loaded nodes used the prefetch too."""
+    prefetch_two_nodes(rig)
+    adder = adder_for(rig)
+    adder.add_one_req(waiting_req(rig, [*A[:50], 1, 2], "head-only"), False, None)
+    assert state().counters.ledger.as_dict()["used"] == 1
+
+
+def test_a_prefetch_is_wasted_once_all_its_nodes_left_the_device_unused(rig: sc.CacheRig) -> None:
+    st = state()
+    head, tail = prefetch_two_nodes(rig)
+    gone: set[int] = set()
+
+    def attached(node: object) -> bool:
+        return id(node) not in gone
+
+    gone.add(id(tail))  # the tail left the tree: the head still holds part of the load
+    st.reap(still_loading=set(), attached=attached)
+    assert st.counters.ledger.as_dict()["wasted"] == 0 and st.counters.ledger.tracked() == [head.id]
+    gone.add(id(head))
+    st.reap(still_loading=set(), attached=attached)
+    assert st.counters.ledger.as_dict()["wasted"] == 1 and not st.prefetched

@@ -5,13 +5,16 @@ per namespace."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
+from types import SimpleNamespace
 
 import pytest
 import sglang_caches as sc
 from sglang.srt.managers.scheduler import Scheduler
 
+from kvflow_ray.core.prefetch import Load
 from kvflow_ray.engines.base import prefix_hash
-from kvflow_ray.engines.sglang import protocol
+from kvflow_ray.engines.sglang import hooks, protocol
 from kvflow_ray.engines.sglang.engine import SglangRequest, generate_kwargs
 from kvflow_ray.engines.sglang.state import node_namespace, node_tags, reset_state, state
 
@@ -66,13 +69,24 @@ def test_tags_and_event_hashes_are_per_namespace(rig: sc.CacheRig) -> None:
     assert {("stored", "gpu", h, len(fixed)) for h in hashes} <= stored and len(set(hashes)) == 3
 
 
-def test_hints_give_prefetch_the_workflows_namespace(sglang_plugin: None) -> None:
-    st = reset_state()
+def test_hints_give_prefetch_the_workflows_namespace(rig: sc.CacheRig) -> None:
+    """The plugin's prefetch step asks the cache for each agent's prompt in its workflow's namespace,
+    nearest first; on a real tree (no host tier on CPU) there is nothing to load."""
+    st = state()
     fixed = list(range(100, 140))
     getattr(Scheduler, protocol.RPC_APPLY_HINTS)(None, protocol.encode_hints(
         {"t1/c1": {"planner": 0}, "c0": {"planner": 1}},
         {("t1/c1", "planner"): fixed, ("c0", "planner"): fixed}, salts={"t1/c1": "t1"}))
-    assert st.prefetch_candidates() == [(("t1/c1", "planner"), 0.0, tuple(fixed), "t1"),
-                                        (("c0", "planner"), 1.0, tuple(fixed), "")]
+    asked: list[tuple[tuple[str, str], str, float]] = []
+
+    class Recording(hooks.SGLangPrefetchTarget):
+        def load_prompt(self, tag: tuple[str, str], tokens: Sequence[int], namespace: str, steps: float,
+                        reserved: int) -> Load:
+            asked.append((tag, namespace, steps))
+            return super().load_prompt(tag, tokens, namespace, steps, reserved)
+
+    scheduler = SimpleNamespace(tree_cache=rig.cache, waiting_queue=[])
+    assert hooks.start_prefetches(rig.cache, scheduler, Recording(rig.cache)) == 0
+    assert asked == [(("t1/c1", "planner"), "t1", 0.0), (("c0", "planner"), "", 1.0)]
     getattr(Scheduler, protocol.RPC_APPLY_HINTS)(None, protocol.encode_hints(retire=["t1/c1"]))
     assert st.book.salt("t1/c1") == ""

@@ -19,7 +19,7 @@ from sglang.srt.managers.scheduler import Scheduler
 
 from kvflow_ray.core.graph import WorkflowState, parse_spec
 from kvflow_ray.engines.sglang import protocol
-from kvflow_ray.engines.sglang.state import TAGS_ATTR, reset_state
+from kvflow_ray.engines.sglang.state import TAGS_ATTR, reset_state, state
 
 FIXED, DYNAMIC, PREAMBLE = 40, 8, 24
 
@@ -188,6 +188,19 @@ def test_plain_requests_are_untagged_and_go_first(rig: sc.CacheRig) -> None:
     rig.evict(DYNAMIC + FIXED)
     assert rig.matched(plain) == 0
     assert rig.matched(agent_call) == FIXED
+
+
+def test_prefetch_budget_counts_only_what_is_needed_later_than_the_agent(rig: sc.CacheRig) -> None:
+    """`farther_evictable`: device tokens whose distance under the eviction policy (through the node
+    view, cached per node) is farther than the agent to load; suffixes are untagged (+inf)."""
+    hints({"c1": {"a": 0, "b": 3}})
+    serve_agents(rig, "c1", ["a", "b"])
+    root = rig.cache.tree_core.root_node if rig.tree == "unified" else rig.cache.root_node
+    st = state()
+    assert st.farther_evictable(root, 1) == FIXED + 2 * DYNAMIC  # b's prompt and both suffixes
+    assert st.farther_evictable(root, 5) == 2 * DYNAMIC
+    hints({"c1": {"a": 4, "b": 3}})  # a new book version: cached distances are recomputed
+    assert st.farther_evictable(root, 1) == 2 * FIXED + 2 * DYNAMIC
 
 
 # ------------------------------------------------------------------------------- lru is unchanged

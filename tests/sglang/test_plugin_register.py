@@ -90,11 +90,43 @@ def test_kvflow_gets_the_python_tree_core_and_other_policies_keep_the_default(
 def test_the_strategy_takes_its_config_from_the_cli_json(sglang_plugin: None) -> None:
     from sglang.srt.mem_cache.utils import get_eviction_strategy
 
+    from kvflow_ray.core.admission import FCFSAdmission, StatusAwareAdmission
+    from kvflow_ray.core.policies import KVFlowPolicy, LRUPolicy
+    from kvflow_ray.core.prefetch import NoPrefetch, StepsAheadPrefetch
+
     reset_state()
-    strategy = get_eviction_strategy("kvflow", {"horizon": 2, "max_inflight": 3, "prefetch": False})
+    strategy = get_eviction_strategy("kvflow", {"horizon": 2, "max_inflight": 3})
     assert isinstance(strategy, hooks.KVFlowStrategy)
     st = state()
-    assert (st.prefetcher.horizon, st.prefetcher.max_inflight, st.prefetch_enabled) == (2, 3, False)
+    assert isinstance(st.eviction, KVFlowPolicy) and isinstance(st.admission, StatusAwareAdmission)
+    assert isinstance(st.prefetcher, StepsAheadPrefetch)
+    assert (st.prefetcher.horizon, st.prefetcher.max_inflight) == (2, 3)
+
+    get_eviction_strategy("kvflow", {"eviction": "lru", "prefetch": "none", "admission": "fcfs"})
+    st = state()
+    assert isinstance(st.eviction, LRUPolicy) and isinstance(st.prefetcher, NoPrefetch)
+    assert isinstance(st.admission, FCFSAdmission)
+    # the old boolean form: prefetch false = none (its horizon and max_inflight are still accepted)
+    get_eviction_strategy("kvflow", {"horizon": 1, "max_inflight": 4, "prefetch": False})
+    assert isinstance(state().prefetcher, NoPrefetch)
+    get_eviction_strategy("kvflow", {"prefetch": True})
+    assert isinstance(state().prefetcher, StepsAheadPrefetch)
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"horizn": 2}, r"unknown key\(s\) horizn \(accepted: eviction, prefetch, admission, horizon, max_inflight"),
+    ({"eviction": "lfu"}, r"unknown eviction policy 'lfu' \(known: lru, kvflow, belady"),
+    ({"prefetch": "always"}, r"unknown prefetch policy 'always' \(known: none, steps-ahead"),
+    ({"admission": "sjf"}, r"unknown admission policy 'sjf' \(known: fcfs, status-aware"),
+    ({"horizon": -1}, "horizon >= 0"),
+])
+def test_a_bad_config_fails_startup_naming_what_is_accepted(sglang_plugin: None, config: dict,
+                                                            message: str) -> None:
+    from sglang.srt.mem_cache.utils import get_eviction_strategy
+
+    reset_state()
+    with pytest.raises(ValueError, match=message):
+        get_eviction_strategy("kvflow", config)
 
 
 def test_hints_reach_the_policy_and_bad_payloads_are_rejected(sglang_plugin: None) -> None:

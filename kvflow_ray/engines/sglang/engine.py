@@ -50,8 +50,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvflow_ray.core.policies import StepBook
+from kvflow_ray.core.scheduler import POLICIES, PolicyConfig, engine_policies, resolve_policy
 from kvflow_ray.engines.base import BackgroundEngine, CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
 from kvflow_ray.engines.sglang import protocol
+from kvflow_ray.engines.sglang.state import PLUGIN_KEYS, make_policies
 from kvflow_ray.engines.stops import StopTokens
 
 logger = logging.getLogger(__name__)
@@ -62,9 +65,52 @@ EVENTS_FILE = "events.jsonl"
 # contradict the policy or the model the engine reports.
 RESERVED_SERVER_ARGS = ("model_path", "radix_eviction_policy", "enable_hierarchical_cache")
 HOST_TIER_ARGS = ("hicache_ratio", "hicache_size")
+PLUGIN_CONFIG = "radix_eviction_policy_config"  # the plugin's policies and their options (state.make_policies)
+# Core policies SGLang 0.5.23 implements itself, under its own name: a combination of only these runs
+# on SGLang as shipped (no plugin, no hints), so it measures stock SGLang. Anything else runs through
+# the plugin's strategy, which builds the named core policies.
+SGLANG_OWN = {"eviction": {"lru": "lru"}, "prefetch": ("none",), "admission": ("fcfs",)}
 
 
 # ---------------------------------------------------------------------------------------------- pure parts
+def policy_server_args(config: PolicyConfig) -> dict[str, Any]:
+    """How a policy combination maps onto SGLang server args: SGLang's own eviction when every part is
+    one SGLang has (`SGLANG_OWN`), else the kvflow plugin's strategy with the parts as its config;
+    HiCache when the combination has a host tier. Every policy runs on the Python tree core
+    (`protocol.TREE_CORE_ENV`), so a comparison measures the policy, not Rust vs Python tree code."""
+    own = SGLANG_OWN["eviction"].get(config.eviction)
+    if own is not None and config.prefetch in SGLANG_OWN["prefetch"] and config.admission in SGLANG_OWN["admission"]:
+        args: dict[str, Any] = {"radix_eviction_policy": own}
+    else:
+        args = {"radix_eviction_policy": protocol.PLUGIN_NAME,
+                PLUGIN_CONFIG: {"eviction": config.eviction, "prefetch": config.prefetch,
+                                "admission": config.admission}}
+    if config.host_tier:
+        args.update(protocol.HICACHE_ARGS)
+    return args
+
+
+def uses_plugin(server_args: Mapping[str, Any]) -> bool:
+    return server_args.get("radix_eviction_policy") == protocol.PLUGIN_NAME
+
+
+def _plugin_config(args: dict[str, Any], policy: str, options: Any) -> None:
+    """Add the extra server arg `radix_eviction_policy_config` (options of the plugin's policies, e.g.
+    `horizon`) to what the policy set, and check the result as the plugin will."""
+    if options is not None:
+        if not uses_plugin(args):
+            raise ValueError(f"{PLUGIN_CONFIG} configures the kvflow plugin, and policy {policy!r} runs "
+                             "SGLang's own eviction")
+        if not isinstance(options, Mapping):
+            raise ValueError(f"{PLUGIN_CONFIG} must be an object, got {type(options).__name__}")
+        clash = sorted(set(options) & set(PLUGIN_KEYS))
+        if clash:
+            raise ValueError(f"{PLUGIN_CONFIG}: {', '.join(clash)}: set by the adapter from policy {policy!r}")
+        args[PLUGIN_CONFIG] = {**args[PLUGIN_CONFIG], **options}
+    if uses_plugin(args):
+        make_policies(StepBook(), **args[PLUGIN_CONFIG])  # a bad option fails here, not at SGLang's startup
+
+
 def build_server_args(model_path: str, policy: str = "kvflow", *, skip_tokenizer_init: bool = False,
                       load_format: str | None = None, mem_fraction_static: float | None = None,
                       max_total_tokens: int | None = None, hicache_ratio: float | None = None,
@@ -75,7 +121,8 @@ def build_server_args(model_path: str, policy: str = "kvflow", *, skip_tokenizer
     the model or the policy itself."""
     if not model_path:
         raise ValueError("model_path is required: the model directory (or hub id) SGLang loads")
-    args: dict[str, Any] = {"model_path": str(model_path), **protocol.server_args_for_policy(policy)}
+    args: dict[str, Any] = {"model_path": str(model_path),
+                            **policy_server_args(resolve_policy(policy, serving_on="SGLang"))}
     has_host_tier = bool(args.get("enable_hierarchical_cache"))
     knobs: dict[str, Any] = {"load_format": load_format, "mem_fraction_static": mem_fraction_static,
                              "max_total_tokens": max_total_tokens, "hicache_ratio": hicache_ratio,
@@ -83,13 +130,14 @@ def build_server_args(model_path: str, policy: str = "kvflow", *, skip_tokenizer
     if skip_tokenizer_init:  # only when asked: otherwise SGLang loads the model's tokenizer
         knobs["skip_tokenizer_init"] = True
     extra = dict(extra or {})
+    _plugin_config(args, policy, extra.pop(PLUGIN_CONFIG, None))
     for key in extra:
         if not isinstance(key, str) or not key:
             raise ValueError(f"server args must be named by non-empty strings, got {key!r}")
     reserved = sorted(set(extra) & set(RESERVED_SERVER_ARGS))
     if reserved:
         raise ValueError(f"server args {reserved} are set by the adapter: use model_path and policy "
-                         f"(lru | hicache | kvflow) instead")
+                         f"({' | '.join(engine_policies())}) instead")
     twice = sorted(k for k, v in knobs.items() if v is not None and k in extra)
     if twice:
         raise ValueError(f"server args {twice} given twice (as a parameter and in the extra server args)")
@@ -100,8 +148,9 @@ def build_server_args(model_path: str, policy: str = "kvflow", *, skip_tokenizer
     if not has_host_tier:
         stray = sorted(k for k in HOST_TIER_ARGS if args.get(k) is not None)
         if stray:
+            tiered = " or ".join(p for p in engine_policies() if POLICIES[p].host_tier)
             raise ValueError(f"{', '.join(stray)}: sizes a host tier, and policy {policy!r} has none "
-                             f"(use hicache or kvflow)")
+                             f"(use {tiered})")
     if args.get("max_total_tokens") is not None and int(args["max_total_tokens"]) < 1:
         raise ValueError(f"max_total_tokens must be positive, got {args['max_total_tokens']}")
     ratio = args.get("hicache_ratio")
@@ -324,11 +373,12 @@ class SglangEngine(BackgroundEngine):
             mem_fraction_static=mem_fraction_static, max_total_tokens=max_total_tokens,
             hicache_ratio=hicache_ratio, hicache_size=hicache_size, random_seed=random_seed, extra=server_args)
         self._model_name = model_name or str(model_path)
-        # lru and hicache are SGLang's stock behaviour: the plugin's hints would change nothing there, and
-        # the comparison must not depend on the control path; kvflow needs them
-        self.send_hints = policy == "kvflow" if send_hints is None else send_hints
-        if policy == "kvflow" and not plugin_registered():
-            raise ValueError("policy 'kvflow' needs the kvflow SGLang plugin: install kvflow-ray into SGLang's "
+        # a policy SGLang runs itself needs no hints (they would change nothing, and the comparison must
+        # not depend on the control path); the plugin's policies read them
+        plugin = uses_plugin(self.server_args)
+        self.send_hints = plugin if send_hints is None else send_hints
+        if plugin and not plugin_registered():
+            raise ValueError(f"policy {policy!r} needs the kvflow SGLang plugin: install kvflow-ray into SGLang's "
                              "environment with `pip install -e '.[sglang]'` (it registers the "
                              "'sglang.srt.plugins' entry point), and let 'kvflow' through SGLANG_PLUGINS if set")
         self._own_status_dir = status_dir is None
@@ -352,13 +402,13 @@ class SglangEngine(BackgroundEngine):
         self._start(start_timeout_s)
         skip = bool(self.server_args.get("skip_tokenizer_init"))
         if skip or getattr(self._engine.tokenizer_manager, "tokenizer", None) is None:
-            from kvflow_ray.engines.cpu.tokenizer import ByteTokenizer
+            from kvflow_ray.engines.tokenizer import ByteTokenizer
 
             # token ids in, token ids out: text (if any) is byte-level, as the ingress encodes it for engines
             # without a tokenizer of their own, so a dummy-weights model serves end to end
             self.tokenizer: Any = ByteTokenizer()
         else:
-            from kvflow_ray.engines.cpu.tokenizer import HFTokenizer
+            from kvflow_ray.engines.tokenizer import HFTokenizer
 
             # SGLang's own tokenizer, loaded once: the replica decodes and renders chats exactly as SGLang does
             self.tokenizer = HFTokenizer.wrap(self._engine.tokenizer_manager.tokenizer)
@@ -487,7 +537,7 @@ class SglangEngine(BackgroundEngine):
         rank (blocks until the scheduler took them, between two batches)."""
         if not self.send_hints or not (hints.steps or hints.prompts or hints.retire or hints.salts):
             return
-        payload = protocol.encode_hints(hints.steps, hints.prompts, hints.retire, hints.salts)
+        payload = protocol.encode_hints(hints.steps, hints.prompts, hints.retire, hints.salts, hints.elsewhere)
         with self._rpc_lock:
             try:
                 self._engine.collective_rpc(protocol.RPC_APPLY_HINTS, payload=payload)

@@ -1,6 +1,7 @@
-"""The SGLang side of the plugin: the eviction strategy, the hooks and the admission gate. Each
-translates SGLang objects into calls on `state.PluginState`, where the decisions are made. Imports
-sglang (0.5.23) and is only imported inside an SGLang process (or a test that installed it).
+"""The SGLang side of the plugin: the eviction strategy, the hooks, the admission gate and the
+prefetch target. Each translates SGLang objects into calls on `state.PluginState` and the core
+policies it holds, where the decisions are made. Imports sglang (0.5.23) and is only imported inside
+an SGLang process (or a test that installed it).
 
 Works on both of SGLang's Python trees: `UnifiedRadixCache` with the Python tree core (the default
 tree; nodes are addressed by id) and the legacy `RadixCache` (nodes are objects). Prefetch needs
@@ -12,13 +13,17 @@ from __future__ import annotations
 import os
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from sglang.srt.managers.schedule_policy import PrefillAdder
+from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+from kvflow_ray.core.prefetch import Load, PrefetchTarget, plan_loads, queued_need
+from kvflow_ray.core.snapshot import EngineSnapshot
+from kvflow_ray.engines import metric_defs
 from kvflow_ray.engines.sglang import protocol
 from kvflow_ray.engines.sglang.state import logger, monotonic, path_to_root, state
 
@@ -26,16 +31,18 @@ from kvflow_ray.engines.sglang.state import logger, monotonic, path_to_root, sta
 
 
 class KVFlowStrategy(EvictionStrategy):
-    """`--radix-eviction-policy kvflow`: SGLang evicts the node with the smallest priority first,
-    so the key is `KVFlowPolicy.rank`: farthest steps-to-execution first (untagged dynamic suffixes
-    and retired workflows at +inf), then least recently used. `--radix-eviction-policy-config` JSON
-    is passed here as keywords: `horizon`, `max_inflight`, `prefetch`."""
+    """`--radix-eviction-policy kvflow`: SGLang evicts the node with the smallest priority first, and
+    the priority is the configured core eviction policy's (`kvflow` by default: farthest
+    steps-to-execution first, untagged suffixes and retired workflows at +inf, then least recently
+    used). `--radix-eviction-policy-config` JSON arrives here as keywords: `eviction`, `prefetch`,
+    `admission` (registered policy names), `horizon`, `max_inflight` and the chosen policies' options
+    (`state.make_policies`); a bad key or name fails SGLang's startup with a ValueError."""
 
-    def __init__(self, horizon: int = 1, max_inflight: int = 4, prefetch: bool = True) -> None:
+    def __init__(self, **config: Any) -> None:
         self.state = state()
-        self.state.configure(horizon=horizon, max_inflight=max_inflight, prefetch=prefetch)
+        self.state.configure(**config)
 
-    def get_priority(self, node: Any) -> tuple[float, float]:
+    def get_priority(self, node: Any) -> tuple[float, ...]:
         return self.state.priority(node)
 
 
@@ -139,11 +146,13 @@ def after_checkpoint(result: Any, cache: Any, req: Any, *args: Any, **kwargs: An
 
 
 class KVFlowPrefillAdder(PrefillAdder):
-    """Status-aware admission (DESIGN.md §3). A request whose cached prefix is still being copied in
-    by a prefetch is passed over and stays queued; the requests behind it are still considered, so
-    compute runs while the copy finishes. SGLang's batch can only wait on loads it queued itself,
-    and a prefetched node publishes its device indices before the copy ends, so the request is held
-    even when nothing else is ready: the scheduler then polls until the copy lands (its stall)."""
+    """Admission on loading status (DESIGN.md §3), as the configured admission policy says. A request
+    whose cached prefix is still being copied in by a prefetch never joins a batch: SGLang's batch
+    can only wait on loads it queued itself, and a prefetched node publishes its device indices
+    before the copy ends. The scheduler polls until the copy lands (the request's stall). Meanwhile
+    `batch_waits_for_loads` decides the rest of the pass: false (status-aware) passes over the request
+    and keeps considering the ones behind it, so compute runs while the copy finishes; true (FCFS)
+    ends the pass, so nothing behind it overtakes it."""
 
     def add_one_req(self, req: Any, has_chunked_req: bool, truncation_align_size: int | None) -> Any:
         st = state()
@@ -151,6 +160,8 @@ class KVFlowPrefillAdder(PrefillAdder):
         now = monotonic()
         if last is not None and st.request_loading(last):
             st.held(req.rid, now)
+            if st.admission.batch_waits_for_loads:
+                return AddReqResult.OTHER  # ends the pass; what was admitted before it still runs
             return self.budget_state()  # not NO_TOKEN/OTHER: those end the pass for everyone
         device, host = req.prefix_len, getattr(req, "host_hit_length", 0)
         before = len(self.can_run_list)
@@ -164,6 +175,29 @@ class KVFlowPrefillAdder(PrefillAdder):
 def prefill_adder_class(scheduler: Any) -> type:
     """REPLACE `Scheduler.get_prefill_adder_class`."""
     return KVFlowPrefillAdder if uses_kvflow(scheduler.tree_cache) else PrefillAdder
+
+
+def after_calc_priority(result: Any, policy: Any, waiting_queue: list[Any], *args: Any, **kwargs: Any) -> None:
+    """AFTER `SchedulePolicy.calc_priority(waiting_queue, running_batch, processed_tokens)`, which the
+    scheduler runs on its waiting queue before each prefill pass: the admission policy orders the
+    queue (in place: the scheduler keeps the list object). Requests the policy leaves out of its
+    order stay queued, behind the ones it chose, in SGLang's order."""
+    cache = policy.tree_cache
+    if len(waiting_queue) < 2 or not uses_kvflow(cache):
+        return
+    st = state()
+
+    def is_loading(req: Any) -> bool:
+        if req.last_node is None:
+            return False
+        try:
+            return st.request_loading(_node(cache, req.last_node))
+        except KeyError:  # the node left the tree since the request's last match: nothing loads there
+            return False
+
+    ordered = st.admission.order(waiting_queue, is_loading)
+    chosen = {id(req) for req in ordered}
+    waiting_queue[:] = [*ordered, *(req for req in waiting_queue if id(req) not in chosen)]
 
 
 # --------------------------------------------------------------------------------- scheduler loop
@@ -194,48 +228,62 @@ def before_next_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
             logger.exception("kvflow: prefetch failed; prefetch is off for the rest of this process")
             st.prefetch_enabled = False
     st.check_boundaries(is_attached)
+    # every TP rank holds the same tree and admits the same requests: rank 0 alone reports them
+    st.reports = getattr(scheduler, "tp_rank", 0) == 0
+    if not st.reports:
+        return
     cache_tokens = _cache_tokens(cache)
-    waiting = len(scheduler.waiting_queue)
+    waiting, running = len(scheduler.waiting_queue), _running(scheduler)
     directory = os.environ.get(protocol.STATUS_DIR_ENV)
-    if directory and getattr(scheduler, "tp_rank", 0) == 0:
+    if directory:
         try:
-            st.write_status(directory, lambda: st.snapshot(waiting, _running(scheduler), cache_tokens), monotonic())
+            st.write_status(directory, lambda: st.snapshot(waiting, running, cache_tokens), monotonic())
         except OSError as exc:
             st.warn_once(f"status:{exc}", f"kvflow: cannot write status to {directory}: {exc}")
-    _export_metrics(st, waiting, cache_tokens)
+    _export_metrics(st, waiting, running, cache_tokens)
 
 
-def start_prefetches(cache: Any, scheduler: Any) -> int:
-    """Load host-tier fixed prompts of the agents about to run, nearest first, within the budget:
-    free device tokens plus tokens evictable without touching anything needed as soon, minus what
-    queued requests still need (core.prefetch's rule). Returns the number of loads started."""
-    st = state()
-    started = 0
-    for tag, steps, tokens, salt in st.prefetch_candidates():
-        if len(st.loading) >= st.prefetcher.max_inflight or not cache.has_free_load_back_slot():
-            break
+@dataclass
+class SGLangPrefetchTarget:
+    """`core.prefetch.PrefetchTarget` on SGLang's unified tree with HiCache: finds an agent's prompt
+    on the host tier and starts its load-back when it fits the budget (core.prefetch's rule: free
+    device tokens plus tokens evictable without touching anything needed by step `steps`, minus
+    `reserved`)."""
+
+    cache: Any  # UnifiedRadixCache with a cache_controller
+
+    def load_prompt(self, tag: protocol.Tag, tokens: Sequence[int], namespace: str, steps: float,
+                    reserved: int) -> Load:
+        cache, st = self.cache, state()
         page = max(int(cache.page_size), 1)
         n = len(tokens) // page * page
         if n <= 0:
-            continue
+            return Load.NOTHING
         # in the workflow's namespace: its requests carry this salt, so only that copy serves them
-        key = RadixKey(array("q", tokens[:n]), cache_salt=salt or None)
+        key = RadixKey(array("q", tokens[:n]), cache_salt=namespace or None)
         match = cache.match_prefix(MatchPrefixParams(key=key))
         if match.host_hit_length <= 0:
-            continue  # on the device already, or not cached anywhere
+            return Load.NOTHING  # on the device already, loading, or not cached anywhere
         anchor = _node(cache, match.best_match_node)
         nodes = [node for node in path_to_root(anchor) if node.evicted]
         need = sum(len(node.key) for node in nodes)
-        reserved = sum(max(len(r.origin_input_ids) - r.prefix_len, 0) + (r.sampling_params.max_new_tokens or 0)
-                       for r in scheduler.waiting_queue)
         budget = (cache.token_to_kv_pool_allocator.available_size()
                   + st.farther_evictable(cache.tree_core.root_node, steps) - reserved)
-        if need > budget or not cache.load_back(anchor.id, mem_quota=budget):
-            break  # nearest first, strictly: a farther agent never has a larger budget
+        if not cache.has_free_load_back_slot() or need > budget or not cache.load_back(anchor.id, mem_quota=budget):
+            return Load.NO_ROOM
         cache.ready_to_load_host_cache()  # start the copy now, overlapped with the running batch
         st.loading_started(tag, anchor, nodes, need, monotonic())
-        started += 1
-    return started
+        return Load.STARTED
+
+
+def start_prefetches(cache: Any, scheduler: Any, target: PrefetchTarget | None = None) -> int:
+    """`core.prefetch.plan_loads` with the plugin's prefetch policy over `target` (the cache's
+    `SGLangPrefetchTarget` unless given), keeping room for what the waiting requests still need.
+    Returns the number of loads started."""
+    st = state()
+    reserved = queued_need((len(r.origin_input_ids), r.prefix_len, r.sampling_params.max_new_tokens or 0)
+                           for r in scheduler.waiting_queue)
+    return plan_loads(st.prefetcher, st.book, len(st.loading), target or SGLangPrefetchTarget(cache), reserved)
 
 
 def _running(scheduler: Any) -> int:
@@ -253,55 +301,36 @@ def _cache_tokens(cache: Any) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------- metrics
+# The engine metrics of `engines.metric_defs`, the definitions the serving layer exports too.
 # Created lazily in the scheduler process: SGLang runs prometheus_client in multiprocess mode, set
 # up only after plugins load (a metric built earlier would keep single-process storage). Without
 # --enable-metrics there is no PROMETHEUS_MULTIPROC_DIR and nothing is exported.
+# SGLang's `/metrics` reads only the values that processes wrote to their multiprocess files, never
+# a collector registered in a scheduler process, so nothing here can be computed at scrape time:
+# every scheduler iteration feeds the plugin's snapshot through `SnapshotFeed` (counters advance to
+# its cumulative totals), the stall histogram is observed at each admission.
 
-_metrics: dict[str, Any] | None = None
-_exported: dict[str, float] = {}
+# SGLang's tree evicts without the plugin seeing it, so the plugin's snapshot has no eviction counts.
+PLUGIN_METRICS = tuple(d for d in metric_defs.ENGINE_METRICS if d is not metric_defs.EVICTED_TOKENS)
+
+_feed: metric_defs.SnapshotFeed | None = None
 
 
-def _metric_objects() -> dict[str, Any] | None:
-    global _metrics
-    if _metrics is None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import Counter, Gauge, Histogram
-
-        _metrics = {
-            "prompt": Counter("kvflow_prompt_tokens_total", "Prompt tokens by where their KV came from",
-                              ["tier"]),
-            "prefetch": Counter("kvflow_prefetch_total", "Prefetches by outcome", ["outcome"]),
-            "stall": Histogram("kvflow_prefetch_stall_seconds",
-                               "Time a request waited for its KV to finish loading",
-                               buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)),
-            "queue": Gauge("kvflow_queue_length", "Requests waiting for admission", multiprocess_mode="livesum"),
-            # every TP rank holds the same tree: report one rank's value, not their sum
-            "cache": Gauge("kvflow_cache_tokens", "Tokens cached per tier", ["tier"], multiprocess_mode="livemax"),
-        }
-    return _metrics
+def _metric_feed() -> metric_defs.SnapshotFeed | None:
+    global _feed
+    if _feed is None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        _feed = metric_defs.SnapshotFeed({d: metric_defs.make_metric(d) for d in PLUGIN_METRICS})
+    return _feed
 
 
 def _observe_stall(stall: float) -> None:
-    metrics = _metric_objects()
-    if metrics is not None and stall > 0:
-        metrics["stall"].observe(stall)
+    """Every admitted request, 0 included, as the serving layer observes every result."""
+    feed = _metric_feed()
+    if feed is not None and state().reports:
+        feed.metrics[metric_defs.PREFETCH_STALL].observe(stall)
 
 
-def _export_metrics(st: Any, waiting: int, cache_tokens: dict[str, int]) -> None:
-    """Counters advance by what the plugin's own counters moved since the last export."""
-    metrics = _metric_objects()
-    if metrics is None:
-        return
-    metrics["queue"].set(waiting)
-    for tier, tokens in cache_tokens.items():
-        metrics["cache"].labels(tier=tier).set(tokens)
-    for tier, value in st.counters.prompt_tokens.items():
-        _advance(metrics["prompt"].labels(tier=tier), f"prompt:{tier}", value)
-    for outcome, value in st.counters.prefetch.items():
-        _advance(metrics["prefetch"].labels(outcome=outcome), f"prefetch:{outcome}", value)
-
-
-def _advance(counter: Any, key: str, value: float) -> None:
-    delta = value - _exported.get(key, 0)
-    if delta > 0:
-        counter.inc(delta)
-        _exported[key] = value
+def _export_metrics(st: Any, waiting: int, running: int, cache_tokens: dict[str, int]) -> None:
+    feed = _metric_feed()
+    if feed is not None:
+        feed.feed(EngineSnapshot.from_dict(st.snapshot(waiting, running, cache_tokens)))

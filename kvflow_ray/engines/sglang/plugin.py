@@ -1,9 +1,10 @@
 """The entry point SGLang calls in each of its processes (`[project.entry-points."sglang.srt.plugins"]`
 `kvflow = "kvflow_ray.engines.sglang.plugin:register"`).
 
-`register()` only registers: the `kvflow` eviction policy (CLI choice and factory) and the hooks of
-`hooks.py`, which SGLang's `HookRegistry.apply_hooks()` installs right after. It starts no thread and
-imports no prometheus_client (see hooks.py, metrics). Everything it adds acts only on a cache built
+`register()` only registers: the `kvflow` eviction policy (CLI choice and factory; it runs whichever
+core policies `--radix-eviction-policy-config` names) and the hooks of `hooks.py`, which SGLang's
+`HookRegistry.apply_hooks()` installs right after. It starts no thread and imports no
+prometheus_client (see hooks.py, metrics). Everything it adds acts only on a cache built
 with `--radix-eviction-policy kvflow`; other policies behave exactly as without the plugin.
 """
 
@@ -19,6 +20,7 @@ logger = logging.getLogger("kvflow_ray.sglang")
 
 _TREE = "sglang.srt.mem_cache"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_SCHEDULE_POLICY = "sglang.srt.managers.schedule_policy.SchedulePolicy"
 # (target, hook name in hooks.py, hook type): the SGLang internals the plugin relies on
 HOOKS: tuple[tuple[str, str, str], ...] = (
     (f"{_TREE}.unified_cache.tree_core_registry.select_tree_core_backend", "select_python_core", "AROUND"),
@@ -27,6 +29,7 @@ HOOKS: tuple[tuple[str, str, str], ...] = (
     (f"{_TREE}.unified_radix_cache.UnifiedRadixCache.checkpoint", "after_checkpoint", "AFTER"),
     (f"{_TREE}.radix_cache.RadixCache.checkpoint", "after_checkpoint", "AFTER"),
     (f"{_SCHEDULER}.get_prefill_adder_class", "prefill_adder_class", "REPLACE"),
+    (f"{_SCHEDULE_POLICY}.calc_priority", "after_calc_priority", "AFTER"),
     (f"{_SCHEDULER}.get_next_batch_to_run", "before_next_batch", "BEFORE"),
 )
 

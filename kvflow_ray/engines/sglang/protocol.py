@@ -96,8 +96,7 @@ def decode_hints(payload: str) -> tuple[dict[str, dict[str, float]], dict[Tag, t
     return steps, prompts, retire, salts, elsewhere
 
 
-# How each policy of the comparison maps onto SGLang server arguments. Every policy runs on the
-# Python tree core, so the comparison measures the policy and not Rust vs Python tree code.
+# SGLang server arguments of a policy combination with a host tier (engine.policy_server_args).
 HICACHE_ARGS: dict[str, Any] = {
     "enable_hierarchical_cache": True,
     "hicache_ratio": 2.0,
@@ -105,14 +104,3 @@ HICACHE_ARGS: dict[str, Any] = {
     # writes back to CPU when the node has no CPU copy")
     "hicache_write_policy": "write_back",
 }
-POLICY_SERVER_ARGS: dict[str, dict[str, Any]] = {
-    "lru": {"radix_eviction_policy": "lru"},
-    "hicache": {"radix_eviction_policy": "lru", **HICACHE_ARGS},
-    "kvflow": {"radix_eviction_policy": "kvflow", **HICACHE_ARGS},
-}
-
-
-def server_args_for_policy(policy: str) -> dict[str, Any]:
-    if policy not in POLICY_SERVER_ARGS:
-        raise ValueError(f"policy {policy!r} is not available on SGLang (known: {', '.join(POLICY_SERVER_ARGS)})")
-    return dict(POLICY_SERVER_ARGS[policy])

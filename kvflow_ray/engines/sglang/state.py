@@ -2,10 +2,13 @@
 
 SGLang builds the eviction strategy, the prefill adder and the tree cache itself, with no handle to
 share between them, so the plugin keeps one `PluginState` per process (`state()`); the hooks in
-`hooks.py` only translate SGLang objects into calls on it. The decisions are `kvflow_ray.core`'s:
-`StepBook` (steps-to-execution, fixed prompts, boundaries), `KVFlowPolicy` (distance and rank of a
-node), `StepsAheadPrefetch` (which agents to load for, nearest first). Nothing here imports sglang
-or torch; it works on any tree node with `parent`, `id`, `evicted` and `last_access_time`.
+`hooks.py` only translate SGLang objects into calls on it. The decisions are `kvflow_ray.core`'s,
+built through its registries from `--radix-eviction-policy-config` (`make_policies`): the eviction
+policy ranks SGLang's nodes through `NodeView`, the prefetch policy chooses what `core.prefetch.plan_loads`
+loads, the admission policy orders and gates the waiting queue, a `PrefetchLedger` counts outcomes and
+an `EngineSnapshot` reports them. `StepBook` holds steps-to-execution, fixed prompts and namespaces.
+Nothing here imports sglang or torch; it works on any tree node with `parent`, `id`, `key`, `evicted`
+and `last_access_time`.
 
 Plugin data lives on SGLang's tree nodes as two attributes (`TAGS_ATTR`, `PRIO_ATTR`), copied onto
 the new parent when SGLang splits a node.
@@ -21,15 +24,18 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow_ray.core.policies import INF, KVFlowPolicy, StepBook
-from kvflow_ray.core.prefetch import StepsAheadPrefetch
+from kvflow_ray.core.admission import ADMISSION, AdmissionPolicy
+from kvflow_ray.core.policies import EVICTION, INF, EvictionPolicy, StepBook
+from kvflow_ray.core.prefetch import PREFETCH, PrefetchLedger, PrefetchPolicy
+from kvflow_ray.core.registry import PolicyContext
+from kvflow_ray.core.snapshot import EngineSnapshot
 from kvflow_ray.engines.base import prefix_hash
 from kvflow_ray.engines.sglang import protocol
 
 logger = logging.getLogger("kvflow_ray.sglang")
 
 TAGS_ATTR = "kvflow_tags"  # frozenset of (client id, agent): whose fixed prompt the node lies in
-PRIO_ATTR = "kvflow_prio"  # (StepBook version, distance) cached between hint updates
+PRIO_ATTR = "kvflow_prio"  # a distance policy's (version, distance), cached between hint updates
 
 Tag = protocol.Tag
 
@@ -56,6 +62,80 @@ def path_to_root(node: Any) -> Iterator[Any]:
         node = node.parent
 
 
+# ------------------------------------------------------------------------------ policies
+# Engine settings offered to every policy (as the core scheduler offers its --horizon/--max-inflight):
+# each policy takes those it declares. Always accepted, so the old `{"horizon", "max_inflight",
+# "prefetch": false}` config stays valid.
+SETTINGS = ("horizon", "max_inflight")
+PLUGIN_KEYS = ("eviction", "prefetch", "admission")
+
+
+@dataclass(frozen=True)
+class Policies:
+    eviction: EvictionPolicy
+    prefetch: PrefetchPolicy
+    admission: AdmissionPolicy
+
+
+def make_policies(book: StepBook, *, eviction: str = "kvflow", prefetch: str | bool = "steps-ahead",
+                  admission: str = "status-aware", **options: Any) -> Policies:
+    """The policies `--radix-eviction-policy-config` names, built through the core registries.
+
+    `prefetch` may also be the old boolean (true: steps-ahead, false: none). Other keys are
+    `SETTINGS` or options of a chosen policy; anything else raises ValueError naming what is accepted
+    (as does an unknown policy name)."""
+    if isinstance(prefetch, bool):
+        prefetch = "steps-ahead" if prefetch else "none"
+    chosen = ((EVICTION, eviction), (PREFETCH, prefetch), (ADMISSION, admission))
+    takes = {registry.kind: set(registry.get(name).options) for registry, name in chosen}
+    settings = {k: options.pop(k) for k in SETTINGS if k in options}
+    unknown = sorted(k for k in options if not any(k in t for t in takes.values()))
+    if unknown:
+        extra = sorted(set().union(*takes.values()) - set(SETTINGS))
+        accepted = ", ".join([*PLUGIN_KEYS, *SETTINGS, *extra])
+        raise ValueError(f"kvflow --radix-eviction-policy-config: unknown key(s) {', '.join(unknown)} "
+                         f"(accepted: {accepted}; policies: eviction {', '.join(EVICTION.names())}; "
+                         f"prefetch {', '.join(PREFETCH.names())}; admission {', '.join(ADMISSION.names())})")
+    context = PolicyContext(book=book)
+    built = [registry.create(name, context, settings, **{k: v for k, v in options.items() if k in takes[registry.kind]})
+             for registry, name in chosen]
+    # agents up to the prefetch horizon must be in the book's near set, which planning scans
+    book.near_horizon = max(book.near_horizon, int(settings.get("horizon", 0)))
+    return Policies(*built)
+
+
+class NodeView:
+    """A SGLang tree node as core eviction policies read a `core.radix.RadixNode`: `last_access`,
+    `tags` and `prio_cache` (kept on the node as `PRIO_ATTR`, so `_DistancePolicy.node_distance`
+    caches per node across calls); any other attribute is the SGLang node's."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: Any) -> None:
+        self.node = node
+
+    @property
+    def last_access(self) -> float:
+        return self.node.last_access_time
+
+    @property
+    def tags(self) -> frozenset[Tag]:
+        return node_tags(self.node)
+
+    @property
+    def prio_cache(self) -> tuple[int, float]:
+        cached = getattr(self.node, PRIO_ATTR, None)
+        return (-1, 0.0) if cached is None else cached  # RadixNode's "never computed"
+
+    @prio_cache.setter
+    def prio_cache(self, value: tuple[int, float]) -> None:
+        setattr(self.node, PRIO_ATTR, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.node, name)
+
+
+# ------------------------------------------------------------------------------ state
 @dataclass
 class Prefetch:
     """One host -> device load the plugin started for an agent about to run."""
@@ -81,22 +161,29 @@ class Boundary:
 @dataclass
 class Counters:
     prompt_tokens: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "cpu": 0, "miss": 0})
-    prefetch: dict[str, int] = field(default_factory=lambda: {"issued": 0, "completed": 0, "used": 0, "wasted": 0})
+    ledger: PrefetchLedger = field(default_factory=PrefetchLedger)  # prefetch outcomes (core's definition)
     loaded_tokens: int = 0
     stall_s: float = 0.0
     held: int = 0  # admission passes that skipped a request whose prefix was loading
 
 
+# the snapshot keys the plugin measures; the adapter fills the rest (its `status_keys` say which)
+REPORTED = ("waiting", "running", "prompt_tokens", "loaded_tokens", "prefetch", "prefetch_stall_s",
+            "cache_tokens", "held")
+
+
 class PluginState:
     def __init__(self) -> None:
         self.book = StepBook()
-        self.policy = KVFlowPolicy(self.book)
-        self.prefetcher = StepsAheadPrefetch()
         self.active = False  # the kvflow strategy was built in this process
-        self.prefetch_enabled = True
+        self.reports = True  # this process reports status and metrics (TP rank 0: every rank holds the same tree)
+        self._use(make_policies(self.book))
+        self.prefetch_enabled = True  # off for the rest of the process once a prefetch raised
         self.loading: dict[int, Prefetch] = {}  # anchor node id -> load in flight
         self.loading_ids: set[int] = set()  # ids of every node in a load in flight
-        self.prefetched: dict[int, Any] = {}  # loaded for an agent, not yet used by a request
+        # node id -> node, for every node the ledger tracks (SGLang's nodes are found by id only in
+        # the unified tree; the ledger keys by id)
+        self.prefetched: dict[int, Any] = {}
         self.held_since: dict[str, float] = {}  # request id -> first time the gate held it back
         self.boundaries: dict[int, Boundary] = {}
         self.counters = Counters()
@@ -105,12 +192,15 @@ class PluginState:
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ configuration
-    def configure(self, *, horizon: int = 1, max_inflight: int = 4, prefetch: bool = True) -> None:
-        """`--radix-eviction-policy-config '{"horizon": 1, "max_inflight": 4, "prefetch": true}'`."""
-        self.prefetcher = StepsAheadPrefetch(horizon, max_inflight)
-        self.book.near_horizon = max(self.book.near_horizon, horizon)
-        self.prefetch_enabled = prefetch
+    def configure(self, **config: Any) -> None:
+        """`--radix-eviction-policy-config` (see `make_policies`)."""
+        self._use(make_policies(self.book, **config))
         self.active = True
+
+    def _use(self, policies: Policies) -> None:
+        self.eviction = policies.eviction
+        self.prefetcher = policies.prefetch
+        self.admission = policies.admission
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -119,21 +209,12 @@ class PluginState:
 
     # ------------------------------------------------------------------ hints (control path)
     def apply_hints(self, payload: str) -> None:
-        steps, prompts, retire, salts = protocol.decode_hints(payload)
-        self.book.apply(steps, prompts, retire, salts)
+        steps, prompts, retire, salts, elsewhere = protocol.decode_hints(payload)
+        self.book.apply(steps, prompts, retire, salts, elsewhere)
 
     # ------------------------------------------------------------------ eviction
-    def node_distance(self, node: Any) -> float:
-        version = self.book.version
-        cached = getattr(node, PRIO_ATTR, None)
-        if cached is not None and cached[0] == version:
-            return cached[1]
-        distance = self.policy.tags_distance(node_tags(node))
-        setattr(node, PRIO_ATTR, (version, distance))
-        return distance
-
-    def priority(self, node: Any) -> tuple[float, float]:
-        return self.policy.rank(self.node_distance(node), node.last_access_time)
+    def priority(self, node: Any) -> tuple[float, ...]:
+        return self.eviction.priority(NodeView(node))
 
     # ------------------------------------------------------------------ tags
     @staticmethod
@@ -195,77 +276,68 @@ class PluginState:
         self.counters.held += 1
 
     def admitted(self, rid: str, last_node: Any, prompt: int, device: int, host: int, now: float) -> float:
-        """A request entered a batch: count its prompt tokens by tier and any prefetch it used;
-        returns how long the gate held it back (its prefetch stall)."""
+        """A request entered a batch: count its prompt tokens by tier and the prefetches whose nodes
+        its cached prefix contains (used); returns how long the gate held it back (its stall)."""
         stall = now - self.held_since.pop(rid, now)
         self.counters.stall_s += stall
         pt = self.counters.prompt_tokens
         pt["gpu"] += device
         pt["cpu"] += host
         pt["miss"] += max(prompt - device - host, 0)
-        if self.prefetched:
-            for node in path_to_root(last_node):
-                if self.prefetched.pop(node.id, None) is not None:
-                    self.counters.prefetch["used"] += 1
-                    break
+        self.counters.ledger.use(path_to_root(last_node))
         return stall
 
     # ------------------------------------------------------------------ prefetch
-    def prefetch_candidates(self) -> list[tuple[Tag, float, tuple[int, ...], str]]:
-        """Agents whose fixed prompt should be on the device soon, nearest first (core policy), each
-        with its workflow's cache namespace (the `cache_salt` its requests carry; "" = none)."""
-        out = []
-        for tag, steps in self.prefetcher.choose(self.book, len(self.loading)):
-            tokens = self.book.prompt(tag)
-            if tokens:
-                out.append((tag, steps, tokens, self.book.salt(tag[0])))
-        return out
-
     def loading_started(self, tag: Tag, anchor: Any, nodes: list[Any], tokens: int, now: float) -> None:
+        ledger = self.counters.ledger
+        for node in nodes:
+            if node.id in self.prefetched:  # loading again: the copy an earlier prefetch brought is gone
+                ledger.left_device(self.prefetched.pop(node.id))
         self.loading[anchor.id] = Prefetch(tag, anchor, nodes, tokens, now)
         self.loading_ids.update(node.id for node in nodes)
-        self.counters.prefetch["issued"] += 1
+        ledger.started(nodes)
+        self.prefetched.update((node.id, node) for node in nodes)
         self.counters.loaded_tokens += tokens
 
     def reap(self, still_loading: set[int], attached: Callable[[Any], bool]) -> list[Prefetch]:
-        """Loads whose anchor SGLang no longer tracks have landed."""
+        """Loads whose anchor SGLang no longer tracks have landed; prefetched nodes whose device
+        copy is gone (evicted, or out of the tree) leave the ledger."""
+        ledger = self.counters.ledger
         done = [p for anchor_id, p in self.loading.items() if anchor_id not in still_loading]
         for p in done:
             del self.loading[p.anchor.id]
             self.loading_ids.difference_update(node.id for node in p.nodes)
-            self.counters.prefetch["completed"] += 1
-            self.prefetched[p.anchor.id] = p.anchor
-        # a prefetched prompt that left the device before any request used it was wasted
-        for node_id, node in list(self.prefetched.items()):
+            ledger.landed()
+        for node_id in ledger.tracked():
+            node = self.prefetched[node_id]
             if node.evicted or not attached(node):
+                ledger.left_device(node)
                 del self.prefetched[node_id]
-                self.counters.prefetch["wasted"] += 1
         return done
 
     def farther_evictable(self, root: Any, steps: float) -> int:
         """Device tokens that eviction may take without touching a prompt needed by step `steps`
-        (core.prefetch's budget rule: never evict something nearer for a load)."""
+        (core.prefetch's budget rule: never evict something nearer for a load). A policy without a
+        distance ranks nothing as needed: every unlocked device node counts."""
+        node_distance = getattr(self.eviction, "node_distance", None)
         total, stack = 0, list(getattr(root, "children", {}).values())
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            if not node.evicted and self.node_distance(node) > steps and _unlocked(node):
+            if node.evicted or not _unlocked(node):
+                continue
+            if node_distance is None or node_distance(NodeView(node)) > steps:
                 total += len(node.key)
         return total
 
     # ------------------------------------------------------------------ status out
     def snapshot(self, waiting: int, running: int, cache_tokens: dict[str, int]) -> dict[str, Any]:
         c = self.counters
-        return {
-            "waiting": waiting,
-            "running": running,
-            "prompt_tokens": dict(c.prompt_tokens),
-            "loaded_tokens": c.loaded_tokens,
-            "prefetch": dict(c.prefetch),
-            "prefetch_stall_s": c.stall_s,
-            "cache_tokens": cache_tokens,
-            "held": c.held,
-        }
+        data = EngineSnapshot(waiting=waiting, running=running, prompt_tokens=dict(c.prompt_tokens),
+                              loaded_tokens=c.loaded_tokens, prefetch=c.ledger.as_dict(),
+                              prefetch_stall_s=c.stall_s, cache_tokens=dict(cache_tokens),
+                              held=c.held).to_dict()
+        return {key: data[key] for key in REPORTED}
 
     def write_status(self, directory: str, snapshot: Callable[[], dict[str, Any]], now: float) -> None:
         """`stats.json` (atomic replace) and `events.jsonl` (appended), at most once per interval; the
@@ -286,11 +358,9 @@ class PluginState:
 
 def _unlocked(node: Any) -> bool:
     lock_ref = getattr(node, "lock_ref", None)
-    if lock_ref is None:  # the unified tree keeps locks per component
-        data = getattr(node, "component_data", None)
-        if not data:
-            return True
-        return all(getattr(d, "lock_ref", 0) == 0 for d in data.values())
+    if lock_ref is None:  # the unified tree keeps locks per component, in a list indexed by type
+        data = getattr(node, "component_data", None) or ()
+        return all(getattr(d, "lock_ref", 0) == 0 for d in (data.values() if isinstance(data, dict) else data))
     return lock_ref == 0
 
 
@@ -316,5 +386,5 @@ def monotonic() -> float:
     return time.monotonic()
 
 
-__all__ = ["INF", "PRIO_ATTR", "TAGS_ATTR", "PluginState", "node_namespace", "node_tags", "path_to_root",
-           "reset_state", "state"]
+__all__ = ["INF", "PRIO_ATTR", "TAGS_ATTR", "NodeView", "PluginState", "make_policies", "node_namespace",
+           "node_tags", "path_to_root", "reset_state", "state"]
