@@ -330,6 +330,8 @@ class CacheMachine(RuleBasedStateMachine):
     def accounting(self) -> None:
         cache, tree = self.cache, self.tree
         tree.check_invariants()
+        if cache.index is not None:
+            cache.index.check()  # the incremental eviction order is a full rescan's
         nodes = list(tree.nodes())
         gpu = sum(len(n) for n in nodes if n.gpu is not GpuState.NONE)
         cpu = sum(len(n) for n in nodes if n.cpu)
@@ -911,3 +913,55 @@ def test_policy_factory_errors() -> None:
         make_eviction_policy("mru")
     with pytest.raises(ValueError, match="horizon >= 0 and max_inflight >= 1"):
         StepsAheadPrefetch(horizon=1, max_inflight=0)
+
+
+@pytest.mark.parametrize("policy", ["lru", "kvflow"])
+@pytest.mark.parametrize("seed", range(20))
+def test_the_eviction_index_evicts_exactly_what_a_full_rescan_would(policy: str, seed: int) -> None:
+    """Differential: the same operations on a cache with its incremental index and on one that ranks
+    every device leaf per decision evict the same nodes, with and without a prefetch bound."""
+    import random
+
+    rng = random.Random(seed)
+    book = StepBook()
+    caches = [TieredCache(40, make_eviction_policy(policy, book), cpu_capacity=60, host_tier=True) for _ in range(2)]
+    caches[1].index = None
+    assert caches[0].index is not None
+    prompts = {(f"w{w}", a): tuple(rng.randrange(8) for _ in range(rng.randrange(2, 9)))
+               for w in range(3) for a in "abc"}
+    for _step in range(120):
+        op = rng.random()
+        if op < 0.45:
+            tag = rng.choice(sorted(prompts))
+            seq = prompts[tag] + tuple(rng.randrange(8) for _ in range(rng.randrange(0, 4)))
+            results = []
+            for cache in caches:
+                m = cache.match(seq)
+                cache.tree.lock(m.last)
+                need = len(seq) - sum(len(n.key) for n in m.path if n.gpu is not GpuState.NONE)
+                ok, writebacks = cache.make_room(need)
+                for node in writebacks:
+                    cache.finish_offload(node)
+                if ok and cache.free_tokens >= need:
+                    cache.alloc(need)
+                    cache.commit(seq, need)
+                    cache.tree.tag_prefix(prompts[tag], tag)
+                cache.tree.unlock(m.last)
+                results.append(ok)
+            assert results[0] == results[1]
+        elif op < 0.75:
+            book.set_steps(f"w{rng.randrange(3)}", {a: rng.choice([0, 1, 2, 3, INF]) for a in "abc"})
+        elif op < 0.85:
+            workflow = f"w{rng.randrange(3)}"
+            book.retire(workflow)
+            for cache in caches:
+                cache.retire_workflow(workflow)
+        else:
+            steps, more = rng.choice([0, 1, 2, 5]), rng.randrange(1, 12)
+            for cache in caches:
+                bound = cache.eviction.needed_by(steps) if policy == "kvflow" else None
+                _ok, writebacks = cache.make_room(cache.free_tokens + more, bound)
+                for node in writebacks:
+                    cache.finish_offload(node)
+        assert device_sequences(caches[0]) == device_sequences(caches[1])
+        caches[0].index.check()

@@ -13,10 +13,9 @@ are ready, so compute never idles behind a copy it could have overlapped.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Protocol, TypeVar
 
-from kvflow_ray.core.registry import PolicyContext, Registry
+from kvflow_ray.core.registry import Registry
 
 R = TypeVar("R")
 
@@ -51,15 +50,7 @@ class StatusAwareAdmission:
 
 
 ADMISSION: Registry[AdmissionPolicy] = Registry("admission")
-
-
-@partial(ADMISSION.register, "fcfs")
-def _fcfs(context: PolicyContext) -> AdmissionPolicy:
-    """arrival order; a batch waits for its members' loads (SGLang's default)"""
-    return FCFSAdmission()
-
-
-@partial(ADMISSION.register, "status-aware")
-def _status_aware(context: PolicyContext) -> AdmissionPolicy:
-    """ready requests first, queued loads start at once (KVFlow)"""
-    return StatusAwareAdmission()
+ADMISSION.register("fcfs", lambda context: FCFSAdmission(),
+                   "arrival order; a batch waits for its members' loads (SGLang's default)")
+ADMISSION.register("status-aware", lambda context: StatusAwareAdmission(),
+                   "ready requests first, queued loads start at once (KVFlow)")

@@ -11,14 +11,14 @@ requests hold for KV not yet in the tree (their uncached prompt part and output)
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvflow_ray.core.policies import EvictionPolicy
 from kvflow_ray.core.prefetch import PrefetchLedger
 from kvflow_ray.core.radix import GpuState, Match, RadixNode, RadixTree, Tag
 
-NodeFilter = Callable[[RadixNode], bool]
+Rank = tuple[float, ...]  # an eviction key (`EvictionPolicy.priority`): smallest goes first
 
 
 @dataclass
@@ -52,6 +52,8 @@ class TieredCache:
         # so "this node is READY" answers "is the whole prompt on the device?" without a tree walk
         self.prompt_tails: dict[Tag, RadixNode] = {}
         self._host_heap: list[tuple[tuple[float, ...], int, RadixNode]] | None = None
+        # device leaves in eviction order, kept current by what changed (policies whose keys allow it)
+        self.index = EvictionIndex(self) if getattr(eviction, "incremental", False) else None
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -126,8 +128,10 @@ class TieredCache:
         return node.n_gpu_children == 0 or all(
             c.evict_pending or c.gpu is GpuState.NONE for c in node.children.values())
 
-    def make_room(self, n: int, may_evict: NodeFilter | None = None) -> tuple[bool, list[RadixNode]]:
+    def make_room(self, n: int, below: Rank | None = None) -> tuple[bool, list[RadixNode]]:
         """Evict until `n` device tokens are free. Returns (free now, write-backs started).
+        `below`: evict only nodes whose eviction key is below it (a prefetch leaves alone what is
+        needed as soon as the agent it loads for: `needed_by(steps)` of a distance policy).
 
         With a host tier, a node without a host copy is written back first and its device copy freed
         when the engine reports the copy done; callers wait for that (free now = False) and retry.
@@ -144,11 +148,16 @@ class TieredCache:
             return False, writebacks
         self._host_heap = None  # host-eviction candidates, ranked at most once per call
         pri = self.eviction.priority
-        heap = [(pri(node), node.id, node) for node in self.tree.gpu_leaves
-                if self._evictable(node) and (may_evict is None or may_evict(node))]
-        heapq.heapify(heap)
-        while self.free_tokens + self.pending_free < n and heap:
-            _, _, node = heapq.heappop(heap)
+        if self.index is not None:
+            candidates = self.index.candidates(below)
+        else:  # a policy whose keys may all change between decisions: rank every device leaf now
+            candidates = _ranked([(pri(node), node.id, node) for node in self.tree.gpu_leaves
+                                  if self._evictable(node) and (below is None or pri(node) < below)])
+        # nodes that become evictable meanwhile (their device children went), in key order with the rest
+        raised: list[tuple[Rank, int, RadixNode]] = []
+        for node in _merged(candidates, raised):
+            if self.free_tokens + self.pending_free >= n:
+                break
             if not self._evictable(node):
                 continue
             parent = node.parent
@@ -172,8 +181,12 @@ class TieredCache:
             else:
                 self._drop_gpu(node)
             for up in (parent, above) if above is not parent else (parent,):
-                if up is not None and self._evictable(up) and (may_evict is None or may_evict(up)):
-                    heapq.heappush(heap, (pri(up), up.id, up))
+                if up is not None and self._evictable(up):
+                    key = pri(up)
+                    if below is None or key < below:
+                        heapq.heappush(raised, (key, up.id, up))
+        if self.index is not None:
+            self.index.done()
         return self.free_tokens >= n, writebacks
 
     def _drop_gpu(self, node: RadixNode) -> None:
@@ -307,3 +320,108 @@ class TieredCache:
         self.offloading_tokens += len(node.key)
         return True
 
+
+
+def _ranked(entries: list[tuple[Rank, int, RadixNode]]) -> Iterator[tuple[Rank, int, RadixNode]]:
+    heapq.heapify(entries)
+    while entries:
+        yield heapq.heappop(entries)
+
+
+def _merged(first: Iterator[tuple[Rank, int, RadixNode]], second: list[tuple[Rank, int, RadixNode]]
+            ) -> Iterator[RadixNode]:
+    """Nodes of two key-ordered sources in key order; `second` is a heap that may grow meanwhile."""
+    head = next(first, None)
+    while head is not None or second:
+        if second and (head is None or second[0][:2] < head[:2]):
+            yield heapq.heappop(second)[2]
+        else:
+            assert head is not None
+            yield head[2]
+            head = next(first, None)
+
+
+class EvictionIndex:
+    """A device tree's leaves in eviction order, re-ranked only where something changed: a heap of
+    (key, node id, stamp, node) with lazy invalidation. An entry is current iff its stamp is the
+    node's `rank_stamp`; a node is re-ranked (a new entry, a new stamp) when the tree marks it in
+    `rank_dirty` (touched, re-tagged, became a device leaf) or a workflow it is tagged with changed
+    steps in the policy's `book`. So a decision costs O((evicted + skipped) log n), not O(leaves)."""
+
+    def __init__(self, cache: TieredCache) -> None:
+        self.cache = cache
+        self.tree = cache.tree
+        self.priority = cache.eviction.priority
+        self.book = getattr(cache.eviction, "book", None)
+        self.seen = -1  # the book version re-ranked up to
+        self.heap: list[tuple[Rank, int, int, RadixNode]] = []
+        self._aside: list[tuple[Rank, int, int, RadixNode]] = []
+
+    def _push(self, node: RadixNode) -> None:
+        node.rank_stamp += 1
+        heapq.heappush(self.heap, (self.priority(node), node.id, node.rank_stamp, node))
+
+    def refresh(self) -> None:
+        tree, dirty = self.tree, self.tree.rank_dirty
+        if self.book is not None and self.book.version != self.seen:
+            changed = self.book.changed_since(self.seen)
+            self.seen = self.book.version
+            if changed is None or len(self.heap) > 4 * len(tree.gpu_leaves) + 64:
+                self.rebuild()
+                return
+            for workflow in changed:
+                for node in tree.workflow_nodes(workflow):
+                    dirty[node] = None
+        elif len(self.heap) > 4 * len(tree.gpu_leaves) + 64:  # mostly stale entries: start over
+            self.rebuild()
+            return
+        leaves = tree.gpu_leaves
+        for node in dirty:
+            if node in leaves:
+                self._push(node)
+            else:
+                node.rank_stamp += 1  # an entry it still has is stale
+        dirty.clear()
+
+    def rebuild(self) -> None:
+        self.tree.rank_dirty.clear()
+        self.heap = []
+        for node in self.tree.gpu_leaves:
+            node.rank_stamp += 1
+            self.heap.append((self.priority(node), node.id, node.rank_stamp, node))
+        heapq.heapify(self.heap)
+
+    def candidates(self, below: Rank | None) -> Iterator[tuple[Rank, int, RadixNode]]:
+        """Current device leaves, lowest key first, while below `below`. Leaves passed over (locked,
+        copies in flight) keep their entries: `done()` puts them back."""
+        self.refresh()
+        heap, aside, leaves = self.heap, self._aside, self.tree.gpu_leaves
+        while heap:
+            entry = heap[0]
+            key, node_id, stamp, node = entry
+            if stamp != node.rank_stamp or node not in leaves:
+                heapq.heappop(heap)  # stale: the node was re-ranked, or is no longer a device leaf
+                continue
+            if below is not None and key >= below:
+                return
+            heapq.heappop(heap)
+            aside.append(entry)
+            yield key, node_id, node
+
+    def check(self) -> None:
+        """The index against a full rescan: after a refresh, every device leaf has exactly one current
+        entry, whose key is what the policy ranks the node now."""
+        self.refresh()
+        current = {}
+        for key, node_id, stamp, node in self.heap:
+            if stamp == node.rank_stamp and node in self.tree.gpu_leaves:
+                assert node_id not in current, f"two current entries for {node}"
+                current[node_id] = key
+                assert key == self.priority(node), (node, key, self.priority(node))
+        assert set(current) == {node.id for node in self.tree.gpu_leaves}, "a device leaf has no current entry"
+
+    def done(self) -> None:
+        """End of a decision: entries handed out and still current go back (evicted ones are stale)."""
+        for entry in self._aside:
+            heapq.heappush(self.heap, entry)
+        self._aside.clear()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from typing import Protocol
@@ -40,6 +41,32 @@ class StepBook:
         # agents with E <= near_horizon that this replica may prefetch for, so prefetch planning never
         # scans every live workflow (an agent the router sends elsewhere is not among them)
         self.near: dict[Tag, float] = {}
+        # workflow -> the version of its latest change of steps, oldest first, so an eviction index
+        # re-ranks only the nodes of workflows that changed (`changed_since`); bounded: a reader
+        # further behind than the oldest kept change re-ranks everything
+        self._changes: OrderedDict[str, int] = OrderedDict()
+        self._forgotten = 0  # the newest version dropped from `_changes`
+
+    MAX_CHANGES = 1 << 16
+
+    def _changed(self, workflow: str) -> None:
+        self.version += 1
+        changes = self._changes
+        changes.pop(workflow, None)
+        changes[workflow] = self.version
+        if len(changes) > self.MAX_CHANGES:
+            _workflow, self._forgotten = changes.popitem(last=False)
+
+    def changed_since(self, version: int) -> list[str] | None:
+        """Workflows whose steps changed after `version` (None: too far back to tell)."""
+        if version < self._forgotten:
+            return None
+        out = []
+        for workflow, at in reversed(self._changes.items()):
+            if at <= version:
+                break
+            out.append(workflow)
+        return out
 
     def set_steps(self, workflow: str, steps: Mapping[str, float], elsewhere: Iterable[str] = ()) -> None:
         """`elsewhere`: agents the router will run on another replica: their steps still rank this
@@ -53,7 +80,7 @@ class StepBook:
         for agent, e in steps.items():
             if e <= self.near_horizon and agent not in skip:
                 self.near[(workflow, agent)] = e
-        self.version += 1
+        self._changed(workflow)
 
     def retire(self, workflow: str) -> None:
         for agent, e in self._steps.pop(workflow, {}).items():
@@ -61,7 +88,7 @@ class StepBook:
                 self.near.pop((workflow, agent), None)
         self._prompts.pop(workflow, None)
         self._salts.pop(workflow, None)
-        self.version += 1
+        self._changed(workflow)
 
     def steps(self, tag: Tag) -> float:
         agents = self._steps.get(tag[0])
@@ -120,6 +147,11 @@ class StepBook:
 
 
 class EvictionPolicy(Protocol):
+    """`priority(node)`: the node with the smallest key is evicted first. A policy may also say
+    `incremental = True`: a node's key changes only with its last access, its tags, and (through
+    `book`, a `StepBook`) the steps of the workflows it is tagged with, so the cache keeps an
+    eviction index re-ranked by what changed instead of ranking every device leaf per decision."""
+
     name: str
 
     def priority(self, node: RadixNode) -> tuple[float, ...]:
@@ -129,6 +161,7 @@ class EvictionPolicy(Protocol):
 
 class LRUPolicy:
     name = "lru"
+    incremental = True
 
     def priority(self, node: RadixNode) -> tuple[float, ...]:
         return (node.last_access,)
@@ -158,6 +191,11 @@ class _DistancePolicy:
         node.prio_cache = (v, d)
         return d
 
+    def needed_by(self, steps: float) -> tuple[float, float]:
+        """The lowest key of a node needed within `steps` steps: exactly the nodes ranked below it
+        are farther away (what a prefetch for an agent `steps` away may evict)."""
+        return self.rank(steps, -INF)
+
     @staticmethod
     def rank(distance: float, last_access: float) -> tuple[float, float]:
         """The eviction sort key (smallest goes first): farthest first, then least recently used.
@@ -172,6 +210,7 @@ class KVFlowPolicy(_DistancePolicy):
     """KVFlow: distance = steps-to-execution from the Agent Step Graph."""
 
     name = "kvflow"
+    incremental = True
 
     def __init__(self, book: StepBook) -> None:
         self.book = book
@@ -219,12 +258,7 @@ class BeladyPolicy(_DistancePolicy):
 
 
 EVICTION: Registry[EvictionPolicy] = Registry("eviction")
-
-
-@partial(EVICTION.register, "lru")
-def _lru(context: PolicyContext) -> EvictionPolicy:
-    """least recently used first (SGLang's default)"""
-    return LRUPolicy()
+EVICTION.register("lru", lambda context: LRUPolicy(), "least recently used first (SGLang's default)")
 
 
 @partial(EVICTION.register, "kvflow")

@@ -58,12 +58,7 @@ class StepsAheadPrefetch:
 
 
 PREFETCH: Registry[PrefetchPolicy] = Registry("prefetch")
-
-
-@partial(PREFETCH.register, "none")
-def _none(context: PolicyContext) -> PrefetchPolicy:
-    """never prefetch (loads happen on demand)"""
-    return NoPrefetch()
+PREFETCH.register("none", lambda context: NoPrefetch(), "never prefetch (loads happen on demand)")
 
 
 @partial(PREFETCH.register, "steps-ahead")
@@ -151,13 +146,9 @@ class TieredCacheTarget:
         # copies being loaded, whatever their tags say.
         cache.tree.lock(match.last)
         try:
-            node_distance = getattr(cache.eviction, "node_distance", None)
-            if node_distance is not None:
-                def farther(node: RadixNode) -> bool:
-                    return node_distance(node) > steps
-                ok, writebacks = cache.make_room(need + reserved, farther)
-            else:
-                ok, writebacks = cache.make_room(need + reserved)
+            # a distance policy says which nodes are needed as soon as this agent: those stay
+            needed_by = getattr(cache.eviction, "needed_by", None)
+            ok, writebacks = cache.make_room(need + reserved, None if needed_by is None else needed_by(steps))
             if not ok:
                 if writebacks:  # room comes once these copies finish; the engine must still run them
                     self.ops.append(PrefetchOp(tag, steps, [], 0, writebacks))

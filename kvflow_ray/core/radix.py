@@ -70,6 +70,7 @@ class RadixNode:
     loaded_at: float = 0.0  # engine clock when its latest host -> device load landed (stall accounting)
     # cached min-distance for the eviction policy: (policy version, value)
     prio_cache: tuple[int, float] = (-1, 0.0)
+    rank_stamp: int = 0  # the eviction index's entry for this node is current iff it carries this stamp
 
     @property
     def tier(self) -> Tier:
@@ -175,6 +176,9 @@ class RadixTree:
         # can return its pages (TieredCache frees nodes deep inside eviction)
         self.on_free: Callable[[RadixNode, str, object], None] | None = None
         self._by_workflow: dict[str, set[RadixNode]] = {}
+        # nodes whose eviction rank may have changed (last access, tags) or that became device leaves
+        # since the eviction index last looked: it re-ranks exactly these (insertion-ordered set)
+        self.rank_dirty: dict[RadixNode, None] = {}
         # agents each workflow has tagged, so retiring it discards exactly its tags: a node shared by
         # thousands of workflows is never rebuilt tag by tag
         self._agents_by_workflow: dict[str, set[str]] = {}
@@ -226,8 +230,10 @@ class RadixTree:
 
     def touch(self, path: Iterable[RadixNode]) -> None:
         self.clock += 1
+        dirty = self.rank_dirty
         for node in path:
             node.last_access = self.clock
+            dirty[node] = None
 
     # ------------------------------------------------------------------ structure
     def split(self, node: RadixNode, at: int) -> RadixNode:
@@ -305,6 +311,7 @@ class RadixTree:
             nodes = self._by_workflow.get(wf)
             if nodes is not None:
                 nodes.discard(node)
+        self.rank_dirty.pop(node, None)
         node.parent = None
 
     # ------------------------------------------------------------------ tiers
@@ -327,9 +334,11 @@ class RadixTree:
             parent.n_gpu_children -= 1
             if parent.n_gpu_children == 0 and parent.gpu is GpuState.READY and parent is not self.root:
                 self.gpu_leaves.add(parent)
+                self.rank_dirty[parent] = None
         node.gpu = state
         if state is GpuState.READY and node.n_gpu_children == 0:
             self.gpu_leaves.add(node)
+            self.rank_dirty[node] = None
         else:
             self.gpu_leaves.discard(node)
 
@@ -412,6 +421,7 @@ class RadixTree:
             if tag not in node.tags:
                 node.tags.add(tag)
                 node.prio_cache = (-1, 0.0)  # its distance may change: recompute on next use
+                self.rank_dirty[node] = None
                 wf_nodes.add(node)
         return match.path
 
@@ -423,6 +433,7 @@ class RadixTree:
             for agent in agents:
                 node.tags.discard((workflow, agent))
             node.prio_cache = (-1, 0.0)
+            self.rank_dirty[node] = None
         return len(nodes)
 
     # ------------------------------------------------------------------ inspection
