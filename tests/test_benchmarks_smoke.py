@@ -81,3 +81,17 @@ def test_soak_tiny(tmp_path: Path) -> None:
     assert final["redis"]["dbsize"] <= final["live_clients"] + keys.get("loc", 0) + 5, keys
     plot = out.with_suffix(".png")
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_scale_quick(tmp_path: Path) -> None:
+    """benchmarks/scale.py --quick: every section runs, lru and kvflow side by side, and writes its JSON
+    and plot where told."""
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--quick", "--no-progress",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "scale.json").read_text())["rows"]
+    assert {row["bench"] for row in rows} == {"eviction", "prefetch", "simulator", "router"}
+    assert {row["params"]["policy"] for row in rows if row["bench"] == "simulator"} == {"lru", "kvflow"}
+    assert all(value > 0 for row in rows for value in row["result"].values())
+    assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

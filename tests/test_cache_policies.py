@@ -965,3 +965,67 @@ def test_the_eviction_index_evicts_exactly_what_a_full_rescan_would(policy: str,
                     cache.finish_offload(node)
         assert device_sequences(caches[0]) == device_sequences(caches[1])
         caches[0].index.check()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_prefetch_candidates_plan_exactly_what_the_whole_book_plans(seed: int) -> None:
+    """Differential: planning over `PrefetchCandidates` (agents with nothing to load set aside until
+    their workflow or their prompt's subtree changes) starts the same loads, in the same order, as
+    planning over the whole step book, through inserts, evictions, loads and step changes."""
+    import random
+
+    from kvflow_ray.core.prefetch import PrefetchCandidates
+
+    rng = random.Random(seed)
+    book = StepBook()
+    caches = [TieredCache(48, make_eviction_policy("kvflow", book), cpu_capacity=200, host_tier=True) for _ in range(2)]
+    candidates = PrefetchCandidates(book, caches[1].tree)
+    policy = StepsAheadPrefetch(horizon=1, max_inflight=2)
+    shared = (7, 7, 7)
+    prompts = {(f"w{w}", a): (shared if rng.random() < 0.5 else ()) + tuple(rng.randrange(6) for _ in range(4))
+               for w in range(4) for a in "abc"}
+    for tag, tokens in prompts.items():
+        book.register_prompt(tag, tokens)
+    loading: list[list[list[RadixNode]]] = [[], []]
+    for _step in range(150):
+        op = rng.random()
+        if op < 0.35:
+            tag = rng.choice(sorted(prompts))
+            seq = prompts[tag] + tuple(rng.randrange(6) for _ in range(rng.randrange(0, 3)))
+            for cache in caches:
+                m = cache.match(seq)
+                cache.tree.lock(m.last)
+                _ready, pending, host = m.split_by_tier()
+                need = len(seq) - m.length
+                ok, writebacks = cache.make_room(need + sum(len(n.key) for n in host))
+                for node in writebacks:
+                    cache.finish_offload(node)
+                if ok and not pending:
+                    for node in host:
+                        cache.start_load([node])
+                        cache.finish_load(node)
+                    cache.alloc(need)
+                    cache.commit(seq, need)
+                    cache.tree.tag_prefix(prompts[tag], tag)
+                cache.tree.unlock(m.last)
+        elif op < 0.6:
+            book.set_steps(f"w{rng.randrange(4)}", {a: rng.choice([0, 1, 2, INF]) for a in "abc"})
+        elif op < 0.7:
+            for i, cache in enumerate(caches):  # loads in flight land
+                for nodes in loading[i]:
+                    for node in nodes:
+                        cache.finish_load(node)
+                loading[i] = []
+        else:
+            candidates.refresh()
+            plans = [plan_prefetch(caches[0], policy, book, len(loading[0])),
+                     plan_prefetch(caches[1], policy, candidates, len(loading[1]))]
+            assert [(op.tag, [n.sequence() for n in op.nodes]) for op in plans[0]] == \
+                   [(op.tag, [n.sequence() for n in op.nodes]) for op in plans[1]]
+            for i, (cache, plan) in enumerate(zip(caches, plans, strict=True)):
+                for op in plan:
+                    for node in op.writebacks:
+                        cache.finish_offload(node)
+                    if op.nodes:
+                        loading[i].append(op.nodes)
+        assert device_sequences(caches[0]) == device_sequences(caches[1])

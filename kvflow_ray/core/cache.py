@@ -50,7 +50,8 @@ class TieredCache:
         self.prefetches = PrefetchLedger()
         # last node of each agent's fixed prompt once fully cached: device residency is prefix-closed,
         # so "this node is READY" answers "is the whole prompt on the device?" without a tree walk
-        self.prompt_tails: dict[Tag, RadixNode] = {}
+        # (workflow -> agent -> node, so retiring a workflow touches only its own)
+        self.prompt_tails: dict[str, dict[str, RadixNode]] = {}
         self._host_heap: list[tuple[tuple[float, ...], int, RadixNode]] | None = None
         # device leaves in eviction order, kept current by what changed (policies whose keys allow it)
         self.index = EvictionIndex(self) if getattr(eviction, "incremental", False) else None
@@ -102,20 +103,19 @@ class TieredCache:
 
     def prompt_on_device(self, tag: Tag, namespace: str = "") -> bool:
         """Whether the agent's whole fixed prompt is on the device in `namespace` (its workflow's)."""
-        tail = self.prompt_tails.get(tag)
+        tail = self.prompt_tails.get(tag[0], {}).get(tag[1])
         return (tail is not None and tail.parent is not None and tail.gpu is GpuState.READY
                 and tail.namespace == namespace)
 
     def remember_prompt(self, tag: Tag, tokens: Sequence[int], match: Match) -> None:
         """`match` is the look-up of the agent's fixed prompt `tokens` in its workflow's namespace."""
         if match.last is not None and match.length == len(tokens) - len(tokens) % self.tree.page_size:
-            self.prompt_tails[tag] = match.last
+            self.prompt_tails.setdefault(tag[0], {})[tag[1]] = match.last
 
     def retire_workflow(self, workflow: str) -> None:
         """A finished workflow instance: its prompts lose their tags (they go before live ones)."""
         self.tree.untag_workflow(workflow)
-        for tag in [t for t in self.prompt_tails if t[0] == workflow]:
-            del self.prompt_tails[tag]
+        self.prompt_tails.pop(workflow, None)
 
     # ------------------------------------------------------------------ eviction
     def _evictable(self, node: RadixNode) -> bool:

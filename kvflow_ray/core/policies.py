@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Protocol
 
@@ -21,6 +21,40 @@ from kvflow_ray.core.radix import RadixNode, Tag
 from kvflow_ray.core.registry import PolicyContext, Registry
 
 INF = math.inf
+
+
+class NearMap(dict[Tag, float]):
+    """Agents near execution: tag -> steps-to-execution, also kept in (steps, tag) order, so the
+    nearest are read without sorting every live workflow. Write through `[]=` and `pop` only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._order: list[tuple[float, Tag]] = []
+
+    def __setitem__(self, tag: Tag, steps: float) -> None:
+        old = dict.get(self, tag)
+        if old is not None:
+            self._unorder(old, tag)
+        dict.__setitem__(self, tag, steps)
+        bisect.insort(self._order, (steps, tag))
+
+    def pop(self, tag: Tag, default: float | None = None) -> float | None:  # type: ignore[override]
+        if tag not in self:
+            return default
+        steps = dict.pop(self, tag)
+        self._unorder(steps, tag)
+        return steps
+
+    def __delitem__(self, tag: Tag) -> None:
+        self.pop(tag)
+
+    def _unorder(self, steps: float, tag: Tag) -> None:
+        del self._order[bisect.bisect_left(self._order, (steps, tag))]
+
+    def ordered(self) -> Iterator[tuple[Tag, float]]:
+        """(tag, steps), nearest first (ties by tag); safe to change the map while iterating."""
+        for steps, tag in list(self._order):
+            yield tag, steps
 
 
 class StepBook:
@@ -40,7 +74,7 @@ class StepBook:
         self.near_horizon = near_horizon
         # agents with E <= near_horizon that this replica may prefetch for, so prefetch planning never
         # scans every live workflow (an agent the router sends elsewhere is not among them)
-        self.near: dict[Tag, float] = {}
+        self.near = NearMap()
         # workflow -> the version of its latest change of steps, oldest first, so an eviction index
         # re-ranks only the nodes of workflows that changed (`changed_since`); bounded: a reader
         # further behind than the oldest kept change re-ranks everything
@@ -98,6 +132,10 @@ class StepBook:
 
     def live(self, workflow: str) -> bool:
         return workflow in self._steps
+
+    def agents(self, workflow: str) -> Iterable[str]:
+        """The agents `workflow`'s latest steps name (none once it retired)."""
+        return self._steps.get(workflow, {}).keys()
 
     def apply(self, steps: Mapping[str, Mapping[str, float]], prompts: Mapping[Tag, Sequence[int]],
               retire: Iterable[str], salts: Mapping[str, str] | None = None,

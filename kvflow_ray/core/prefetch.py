@@ -18,16 +18,28 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
-from kvflow_ray.core.policies import StepBook
+from kvflow_ray.core.policies import NearMap, StepBook
 from kvflow_ray.core.radix import RadixNode, Tag
 from kvflow_ray.core.registry import PolicyContext, Registry
+
+
+class NearAgents(Protocol):
+    """What a prefetch policy reads: the agents near execution (`near`: tag -> steps-to-execution)
+    and their fixed prompts. A `StepBook` is one; a cache's `PrefetchCandidates` is the book minus
+    the agents it knows it has nothing to load for."""
+
+    near: NearMap
+
+    def prompt(self, tag: Tag) -> tuple[int, ...] | None: ...
+
+    def salt(self, workflow: str) -> str: ...
 
 
 class PrefetchPolicy(Protocol):
     name: str
     max_inflight: int  # prefetch loads in flight at once (0: this policy never prefetches)
 
-    def choose(self, book: StepBook) -> Iterable[tuple[Tag, float]]:
+    def choose(self, book: NearAgents) -> Iterable[tuple[Tag, float]]:
         """Agents to prefetch for, nearest first, with their steps-to-execution."""
         ...
 
@@ -36,7 +48,7 @@ class NoPrefetch:
     name = "none"
     max_inflight = 0
 
-    def choose(self, book: StepBook) -> Iterable[tuple[Tag, float]]:
+    def choose(self, book: NearAgents) -> Iterable[tuple[Tag, float]]:
         return ()
 
 
@@ -52,9 +64,11 @@ class StepsAheadPrefetch:
         self.horizon = horizon
         self.max_inflight = max_inflight
 
-    def choose(self, book: StepBook) -> Iterable[tuple[Tag, float]]:
-        near = sorted((e, tag) for tag, e in book.near.items() if e <= self.horizon)
-        return [(tag, e) for e, tag in near]
+    def choose(self, book: NearAgents) -> Iterable[tuple[Tag, float]]:
+        for tag, e in book.near.ordered():
+            if e > self.horizon:
+                return
+            yield tag, e
 
 
 PREFETCH: Registry[PrefetchPolicy] = Registry("prefetch")
@@ -91,11 +105,14 @@ class PrefetchTarget(Protocol):
     def load_prompt(self, tag: Tag, tokens: Sequence[int], namespace: str, steps: float, reserved: int) -> Load: ...
 
 
-def plan_loads(policy: PrefetchPolicy, book: StepBook, inflight: int, target: PrefetchTarget,
+def plan_loads(policy: PrefetchPolicy, book: NearAgents, inflight: int, target: PrefetchTarget,
                reserved: int = 0) -> int:
     """Start the loads `policy` asks for, nearest first, while fewer than `policy.max_inflight`
-    are in flight and each fits; returns how many started. `reserved`: `queued_need(...)`."""
+    are in flight and each fits; returns how many started. `reserved`: `queued_need(...)`. With
+    `PrefetchCandidates` as the book, an agent found to have nothing to load is set aside until
+    that can change."""
     started = 0
+    park = getattr(book, "park", None)
     for tag, steps in policy.choose(book):
         if inflight + started >= policy.max_inflight:
             break
@@ -103,13 +120,98 @@ def plan_loads(policy: PrefetchPolicy, book: StepBook, inflight: int, target: Pr
         if tokens is None:
             continue
         # the prompt is cached where its workflow's requests put it (their namespace)
-        outcome = target.load_prompt(tag, tokens, book.salt(tag[0]), steps, reserved)
+        namespace = book.salt(tag[0])
+        outcome = target.load_prompt(tag, tokens, namespace, steps, reserved)
         if outcome is Load.NO_ROOM:
             # a farther agent's budget is never larger (it may evict fewer nodes): stop here
             break
         if outcome is Load.STARTED:
             started += 1
+        elif park is not None:
+            park(tag, tokens, namespace)
     return started
+
+
+class PrefetchCandidates:
+    """The step book as one cache's prefetch planning sees it: the agents near execution, minus those
+    a look-up here found nothing to load for (their prompt on the device or loading, or not on the
+    host tier), until something that could change that answer happens: their workflow's steps
+    change, or the subtree of the tree their prompt lies in changes (structure or tiers; the tree
+    reports the root's children that changed). A look-up's answer (and what it splits) is a function
+    of that subtree alone, so setting an agent aside changes no decision; planning then costs what
+    changed, not every live workflow."""
+
+    def __init__(self, book: StepBook, tree: Any) -> None:
+        self.book = book
+        self.tree = tree  # radix.RadixTree (its changed_tops / new_top_keys)
+        tree.track_tops = True
+        self.near = NearMap()
+        self._agents: dict[str, set[str]] = {}  # workflow -> its agents in `near` or set aside
+        for tag, e in book.near.items():
+            self._add(tag, e)
+        self.seen = book.version
+        self._parked: set[Tag] = set()
+        self._at_top: dict[Any, set[Tag]] = {}  # root child -> agents set aside on a look-up under it
+        self._at_key: dict[Any, set[Tag]] = {}  # root child key with no node yet -> agents set aside
+
+    def prompt(self, tag: Tag) -> tuple[int, ...] | None:
+        return self.book.prompt(tag)
+
+    def salt(self, workflow: str) -> str:
+        return self.book.salt(workflow)
+
+    def park(self, tag: Tag, tokens: Sequence[int], namespace: str) -> None:
+        key, top = self.tree.top_of(tokens, namespace)
+        self.near.pop(tag, None)
+        self._parked.add(tag)
+        (self._at_key.setdefault(key, set()) if top is None else self._at_top.setdefault(top, set())).add(tag)
+
+    def _add(self, tag: Tag, e: float) -> None:
+        self.near[tag] = e
+        self._agents.setdefault(tag[0], set()).add(tag[1])
+
+    def _unpark(self, tags: Iterable[Tag]) -> None:
+        near = self.book.near
+        for tag in tags:
+            if tag in self._parked:
+                self._parked.discard(tag)
+                e = near.get(tag)
+                if e is not None:
+                    self._add(tag, e)
+
+    def refresh(self) -> None:
+        """Take in what changed since the last plan: steps of workflows, subtrees of the tree."""
+        book, tree = self.book, self.tree
+        if book.version != self.seen:
+            changed = book.changed_since(self.seen)
+            self.seen = book.version
+            if changed is None:  # too far behind: start over
+                self.near, self._agents = NearMap(), {}
+                for tag, e in book.near.items():
+                    self._add(tag, e)
+                self._parked.clear()
+                self._at_top.clear()
+                self._at_key.clear()
+            else:
+                for workflow in changed:
+                    self._refresh_workflow(workflow)
+        for top in tree.changed_tops:
+            self._unpark(self._at_top.pop(top, ()))
+        tree.changed_tops.clear()
+        for key in tree.new_top_keys:
+            self._unpark(self._at_key.pop(key, ()))
+        tree.new_top_keys.clear()
+
+    def _refresh_workflow(self, workflow: str) -> None:
+        """Its steps changed (or it retired): its agents' entries are the book's again."""
+        for agent in self._agents.pop(workflow, ()):
+            self.near.pop((workflow, agent), None)
+            self._parked.discard((workflow, agent))
+        near = self.book.near
+        for agent in self.book.agents(workflow):
+            e = near.get((workflow, agent))
+            if e is not None:
+                self._add((workflow, agent), e)
 
 
 @dataclass
@@ -160,7 +262,7 @@ class TieredCacheTarget:
             cache.tree.unlock(match.last)
 
 
-def plan_prefetch(cache: Any, policy: PrefetchPolicy, book: StepBook, inflight: int,
+def plan_prefetch(cache: Any, policy: PrefetchPolicy, book: NearAgents, inflight: int,
                   reserved_tokens: int = 0) -> list[PrefetchOp]:
     """`plan_loads` on a `TieredCache`: the loads started (and write-backs to run) as ops."""
     target = TieredCacheTarget(cache)

@@ -71,6 +71,8 @@ class RadixNode:
     # cached min-distance for the eviction policy: (policy version, value)
     prio_cache: tuple[int, float] = (-1, 0.0)
     rank_stamp: int = 0  # the eviction index's entry for this node is current iff it carries this stamp
+    # (on the root's children) bumped by every change of structure or tier state in this subtree
+    subtree_version: int = 0
 
     @property
     def tier(self) -> Tier:
@@ -179,6 +181,12 @@ class RadixTree:
         # nodes whose eviction rank may have changed (last access, tags) or that became device leaves
         # since the eviction index last looked: it re-ranks exactly these (insertion-ordered set)
         self.rank_dirty: dict[RadixNode, None] = {}
+        # the root's children whose subtree changed (structure or tiers) since a reader last drained
+        # it, and the child keys under the root that gained a node: what a look-up of a prompt in them
+        # finds may differ now (prefetch planning re-checks exactly these prompts)
+        self.changed_tops: dict[RadixNode, None] = {}
+        self.new_top_keys: dict[ChildKey, None] = {}
+        self.track_tops = False  # whether anyone reads them (a prefetch planner turns it on)
         # agents each workflow has tagged, so retiring it discards exactly its tags: a node shared by
         # thousands of workflows is never rebuilt tag by tag
         self._agents_by_workflow: dict[str, set[str]] = {}
@@ -235,6 +243,21 @@ class RadixTree:
             node.last_access = self.clock
             dirty[node] = None
 
+    def top_of(self, tokens: Sequence[int], namespace: str = "") -> tuple[ChildKey, RadixNode | None]:
+        """The root's child a look-up of `tokens` in `namespace` starts at (None: no such child yet),
+        with its key."""
+        key = self.child_key(self.root, tokens, namespace)
+        return key, self.root.children.get(key)
+
+    def _subtree_changed(self, node: RadixNode) -> None:
+        """`node` changed structure or tier: bump the version of the root's child above it."""
+        while node.parent is not None and node.parent is not self.root:
+            node = node.parent
+        if node.parent is self.root:
+            node.subtree_version += 1
+            if self.track_tops:
+                self.changed_tops[node] = None
+
     # ------------------------------------------------------------------ structure
     def split(self, node: RadixNode, at: int) -> RadixNode:
         """Split `node` after `at` tokens; returns the new upper node. Tags, locks, tiers and payloads
@@ -244,6 +267,7 @@ class RadixTree:
         parent = node.parent
         assert parent is not None
         self.version += 1
+        self._subtree_changed(node)
         upper = RadixNode(
             key=node.key[:at], parent=parent, gpu=node.gpu, cpu=node.cpu, lock_ref=node.lock_ref,
             last_access=node.last_access, tags=set(node.tags), namespace=node.namespace,
@@ -293,6 +317,8 @@ class RadixTree:
             child = RadixNode(key=rest, parent=parent, namespace=namespace,
                               gpu_value=_slice(gpu_value, match.length, len(key)))
             parent.children[self._key_of(child)] = child
+            if parent is self.root and self.track_tops:
+                self.new_top_keys[self._key_of(child)] = None
             self._set_gpu(child, GpuState.READY)
             new_tokens += len(child.key)
             if adopted is not None:
@@ -306,6 +332,7 @@ class RadixTree:
         assert node.gpu is GpuState.NONE and not node.cpu and not node.children, node
         assert node.parent is not None
         self.version += 1
+        self._subtree_changed(node)
         del node.parent.children[self._key_of(node)]
         for wf, _agent in node.tags:
             nodes = self._by_workflow.get(wf)
@@ -321,6 +348,7 @@ class RadixTree:
         if old is state:
             return
         self.version += 1
+        self._subtree_changed(node)
         parent = node.parent
         assert parent is not None
         if node.lock_ref and (old is GpuState.NONE or state is GpuState.NONE):
@@ -346,6 +374,7 @@ class RadixTree:
         was = node.cpu
         if was != present:
             self.version += 1
+            self._subtree_changed(node)
             self.cpu_tokens += len(node.key) if present else -len(node.key)
         old, node.cpu = node.cpu_value, present
         node.cpu_value = value if present else None

@@ -17,7 +17,14 @@ from typing import Protocol
 from kvflow_ray.core.admission import ADMISSION, AdmissionPolicy
 from kvflow_ray.core.cache import TieredCache
 from kvflow_ray.core.policies import EVICTION, FutureAccesses, StepBook
-from kvflow_ray.core.prefetch import PREFETCH, PrefetchLedger, PrefetchPolicy, plan_prefetch, queued_need
+from kvflow_ray.core.prefetch import (
+    PREFETCH,
+    PrefetchCandidates,
+    PrefetchLedger,
+    PrefetchPolicy,
+    plan_prefetch,
+    queued_need,
+)
 from kvflow_ray.core.radix import GpuState, RadixNode, Tag
 from kvflow_ray.core.registry import PolicyContext
 from kvflow_ray.core.snapshot import EngineSnapshot
@@ -182,6 +189,7 @@ class ReplicaScheduler:
         self.waiting: list[CacheRequest] = []
         self.running: list[CacheRequest] = []
         self.prefetch_inflight = 0
+        self.candidates: PrefetchCandidates | None = None  # built at the first plan
         self._last_plan: tuple[int, ...] | None = None
         self.queued_reserved = 0  # see _start_queued_loads
         self.stats = ReplicaStats(prefetch=cache.prefetches)
@@ -275,7 +283,10 @@ class ReplicaScheduler:
         self._last_plan = key
         # what queued requests still need on the device (their uncached prompt part and output)
         reserved = queued_need((len(r.tokens), r.ready_at_arrival, r.max_new) for r in self.waiting)
-        for op in plan_prefetch(self.cache, self.prefetcher, self.book, self.prefetch_inflight, reserved):
+        if self.candidates is None:
+            self.candidates = PrefetchCandidates(self.book, self.cache.tree)
+        self.candidates.refresh()
+        for op in plan_prefetch(self.cache, self.prefetcher, self.candidates, self.prefetch_inflight, reserved):
             self.copier.write_back(op.writebacks)
             if op.nodes:
                 self.prefetch_inflight += 1

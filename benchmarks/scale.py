@@ -1,0 +1,266 @@
+"""How the policy brain's cost grows with the fleet: per-decision work should grow with what changed,
+not with everything. Pure Python, no Ray, one process; lru and kvflow side by side in one run.
+
+1. eviction: one `TieredCache.make_room` decision (evicting one leaf, right after one workflow's
+   steps changed) vs device leaves (1k, 10k, 100k), with the incremental eviction index and with a
+   full rescan of every device leaf (what the cache did before the index; too slow past 10k).
+2. prefetch: planning after one hint (one workflow's steps change) vs live workflows (100, 1k, 10k),
+   through `PrefetchCandidates` (what the scheduler uses) and straight over the step book (before).
+3. simulator: wall time of the concurrent scenario vs workflows (30 → 300) on 8 replicas and vs
+   replicas (1 → 64), lru and kvflow.
+4. router: `RouterCore` start+end pairs/s and `finish_client` p99 vs live clients (1k → 100k) on 8
+   replicas and vs replicas (2 → 32) at 10k clients (in-process store, no Ray).
+
+Run: python benchmarks/scale.py [--quick] [--out DIR]. Progress on stderr, a table on stdout, JSON
+and a log-log plot (cost vs size) in DIR (default benchmarks/results; --quick writes nowhere unless
+--out is given, so quick data never replaces full-grid data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from kvflow_ray.core.cache import TieredCache
+from kvflow_ray.core.policies import StepBook, make_eviction_policy
+from kvflow_ray.core.prefetch import PrefetchCandidates, StepsAheadPrefetch, plan_prefetch
+from kvflow_ray.engines.base import CacheEvent
+from kvflow_ray.engines.sim import workload
+from kvflow_ray.engines.sim.profile import load_profile
+from kvflow_ray.engines.sim.runner import simulate
+from kvflow_ray.serve.router_core import RouterCore
+from kvflow_ray.serve.store import MemoryStore
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PAGE = 16  # tokens per leaf
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+    return {"p50_ms": statistics.median(ordered) * 1e3, "p99_ms": p99 * 1e3}
+
+
+# ---------------------------------------------------------------------------------------------- 1. eviction
+def eviction(policy: str, leaves: int, *, index: bool, decisions: int) -> dict[str, float]:
+    """`leaves` device leaves under a shared 32-token preamble, tagged by 1,000 workflows; each
+    decision follows one workflow's steps update and evicts one leaf (a new one replaces it)."""
+    book = StepBook()
+    cache = TieredCache(leaves * PAGE + 64, make_eviction_policy(policy, book), cpu_capacity=0)
+    if not index:
+        cache.index = None
+    rng = random.Random(0)
+    preamble = tuple(range(100_000, 100_032))
+    workflows = min(1000, leaves)
+    for i in range(leaves):
+        seq = preamble + (i,) * PAGE
+        new = len(seq) if i == 0 else PAGE
+        cache.alloc(new)
+        cache.commit(seq, new)
+        cache.tree.tag_prefix(seq, (f"w{i % workflows}", f"a{i}"))
+    for w in range(workflows):
+        book.set_steps(f"w{w}", {f"a{i}": rng.choice([0, 1, 2, 3]) for i in range(w, leaves, workflows)})
+    cache.make_room(cache.free_tokens + PAGE)  # the first decision builds the index
+    times = []
+    for k in range(decisions):
+        w = rng.randrange(workflows)
+        book.set_steps(f"w{w}", {f"a{i}": rng.choice([0, 1, 2, 3]) for i in range(w, leaves, workflows)})
+        started = time.perf_counter()
+        cache.make_room(cache.free_tokens + PAGE)
+        times.append(time.perf_counter() - started)
+        seq = preamble + (leaves + k,) * PAGE
+        cache.alloc(PAGE)
+        cache.commit(seq, PAGE)
+    return _percentiles(times)
+
+
+# ---------------------------------------------------------------------------------------------- 2. prefetch
+def prefetch(live: int, *, candidates: bool, hints: int) -> dict[str, float]:
+    """`live` workflows of 4 agents, 2 near execution each; 1 in 8 has its prompts cached here (on the
+    device), the rest live on other replicas. Each hint moves one workflow one step; planning follows."""
+    book = StepBook()
+    cache = TieredCache(1 << 22, make_eviction_policy("kvflow", book), cpu_capacity=1 << 22, host_tier=True)
+    rng = random.Random(1)
+    for w in range(live):
+        for a in range(4):
+            prompt = (w, a, *range(62))
+            book.register_prompt((f"w{w}", f"a{a}"), prompt)
+            if w % 8 == 0:
+                cache.alloc(len(prompt))
+                cache.commit(prompt, len(prompt))
+        book.set_steps(f"w{w}", {f"a{a}": float((a - w) % 4) for a in range(4)})
+    policy = StepsAheadPrefetch(horizon=1, max_inflight=4)
+    source = PrefetchCandidates(book, cache.tree) if candidates else book
+    if isinstance(source, PrefetchCandidates):  # the first plan looks every agent up once
+        source.refresh()
+    plan_prefetch(cache, policy, source, 0)
+    times = []
+    for k in range(hints):
+        w = rng.randrange(live)
+        book.set_steps(f"w{w}", {f"a{a}": float((a - w - k) % 4) for a in range(4)})
+        started = time.perf_counter()
+        if isinstance(source, PrefetchCandidates):
+            source.refresh()
+        plan_prefetch(cache, policy, source, 0)
+        times.append(time.perf_counter() - started)
+    return _percentiles(times)
+
+
+# ---------------------------------------------------------------------------------------------- 3. simulator
+def simulator(policy: str, tasks: int, replicas: int) -> dict[str, float]:
+    started = time.perf_counter()
+    result, _sim = simulate(workload.concurrent(tasks=tasks, fixed=1024), load_profile("a10g-llama3.1-8b"), policy,
+                            replicas=replicas)
+    return {"wall_s": time.perf_counter() - started, "latency_s": result["latency_s"]}
+
+
+# ---------------------------------------------------------------------------------------------- 4. router
+SPEC = {"name": "loop", "entry": "planner", "agents": {
+    "planner": {"prompt": "You plan.", "after": ["reviewer"]}, "executor": {"prompt": "You do.", "after": ["planner"]},
+    "reviewer": {"prompt": "You check.", "after": ["executor"]}}}
+AGENTS = ("planner", "executor", "reviewer")
+
+
+def router(clients: int, replicas: int, *, pairs: int) -> dict[str, float]:
+    core = RouterCore(MemoryStore(ttl_s=3600))
+    for r in range(replicas):
+        core.add_replica(f"r{r}")
+        core.cache_events(f"r{r}", [CacheEvent("stored", "gpu", f"p{a}-{r}", 64) for a in AGENTS])
+    tenants = [f"t{t}" for t in range(-(-clients // 5000))]  # within each tenant's live-client limit
+    for tenant in tenants:
+        core.put_template(tenant, SPEC)
+
+    def tenant(c: int) -> str:
+        return tenants[c % len(tenants)]
+
+    for c in range(clients):
+        route = core.start_call(tenant(c), f"c{c}", "planner", workflow="loop",
+                                prefix_hash=f"pplanner-{c % replicas}", prefix_tokens=64)
+        core.end_call(tenant(c), f"c{c}", "planner", route.replica)
+    rng = random.Random(2)
+    step = dict(zip(AGENTS, AGENTS[1:] + AGENTS[:1], strict=True))
+    current = {c: "planner" for c in range(clients)}
+    started = time.perf_counter()
+    for _ in range(pairs):
+        c = rng.randrange(clients)
+        agent = current[c] = step[current[c]]
+        route = core.start_call(tenant(c), f"c{c}", agent, prefix_hash=f"p{agent}-{c % replicas}", prefix_tokens=64)
+        core.end_call(tenant(c), f"c{c}", agent, route.replica)
+        for r in range(replicas):  # the replicas pull their hints, as they do when serving
+            core.take_hints(f"r{r}")
+    elapsed = time.perf_counter() - started
+    finish = []
+    for c in rng.sample(range(clients), min(clients, 500)):
+        t = time.perf_counter()
+        core.finish_client(tenant(c), f"c{c}")
+        finish.append(time.perf_counter() - t)
+    return {"pairs_per_s": pairs / elapsed, **{f"finish_{k}": v for k, v in _percentiles(finish).items()}}
+
+
+# ---------------------------------------------------------------------------------------------- running
+def grid(quick: bool) -> list[tuple[str, dict[str, Any], Callable[[], dict[str, float]]]]:
+    runs: list[tuple[str, dict[str, Any], Callable[[], dict[str, float]]]] = []
+    decisions = 50 if quick else 300
+    for leaves in ((1000, 10_000) if quick else (1000, 10_000, 100_000)):
+        for policy in ("lru", "kvflow"):
+            runs.append(("eviction", {"policy": policy, "leaves": leaves, "index": True},
+                         lambda p=policy, n=leaves: eviction(p, n, index=True, decisions=decisions)))
+            if leaves <= 10_000:
+                runs.append(("eviction", {"policy": policy, "leaves": leaves, "index": False},
+                             lambda p=policy, n=leaves: eviction(p, n, index=False, decisions=decisions)))
+    for live in ((100, 1000) if quick else (100, 1000, 10_000)):
+        for candidates in (True, False):
+            runs.append(("prefetch", {"live_workflows": live, "candidates": candidates},
+                         lambda n=live, c=candidates: prefetch(n, candidates=c, hints=50 if quick else 300)))
+    for tasks, replicas in ([(30, 8)] if quick else [(30, 8), (100, 8), (300, 8), (100, 1), (100, 64)]):
+        for policy in ("lru", "kvflow"):
+            runs.append(("simulator", {"policy": policy, "workflows": tasks, "replicas": replicas},
+                         lambda p=policy, t=tasks, r=replicas: simulator(p, t, r)))
+    router_grid = [(1000, 8)] if quick else [(1000, 8), (10_000, 8), (100_000, 8), (10_000, 2), (10_000, 32)]
+    for clients, replicas in router_grid:
+        runs.append(("router", {"clients": clients, "replicas": replicas},
+                     lambda c=clients, r=replicas: router(c, r, pairs=500 if quick else 3000)))
+    return runs
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = []
+    for row in rows:
+        params = " ".join(f"{k}={v}" for k, v in row["params"].items())
+        values = " ".join(f"{k}={v:.4g}" for k, v in row["result"].items())
+        lines.append(f"{row['bench']:<10} {params:<48} {values}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    panels = [("eviction", "leaves", "p99_ms", ("policy", "index"), "eviction decision p99 (ms)"),
+              ("prefetch", "live_workflows", "p99_ms", ("candidates",), "prefetch plan per hint p99 (ms)"),
+              ("simulator", "workflows", "wall_s", ("policy",), "simulator wall (s), 8 replicas"),
+              ("router", "clients", "finish_p99_ms", (), "router finish p99 (ms), 8 replicas")]
+    for ax, (bench, x, y, series, title) in zip(axes, panels, strict=True):
+        groups: dict[str, list[tuple[float, float]]] = {}
+        for row in rows:
+            p = row["params"]
+            if row["bench"] != bench or (bench in ("simulator", "router") and p.get("replicas") != 8):
+                continue
+            label = ", ".join(f"{k}={p[k]}" for k in series) or bench
+            groups.setdefault(label, []).append((p[x], row["result"][y]))
+        for label, points in groups.items():
+            points.sort()
+            ax.plot([a for a, _ in points], [b for _, b in points], marker="o", label=label)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(x)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes only (a smoke run, about 20 s)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write scale.json and scale.png here (default: benchmarks/results, not with --quick)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    args = ap.parse_args(argv)
+    out = args.out if args.out is not None else (None if args.quick else RESULTS)
+    runs = grid(args.quick)
+    rows = []
+    with tqdm(total=len(runs), disable=args.no_progress, file=sys.stderr, unit="run") as bar:
+        for bench, params, fn in runs:
+            bar.set_description(f"{bench} {params}")
+            rows.append({"bench": bench, "params": params, "result": fn()})
+            bar.update()
+    print(table(rows))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        report = {"generated_by": "python benchmarks/scale.py" + (" --quick" if args.quick else ""),
+                  "machine": {"python": platform.python_version(),
+                              "processor": platform.processor() or platform.machine()},
+                  "rows": rows}
+        (out / "scale.json").write_text(json.dumps(report, indent=1) + "\n")
+        plot(rows, out / "scale.png")
+        print(f"wrote {out / 'scale.json'} and {out / 'scale.png'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
