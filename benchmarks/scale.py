@@ -9,7 +9,8 @@ not with everything. Pure Python, no Ray, one process; lru and kvflow side by si
 3. simulator: wall time of the concurrent scenario vs workflows (30 → 300) on 8 replicas and vs
    replicas (1 → 64), lru and kvflow.
 4. router: `RouterCore` start+end pairs/s and `finish_client` p99 vs live clients (1k → 100k) on 8
-   replicas and vs replicas (2 → 32) at 10k clients (in-process store, no Ray).
+   replicas and vs replicas (2 → 32) at 10k clients (in-process store, no Ray; every replica pulls its
+   merged hints once per 100 pairs, as batched wakeups do when serving).
 
 Run: python benchmarks/scale.py [--quick] [--out DIR]. Progress on stderr, a table on stdout, JSON
 and a log-log plot (cost vs size) in DIR (default benchmarks/results; --quick writes nowhere unless
@@ -151,13 +152,14 @@ def router(clients: int, replicas: int, *, pairs: int) -> dict[str, float]:
     step = dict(zip(AGENTS, AGENTS[1:] + AGENTS[:1], strict=True))
     current = {c: "planner" for c in range(clients)}
     started = time.perf_counter()
-    for _ in range(pairs):
+    for i in range(pairs):
         c = rng.randrange(clients)
         agent = current[c] = step[current[c]]
         route = core.start_call(tenant(c), f"c{c}", agent, prefix_hash=f"p{agent}-{c % replicas}", prefix_tokens=64)
         core.end_call(tenant(c), f"c{c}", agent, route.replica)
-        for r in range(replicas):  # the replicas pull their hints, as they do when serving
-            core.take_hints(f"r{r}")
+        if i % 100 == 99:  # the replicas pull their merged hints, as they do when serving (batched wakeups)
+            for r in range(replicas):
+                core.take_hints(f"r{r}")
     elapsed = time.perf_counter() - started
     finish = []
     for c in rng.sample(range(clients), min(clients, 500)):

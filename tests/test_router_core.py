@@ -83,8 +83,9 @@ def test_affinity_follows_cache_events(router: RouterCore) -> None:
 def test_hints_carry_steps_and_deviations_are_served_and_counted(router: RouterCore) -> None:
     route = router.start_call("acme", "c1", "planner", workflow="peer")
     assert not route.deviation
+    # the replica it runs on hears it (its next agent goes there too); r2 holds nothing of it: not told
     replicas = [replica for replica, _h in route.hints]
-    assert replicas == ["r1", "r2"]
+    assert replicas == [route.replica] and router.take_hints("r2") is None
     steps = route.hints[0][1].steps["acme/c1"]
     assert steps == {"planner": 0, "executor": 1, "expresser": 2, "reviewer": 3}
     router.end_call("acme", "c1", "planner", route.replica)
@@ -100,8 +101,7 @@ def test_hints_carry_steps_and_deviations_are_served_and_counted(router: RouterC
 
 
 def _steps(hints: list[tuple[str, Hints]], key: str) -> dict[str, float]:
-    """The instance's steps-to-execution: the least value any replica was told (replicas an agent will
-    not be routed to hear it one step past the prefetch horizon)."""
+    """The instance's steps-to-execution, as the replicas concerned are told them (all the same)."""
     told = [h.steps[key] for _replica, h in hints]
     return {agent: min(steps[agent] for steps in told) for agent in told[0]}
 
@@ -144,20 +144,25 @@ def test_bad_input(router: RouterCore) -> None:
 
 
 def test_hints_wait_in_an_outbox_per_replica_with_prompts_sent_once(router: RouterCore) -> None:
-    router.start_call("acme", "c1", "planner", workflow="peer")
-    for replica in ("r1", "r2"):
-        batch = router.take_hints(replica)
-        assert batch is not None and batch.steps["acme/c1"]["planner"] == 0
-        assert batch.prompts == {"acme/c1": {"planner": "You are the Planner."}}  # only agents with a prompt
-        assert router.take_hints(replica) is None  # taken
+    assert router.start_call("acme", "c1", "planner", workflow="peer").replica == "r1"
+    batch = router.take_hints("r1")
+    assert batch is not None and batch.steps["acme/c1"]["planner"] == 0
+    assert batch.prompts == {"acme/c1": {"planner": "You are the Planner."}}  # only agents with a prompt
+    assert router.take_hints("r1") is None  # taken
+    assert router.take_hints("r2") is None  # r2 holds nothing of it, and nothing of it goes there yet
     router.end_call("acme", "c1", "planner", "r1")
-    router.start_call("acme", "c1", "executor")
+    router.loads["r1"] = 10  # r1 busy: the executor goes to r2, which hears of the instance now
+    assert router.start_call("acme", "c1", "executor").replica == "r2"
+    router.loads["r1"] = 0
     batch = router.take_hints("r1")
     assert batch is not None and batch.steps["acme/c1"]["executor"] == 0 and not batch.prompts  # told already
-    router.end_call("acme", "c1", "executor", "r1")
-    router.finish_client("acme", "c1")
     batch = router.take_hints("r2")
-    assert batch is not None and batch.retire == ["acme/c1"] and "acme/c1" not in batch.steps
+    assert batch is not None and batch.steps["acme/c1"]["executor"] == 0 and batch.prompts  # its first time
+    router.end_call("acme", "c1", "executor", "r2")
+    router.finish_client("acme", "c1")
+    for replica in ("r1", "r2"):
+        batch = router.take_hints(replica)
+        assert batch is not None and batch.retire == ["acme/c1"] and "acme/c1" not in batch.steps
     router.remove_replica("r1")
     assert router.take_hints("r1") is None and router.pending_hints() == []
 
@@ -178,16 +183,21 @@ def test_a_cold_agent_goes_to_its_workflows_home_replica(router: RouterCore) -> 
 
 
 def test_prefetch_is_hinted_only_where_the_next_agent_will_run(router: RouterCore) -> None:
-    """Every replica hears the same steps (for eviction); the others hear that the next agent runs
-    elsewhere, so only the replica it will be routed to loads its prompt ahead."""
+    """The replicas a workflow ran on hear the same steps (for eviction); those its next agent will not
+    be routed to hear that it runs elsewhere, so only the one it will be routed to loads its prompt
+    ahead. A replica the workflow never touched hears nothing of it."""
+    router.add_replica("r3")
+    first = router.start_call("acme", "c1", "planner", workflow="peer")  # on r1 (equal loads: by name)
+    assert first.replica == "r1"
+    router.end_call("acme", "c1", "planner", "r1")
     router.cache_events("r2", [CacheEvent("stored", "cpu", "h-executor", 20)])  # r2 has it on the host
     router.cache_events("r1", [CacheEvent("stored", "cpu", "h-executor", 20)])  # so has r1 ...
-    router.loads["r1"] = 3  # ... but r1 is busy: the executor would go to r2
-    route = router.start_call("acme", "c1", "executor", workflow="peer", prefix_hash="h-executor",
-                              prefix_tokens=20)
+    router.loads["r1"] = 3  # ... but r1 is busy: the executor goes to r2
+    route = router.start_call("acme", "c1", "executor", prefix_hash="h-executor", prefix_tokens=20)
     assert route.replica == "r2"
     router.end_call("acme", "c1", "executor", "r2")
     hints = dict(router.start_call("acme", "c1", "planner").hints)  # the executor is next again (E = 1)
+    assert set(hints) == {"r1", "r2"}  # r3 holds nothing of it
     assert hints["r2"].steps["acme/c1"]["executor"] == hints["r1"].steps["acme/c1"]["executor"] == 1
     assert "executor" in hints["r1"].elsewhere["acme/c1"] and "executor" not in hints["r2"].elsewhere["acme/c1"]
     assert hints["r1"].steps["acme/c1"]["planner"] == hints["r2"].steps["acme/c1"]["planner"] == 0
@@ -196,6 +206,12 @@ def test_prefetch_is_hinted_only_where_the_next_agent_will_run(router: RouterCor
     book = StepBook()
     book.apply(batch.steps, {}, batch.retire, batch.salts, batch.elsewhere)
     assert book.steps(("acme/c1", "executor")) == 1 and ("acme/c1", "executor") not in book.near
+    assert router.take_hints("r3") is None
+    router.end_call("acme", "c1", "planner", "r2")
+    router.take_hints("r1"), router.take_hints("r2")
+    router.finish_client("acme", "c1")  # retired where it was heard of
+    assert all(router.take_hints(r).retire == ["acme/c1"] for r in ("r1", "r2"))  # type: ignore[union-attr]
+    assert router.take_hints("r3") is None
 
 
 # ---------------------------------------------------------------------------------------------- tenant limits
@@ -290,7 +306,7 @@ def test_a_client_finished_during_its_call_returns_the_answer_and_retires_after(
         router.finish_client("acme", "c1")
 
 
-def test_an_expired_client_is_forgotten_by_the_router_and_retired_on_every_replica(
+def test_an_expired_client_is_forgotten_by_the_router_and_retired_where_it_was_heard_of(
         store: Store, request: pytest.FixtureRequest) -> None:
     if isinstance(store, RedisStore):
         store = RedisStore(request.getfixturevalue("redis_url"), ttl_s=0.3)
@@ -310,9 +326,9 @@ def test_an_expired_client_is_forgotten_by_the_router_and_retired_on_every_repli
     time.sleep(0.4)
     assert core.expire() == 1 and core.active_clients() == {}
     assert "acme/idle" not in core._told and ("acme", "idle") not in core._clients
-    for name in ("r1", "r2"):
-        batch = core.take_hints(name)
-        assert batch is not None and batch.retire == ["acme/idle"]
+    batch = core.take_hints("r1")
+    assert batch is not None and batch.retire == ["acme/idle"]
+    assert core.take_hints("r2") is None  # it never ran there, nor was headed there
     # a late end_call of an expired client is no error
     assert core.end_call("acme", "idle", "executor", "r1") == []
 

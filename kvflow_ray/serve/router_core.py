@@ -148,7 +148,9 @@ class RouterCore:
         # counting them is O(what expired))
         self._live: dict[str, OrderedDict[str, float]] = {}
         self._outbox: dict[str, HintBatch] = {}  # replica -> hints not yet pulled
-        self._told: dict[str, set[str]] = {}  # workflow key -> replicas its prompts were sent to
+        # workflow key -> the replicas that hear of it (its steps, prompts, retirement): those it ran on or
+        # will be routed to; absent (a new instance, or after a restart): not known, retire everywhere
+        self._told: dict[str, set[str]] = {}
         # calls started and not yet ended, per (tenant, client); a client finished meanwhile retires
         # when its last call ends, so the call still returns its answer
         self._calls: Counter[tuple[str, str]] = Counter()
@@ -516,8 +518,9 @@ class RouterCore:
         self._clients.pop((tenant, client_id), None)
         self._live.get(tenant, OrderedDict()).pop(client_id, None)
         key = workflow_key(tenant, client_id)
-        self._told.pop(key, None)
-        for replica in self.loads:
+        told = self._told.pop(key, None)
+        replicas = sorted(self.loads if told is None else told & self.loads.keys())
+        for replica in replicas:
             batch = self._outbox.setdefault(replica, HintBatch())
             batch.steps.pop(key, None)
             batch.prompts.pop(key, None)
@@ -525,7 +528,7 @@ class RouterCore:
             batch.salts.pop(key, None)
             batch.retire.append(key)
         retire = Hints(retire=[key])
-        return [(replica, retire) for replica in sorted(self.loads)]
+        return [(replica, retire) for replica in replicas]
 
     def expire(self) -> int:
         """Retire every client idle for longer than the state TTL (its store entry expires by the same
@@ -591,30 +594,36 @@ class RouterCore:
 
     def _hints(self, key: str, state: WorkflowState, spec: WorkflowSpec,
                record: dict[str, Any]) -> list[tuple[str, Hints]]:
-        """New steps-to-execution of one workflow instance for every live replica (any of them may
-        hold some of its prefixes: shared templates, so eviction everywhere needs them). Prefetch
-        is for the replica the routing policy will send an upcoming agent to: every other replica
-        is told the agent runs `elsewhere`, so it ranks the agent's prompt by its steps but does not
-        load it. A replica learns the agents' prompts (for prefetch) the first time it hears of the
-        instance."""
+        """New steps-to-execution of one workflow instance for the replicas it concerns: those it ran
+        on (their caches hold nodes tagged by it; tags are per instance, so no other replica ranks
+        anything by its steps) and those its upcoming agents will be routed to, which prefetch for
+        them; once told, a replica hears every update until the instance retires. So a call costs
+        O(the replicas the workflow touches), not O(fleet). Every other told replica hears that an
+        upcoming agent runs `elsewhere`: it ranks the agent's prompt by its steps but does not load
+        it. A replica learns the agents' prompts the first time it hears of the instance."""
         steps = state.steps_to_execution()
         targets = self._prefetch_targets(steps, record)
         prompts = {agent: a.prompt for agent, a in spec.agents.items() if a.prompt}
         salt = str(record.get("salt", ""))
+        told = self._told.setdefault(key, set())
+        new = {*record["placement"].values(), *targets.values()} - told
+        told |= new & self.loads.keys()
+        everywhere_else = sorted(targets)
         out = []
-        for replica in sorted(self.loads):
-            elsewhere = sorted(agent for agent, target in targets.items() if target != replica)
-            batch = self._outbox.setdefault(replica, HintBatch())
+        for replica in sorted(told & self.loads.keys()):
+            if replica in new and prompts:
+                batch = self._outbox.setdefault(replica, HintBatch())
+                batch.prompts[key] = prompts
+                batch.salts[key] = salt
+            else:
+                batch = self._outbox.setdefault(replica, HintBatch())
+            elsewhere = (everywhere_else if replica not in targets.values()
+                         else sorted(agent for agent, target in targets.items() if target != replica))
             batch.steps[key] = steps
             if elsewhere:
                 batch.elsewhere[key] = elsewhere
             else:
                 batch.elsewhere.pop(key, None)
-            told = self._told.setdefault(key, set())
-            if prompts and replica not in told:
-                told.add(replica)
-                batch.prompts[key] = prompts
-                batch.salts[key] = salt
             out.append((replica, Hints(steps={key: steps}, salts={key: salt}, elsewhere={key: elsewhere})))
         return out
 
