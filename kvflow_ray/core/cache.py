@@ -11,7 +11,7 @@ requests hold for KV not yet in the tree (their uncached prompt part and output)
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvflow_ray.core.policies import EvictionPolicy
@@ -52,9 +52,22 @@ class TieredCache:
         # so "this node is READY" answers "is the whole prompt on the device?" without a tree walk
         # (workflow -> agent -> node, so retiring a workflow touches only its own)
         self.prompt_tails: dict[str, dict[str, RadixNode]] = {}
-        self._host_heap: list[tuple[tuple[float, ...], int, RadixNode]] | None = None
-        # device leaves in eviction order, kept current by what changed (policies whose keys allow it)
-        self.index = EvictionIndex(self) if getattr(eviction, "incremental", False) else None
+        # Policies whose keys change only with a node's last access, tags and workflows' steps
+        # (`incremental`) get indexes kept current by what changed: device leaves, and host copies.
+        # Others rank every candidate per decision (`index` / `host_index` None).
+        self.index: RankIndex | None = None
+        self.host_index: RankIndex | None = None
+        if getattr(eviction, "incremental", False):
+            tree = self.tree
+            self.index = RankIndex(eviction.priority, lambda: tree.gpu_leaves,
+                                   lambda node: node in tree.gpu_leaves, "rank_stamp")
+            self.host_index = RankIndex(eviction.priority, lambda: (n for n in tree.nodes() if n.cpu),
+                                        lambda node: node.cpu and node.parent is not None, "host_stamp")
+        self._book = getattr(eviction, "book", None)
+        self._book_seen = -1  # the book version the indexes are re-ranked up to
+        # the host copies one decision may drop, in eviction order: built at its first need for host room
+        self._host_candidates: Iterator[RadixNode] | None = None
+        self._host_heap: list[tuple[Rank, int, RadixNode]] = []  # (no index) the same, ranked then
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -146,9 +159,10 @@ class TieredCache:
         # so this bound over-counts them: it never refuses a feasible request.)
         if self.free_tokens + self.pending_free + self.tree.gpu_tokens - self.tree.locked_gpu_tokens < n:
             return False, writebacks
-        self._host_heap = None  # host-eviction candidates, ranked at most once per call
+        self._host_candidates = None  # host-eviction candidates, ranked at most once per call
         pri = self.eviction.priority
         if self.index is not None:
+            self.refresh_indexes()
             candidates = self.index.candidates(below)
         else:  # a policy whose keys may all change between decisions: rank every device leaf now
             candidates = _ranked([(pri(node), node.id, node) for node in self.tree.gpu_leaves
@@ -187,7 +201,41 @@ class TieredCache:
                         heapq.heappush(raised, (key, up.id, up))
         if self.index is not None:
             self.index.done()
+        self._end_host_round()
         return self.free_tokens >= n, writebacks
+
+    def refresh_indexes(self) -> None:
+        """Re-rank what changed since the last decision: nodes the tree marked, and the nodes of
+        workflows whose steps changed (all of them when too far behind the book to tell)."""
+        assert self.index is not None and self.host_index is not None
+        tree, dirty, book = self.tree, self.tree.rank_dirty, self._book
+        indexes = (self.index, self.host_index)
+        if book is not None and book.version != self._book_seen:
+            changed = book.changed_since(self._book_seen)
+            self._book_seen = book.version
+            if changed is None:
+                dirty.clear()
+                for index in indexes:
+                    index.rebuild()
+                return
+            for workflow in changed:
+                for node in tree.workflow_nodes(workflow):
+                    dirty[node] = None
+        for node in dirty:
+            for index in indexes:
+                index.rerank(node)
+        dirty.clear()
+        if self.index.bloated(len(tree.gpu_leaves)):
+            self.index.rebuild()
+        if self.host_index.bloated(tree.cpu_nodes):
+            self.host_index.rebuild()
+
+    def check_indexes(self) -> None:
+        """The indexes against a full rescan (tests)."""
+        if self.index is not None and self.host_index is not None:
+            self.refresh_indexes()
+            self.index.check()
+            self.host_index.check()
 
     def _drop_gpu(self, node: RadixNode) -> None:
         self.prefetches.left_device(node)
@@ -247,19 +295,21 @@ class TieredCache:
                 and (node.gpu is GpuState.READY or not node.children))
 
     def _make_host_room(self, n: int) -> bool:
+        """Drop host copies in policy order until `n` host tokens are free. The candidates are the
+        copies droppable when the decision first needed host room (within one decision, only
+        dropping a child makes another copy droppable: its parent, offered then)."""
         if n > self.cpu_capacity:
             return False
         if self._host_free() >= n:
             return True
-        if self._host_heap is None:
-            pri = self.eviction.priority
-            self._host_heap = [(pri(node), node.id, node) for node in self.tree.nodes() if self._host_droppable(node)]
-            heapq.heapify(self._host_heap)
-        heap = self._host_heap
-        while heap and self._host_free() < n:
-            _, _, node = heapq.heappop(heap)
+        if self._host_candidates is None:
+            self._host_candidates = self._host_order()
+        while self._host_free() < n:
+            node = next(self._host_candidates, None)
+            if node is None:
+                break
             if node.parent is None or not self._host_droppable(node):
-                continue  # changed since it was ranked
+                continue  # not droppable (now, or when the decision began)
             parent = node.parent
             self.counters.evicted_cpu_tokens += len(node.key)
             if node.gpu is GpuState.NONE:
@@ -267,8 +317,24 @@ class TieredCache:
             self.tree.drop_cpu(node)
             # a host-only parent left without children may go next, in policy order
             if parent is not self.tree.root and parent.parent is not None and self._host_droppable(parent):
-                heapq.heappush(heap, (self.eviction.priority(parent), parent.id, parent))
+                heapq.heappush(self._host_heap, (self.eviction.priority(parent), parent.id, parent))
         return self._host_free() >= n
+
+    def _host_order(self) -> Iterator[RadixNode]:
+        """The host copies droppable now, in key order, merged with parents offered later."""
+        self._host_heap = []
+        if self.host_index is None:
+            pri = self.eviction.priority
+            first = _ranked([(pri(node), node.id, node) for node in self.tree.nodes() if self._host_droppable(node)])
+        else:
+            self.refresh_indexes()
+            first = (entry for entry in self.host_index.candidates(None) if self._host_droppable(entry[2]))
+        return _merged(first, self._host_heap)
+
+    def _end_host_round(self) -> None:
+        self._host_candidates = None
+        if self.host_index is not None:
+            self.host_index.done()
 
     def _host_free(self) -> int:
         # write-backs in flight hold their host space (`offloading_tokens`) until they land in
@@ -313,8 +379,10 @@ class TieredCache:
         """Start a device -> host copy of `node` without evicting it (write-through); False if no room."""
         if not self.host_tier or node.cpu or node.in_flight or node.gpu is not GpuState.READY:
             return False
-        self._host_heap = None
-        if not self._make_host_room(len(node.key)):
+        self._host_candidates = None
+        room = self._make_host_room(len(node.key))
+        self._end_host_round()
+        if not room:
             return False
         node.offloading = True
         self.offloading_tokens += len(node.key)
@@ -341,66 +409,50 @@ def _merged(first: Iterator[tuple[Rank, int, RadixNode]], second: list[tuple[Ran
             head = next(first, None)
 
 
-class EvictionIndex:
-    """A device tree's leaves in eviction order, re-ranked only where something changed: a heap of
+class RankIndex:
+    """Nodes of one tier in eviction order, re-ranked only where something changed: a heap of
     (key, node id, stamp, node) with lazy invalidation. An entry is current iff its stamp is the
-    node's `rank_stamp`; a node is re-ranked (a new entry, a new stamp) when the tree marks it in
-    `rank_dirty` (touched, re-tagged, became a device leaf) or a workflow it is tagged with changed
-    steps in the policy's `book`. So a decision costs O((evicted + skipped) log n), not O(leaves)."""
+    node's stamp for this index (`stamp`: a RadixNode field) and the node is still a member; the
+    cache re-ranks a node (a new entry, a new stamp) when the tree marks it in `rank_dirty`
+    (touched, re-tagged, became a member) or a workflow it is tagged with changed steps in the
+    policy's book. So a decision costs O((evicted + skipped) log n), not O(members)."""
 
-    def __init__(self, cache: TieredCache) -> None:
-        self.cache = cache
-        self.tree = cache.tree
-        self.priority = cache.eviction.priority
-        self.book = getattr(cache.eviction, "book", None)
-        self.seen = -1  # the book version re-ranked up to
+    def __init__(self, priority: Callable[[RadixNode], Rank], members: Callable[[], Iterable[RadixNode]],
+                 member: Callable[[RadixNode], bool], stamp: str) -> None:
+        self.priority = priority
+        self.members = members
+        self.member = member
+        self.stamp = stamp
         self.heap: list[tuple[Rank, int, int, RadixNode]] = []
         self._aside: list[tuple[Rank, int, int, RadixNode]] = []
 
-    def _push(self, node: RadixNode) -> None:
-        node.rank_stamp += 1
-        heapq.heappush(self.heap, (self.priority(node), node.id, node.rank_stamp, node))
+    def _restamp(self, node: RadixNode) -> int:
+        stamp = getattr(node, self.stamp) + 1
+        setattr(node, self.stamp, stamp)
+        return stamp
 
-    def refresh(self) -> None:
-        tree, dirty = self.tree, self.tree.rank_dirty
-        if self.book is not None and self.book.version != self.seen:
-            changed = self.book.changed_since(self.seen)
-            self.seen = self.book.version
-            if changed is None or len(self.heap) > 4 * len(tree.gpu_leaves) + 64:
-                self.rebuild()
-                return
-            for workflow in changed:
-                for node in tree.workflow_nodes(workflow):
-                    dirty[node] = None
-        elif len(self.heap) > 4 * len(tree.gpu_leaves) + 64:  # mostly stale entries: start over
-            self.rebuild()
-            return
-        leaves = tree.gpu_leaves
-        for node in dirty:
-            if node in leaves:
-                self._push(node)
-            else:
-                node.rank_stamp += 1  # an entry it still has is stale
-        dirty.clear()
+    def rerank(self, node: RadixNode) -> None:
+        stamp = self._restamp(node)  # an entry it still has is stale now
+        if self.member(node):
+            heapq.heappush(self.heap, (self.priority(node), node.id, stamp, node))
 
     def rebuild(self) -> None:
-        self.tree.rank_dirty.clear()
-        self.heap = []
-        for node in self.tree.gpu_leaves:
-            node.rank_stamp += 1
-            self.heap.append((self.priority(node), node.id, node.rank_stamp, node))
+        self.heap = [(self.priority(node), node.id, self._restamp(node), node) for node in self.members()]
         heapq.heapify(self.heap)
 
+    def bloated(self, members: int) -> bool:
+        """Mostly stale entries: cheaper to start over."""
+        return len(self.heap) > 4 * members + 64
+
     def candidates(self, below: Rank | None) -> Iterator[tuple[Rank, int, RadixNode]]:
-        """Current device leaves, lowest key first, while below `below`. Leaves passed over (locked,
-        copies in flight) keep their entries: `done()` puts them back."""
-        self.refresh()
-        heap, aside, leaves = self.heap, self._aside, self.tree.gpu_leaves
+        """Current members, lowest key first, while below `below`. Those handed out keep their
+        entries (skipped ones are still members): `done()` puts them back."""
+        heap, aside, stamp, member = self.heap, self._aside, self.stamp, self.member
         while heap:
             entry = heap[0]
-            key, node_id, stamp, node = entry
-            if stamp != node.rank_stamp or node not in leaves:
-                heapq.heappop(heap)  # stale: the node was re-ranked, or is no longer a device leaf
+            key, node_id, at, node = entry
+            if at != getattr(node, stamp) or not member(node):
+                heapq.heappop(heap)  # stale: the node was re-ranked, or left the tier
                 continue
             if below is not None and key >= below:
                 return
@@ -409,16 +461,14 @@ class EvictionIndex:
             yield key, node_id, node
 
     def check(self) -> None:
-        """The index against a full rescan: after a refresh, every device leaf has exactly one current
-        entry, whose key is what the policy ranks the node now."""
-        self.refresh()
-        current = {}
-        for key, node_id, stamp, node in self.heap:
-            if stamp == node.rank_stamp and node in self.tree.gpu_leaves:
+        """Against a full rescan: every member has exactly one current entry, ranked as it is now."""
+        current: dict[int, Rank] = {}
+        for key, node_id, at, node in self.heap:
+            if at == getattr(node, self.stamp) and self.member(node):
                 assert node_id not in current, f"two current entries for {node}"
                 current[node_id] = key
                 assert key == self.priority(node), (node, key, self.priority(node))
-        assert set(current) == {node.id for node in self.tree.gpu_leaves}, "a device leaf has no current entry"
+        assert set(current) == {node.id for node in self.members()}, "a member has no current entry"
 
     def done(self) -> None:
         """End of a decision: entries handed out and still current go back (evicted ones are stale)."""

@@ -70,7 +70,8 @@ class RadixNode:
     loaded_at: float = 0.0  # engine clock when its latest host -> device load landed (stall accounting)
     # cached min-distance for the eviction policy: (policy version, value)
     prio_cache: tuple[int, float] = (-1, 0.0)
-    rank_stamp: int = 0  # the eviction index's entry for this node is current iff it carries this stamp
+    rank_stamp: int = 0  # the device eviction index's entry for this node is current iff it carries this stamp
+    host_stamp: int = 0  # the same, for the host-copy eviction index
     # (on the root's children) bumped by every change of structure or tier state in this subtree
     subtree_version: int = 0
 
@@ -168,6 +169,7 @@ class RadixTree:
         self.root = RadixNode(key=(), parent=None, gpu=GpuState.READY, lock_ref=1)
         self.gpu_tokens = 0  # device tokens held by nodes (READY or LOADING)
         self.cpu_tokens = 0  # host tokens held by nodes
+        self.cpu_nodes = 0  # nodes holding a host copy
         self.locked_gpu_tokens = 0  # device tokens (READY or LOADING) in locked nodes: never evictable
         self.clock = 0  # logical time for LRU
         # bumped by every change of structure or tier state, so callers can reuse a look-up while
@@ -285,6 +287,9 @@ class RadixTree:
         upper.n_gpu_children = 1 if node.gpu is not GpuState.NONE else 0
         for wf, _agent in upper.tags:
             self._by_workflow.setdefault(wf, set()).add(upper)
+        if upper.cpu:
+            self.cpu_nodes += 1
+            self.rank_dirty[upper] = None  # a new host copy to rank
         return upper
 
     def insert(self, tokens: Sequence[int], gpu_value: object = None,
@@ -376,6 +381,9 @@ class RadixTree:
             self.version += 1
             self._subtree_changed(node)
             self.cpu_tokens += len(node.key) if present else -len(node.key)
+            self.cpu_nodes += 1 if present else -1
+            if present:
+                self.rank_dirty[node] = None  # a new host copy to rank
         old, node.cpu = node.cpu_value, present
         node.cpu_value = value if present else None
         # every host copy that goes is reported, with or without a buffer (a simulator's has none):
@@ -515,6 +523,7 @@ class RadixTree:
         locked = sum(len(n.key) for n in self.nodes() if n.lock_ref and n.gpu is not GpuState.NONE)
         assert locked == self.locked_gpu_tokens, (locked, self.locked_gpu_tokens)
         assert cpu == self.cpu_tokens, (cpu, self.cpu_tokens)
+        assert sum(1 for n in self.nodes() if n.cpu) == self.cpu_nodes
         assert leaves == self.gpu_leaves, (leaves ^ self.gpu_leaves)
 
 

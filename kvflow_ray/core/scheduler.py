@@ -189,6 +189,8 @@ class ReplicaScheduler:
         self.waiting: list[CacheRequest] = []
         self.running: list[CacheRequest] = []
         self.prefetch_inflight = 0
+        # device tokens the waiting requests still need (`queued_need` over them), kept as they come and go
+        self.waiting_need = 0
         self.candidates: PrefetchCandidates | None = None  # built at the first plan
         self._last_plan: tuple[int, ...] | None = None
         self.queued_reserved = 0  # see _start_queued_loads
@@ -223,11 +225,13 @@ class ReplicaScheduler:
         req.pending_nodes = loading + host
         req.tail = match.last
         self.waiting.append(req)
+        self.waiting_need += self._queued_need(req)
 
     def cancel(self, req: CacheRequest) -> None:
         """Drop a request (client gone, engine error): its locks and memory go back."""
         if req in self.waiting:
             self.waiting.remove(req)
+            self.waiting_need -= self._queued_need(req)
             if req.locked is not None:
                 self.cache.tree.unlock(req.locked)
                 self.queued_reserved -= req.reserved
@@ -282,7 +286,7 @@ class ReplicaScheduler:
             return
         self._last_plan = key
         # what queued requests still need on the device (their uncached prompt part and output)
-        reserved = queued_need((len(r.tokens), r.ready_at_arrival, r.max_new) for r in self.waiting)
+        reserved = self.waiting_need
         if self.candidates is None:
             self.candidates = PrefetchCandidates(self.book, self.cache.tree)
         self.candidates.refresh()
@@ -336,6 +340,10 @@ class ReplicaScheduler:
             state = (not (loading or host), host)
         req.seen_version, req.seen_state = tree.version, state
         return state
+
+    @staticmethod
+    def _queued_need(req: CacheRequest) -> int:
+        return queued_need(((len(req.tokens), req.ready_at_arrival, req.max_new),))
 
     def _is_loading(self, req: CacheRequest) -> bool:
         return not self._prefix_state(req)[0]
@@ -416,6 +424,7 @@ class ReplicaScheduler:
             req.miss = len(req.tokens) - match.length
             req.prefill_pos = min(match.length, len(req.tokens) - 1)
             self.waiting.remove(req)
+            self.waiting_need -= self._queued_need(req)
             self.running.append(req)
             admitted.append(req)
         return admitted
