@@ -154,6 +154,8 @@ def _common_length(key: tuple[int, ...], tokens: tuple[int, ...], start: int, pa
         return n
     limit = min(n, len(tokens) - start)
     i = 0
+    while i + 64 <= limit and key[i:i + 64] == tokens[start + i:start + i + 64]:  # in blocks (C speed)
+        i += 64
     while i < limit and key[i] == tokens[start + i]:
         i += 1
     return i - i % page
