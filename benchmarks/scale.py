@@ -10,8 +10,9 @@ not with everything. Pure Python, no Ray, one process; lru and kvflow side by si
 3. simulator: wall time of the concurrent scenario vs workflows (30 → 300) on 8 replicas and vs
    replicas (1 → 64), lru and kvflow.
 4. router: `RouterCore` start+end pairs/s and `finish_client` p99 vs live clients (1k → 100k) on 8
-   replicas and vs replicas (2 → 32) at 10k clients (in-process store, no Ray; every replica pulls its
-   merged hints once per 100 pairs, as batched wakeups do when serving).
+   replicas and vs replicas (2 → 32) at 10k clients (no Ray; the in-process store behind the write
+   queue the router actor uses, flushed, and every replica's merged hints pulled, once per 100 pairs,
+   as the actor's maintenance task and batched wakeups do when serving; that work is timed too).
 
 Run: python benchmarks/scale.py [--quick] [--out DIR]. Progress on stderr, a table on stdout, JSON
 and a log-log plot (cost vs size) in DIR (default benchmarks/results; --quick writes nowhere unless
@@ -41,7 +42,7 @@ from kvflow_ray.engines.sim import workload
 from kvflow_ray.engines.sim.profile import load_profile
 from kvflow_ray.engines.sim.runner import simulate
 from kvflow_ray.serve.router_core import RouterCore
-from kvflow_ray.serve.store import MemoryStore
+from kvflow_ray.serve.store import BufferedStore, MemoryStore
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAGE = 16  # tokens per leaf
@@ -135,7 +136,8 @@ AGENTS = ("planner", "executor", "reviewer")
 
 
 def router(clients: int, replicas: int, *, pairs: int) -> dict[str, float]:
-    core = RouterCore(MemoryStore(ttl_s=3600))
+    store = BufferedStore(MemoryStore(ttl_s=3600))  # as the router actor runs it: writes queue, a task flushes
+    core = RouterCore(store)
     for r in range(replicas):
         core.add_replica(f"r{r}")
         core.cache_events(f"r{r}", [CacheEvent("stored", "gpu", f"p{a}-{r}", 64) for a in AGENTS])
@@ -150,6 +152,11 @@ def router(clients: int, replicas: int, *, pairs: int) -> dict[str, float]:
         route = core.start_call(tenant(c), f"c{c}", "planner", workflow="loop",
                                 prefix_hash=f"pplanner-{c % replicas}", prefix_tokens=64)
         core.end_call(tenant(c), f"c{c}", "planner", route.replica)
+        if c % 1000 == 999:
+            store.flush()
+    store.flush()
+    for r in range(replicas):
+        core.take_hints(f"r{r}")
     rng = random.Random(2)
     step = dict(zip(AGENTS, AGENTS[1:] + AGENTS[:1], strict=True))
     current = {c: "planner" for c in range(clients)}
@@ -159,7 +166,8 @@ def router(clients: int, replicas: int, *, pairs: int) -> dict[str, float]:
         agent = current[c] = step[current[c]]
         route = core.start_call(tenant(c), f"c{c}", agent, prefix_hash=f"p{agent}-{c % replicas}", prefix_tokens=64)
         core.end_call(tenant(c), f"c{c}", agent, route.replica)
-        if i % 100 == 99:  # the replicas pull their merged hints, as they do when serving (batched wakeups)
+        if i % 100 == 99:  # the actor's periodic work, batched as when serving: flush the store's latest
+            store.flush()  # writes, the replicas pull their merged hints
             for r in range(replicas):
                 core.take_hints(f"r{r}")
     elapsed = time.perf_counter() - started
