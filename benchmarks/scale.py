@@ -10,9 +10,10 @@ not with everything. Pure Python, no Ray, one process; lru and kvflow side by si
 3. simulator: wall time of the concurrent scenario vs workflows (30 → 300) on 8 replicas and vs
    replicas (1 → 64), lru and kvflow.
 4. router: `RouterCore` start+end pairs/s and `finish_client` p99 vs live clients (1k → 100k) on 8
-   replicas and vs replicas (2 → 32) at 10k clients (no Ray; the in-process store behind the write
-   queue the router actor uses, flushed, and every replica's merged hints pulled, once per 100 pairs,
-   as the actor's maintenance task and batched wakeups do when serving; that work is timed too).
+   replicas, vs replicas (2 → 32) at 10k clients, and at 100k clients × 32 replicas (no Ray; the
+   in-process store behind the write queue the router actor uses, flushed, and every replica's merged
+   hints pulled, once per 100 pairs, as the actor's maintenance task and batched wakeups do when
+   serving; that work is timed too).
 
 Run: python benchmarks/scale.py [--quick] [--out DIR]. Progress on stderr, a table on stdout, JSON
 and a log-log plot (cost vs size) in DIR (default benchmarks/results; --quick writes nowhere unless
@@ -201,7 +202,8 @@ def grid(quick: bool) -> list[tuple[str, dict[str, Any], Callable[[], dict[str, 
         for policy in ("lru", "kvflow"):
             runs.append(("simulator", {"policy": policy, "workflows": tasks, "replicas": replicas},
                          lambda p=policy, t=tasks, r=replicas: simulator(p, t, r)))
-    router_grid = [(1000, 8)] if quick else [(1000, 8), (10_000, 8), (100_000, 8), (10_000, 2), (10_000, 32)]
+    router_grid = ([(1000, 8)] if quick else
+                   [(1000, 8), (10_000, 8), (100_000, 8), (10_000, 2), (10_000, 32), (100_000, 32)])
     for clients, replicas in router_grid:
         runs.append(("router", {"clients": clients, "replicas": replicas},
                      lambda c=clients, r=replicas: router(c, r, pairs=500 if quick else 3000)))
