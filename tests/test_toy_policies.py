@@ -7,30 +7,20 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import pytest
+from toy_policies import MostRecentlyUsed, NearestOnly
 
 from kvflow_ray.cli import main
 from kvflow_ray.core.admission import ADMISSION, AdmissionPolicy
-from kvflow_ray.core.policies import EVICTION, EvictionPolicy, StepBook
+from kvflow_ray.core.policies import EVICTION, EvictionPolicy
 from kvflow_ray.core.prefetch import PREFETCH, PrefetchPolicy
-from kvflow_ray.core.radix import RadixNode, Tag
 from kvflow_ray.core.registry import PolicyContext
 from kvflow_ray.core.scheduler import POLICIES, PolicyConfig, register_policy
 
 R = TypeVar("R")
-
-
-class MostRecentlyUsed:
-    """Evict the most recently used node first (the opposite of LRU: on a cyclic access pattern
-    that does not fit, it keeps the oldest prompts, which come back next)."""
-
-    name = "toy-mru"
-
-    def priority(self, node: RadixNode) -> tuple[float, ...]:
-        return (-node.last_access,)
 
 
 class NewestFirst:
@@ -46,21 +36,6 @@ class NewestFirst:
     def order(self, waiting: Sequence[R], is_loading: Callable[[R], bool]) -> list[R]:
         self.calls.append(len(waiting))
         return list(reversed(waiting))
-
-
-class NearestOnly:
-    """Prefetch only the single nearest agent that will run (E >= 1), one load at a time."""
-
-    name = "toy-nearest-only"
-    max_inflight = 1
-
-    def __init__(self) -> None:
-        self.chosen: list[Tag] = []
-
-    def choose(self, book: StepBook) -> Iterable[tuple[Tag, float]]:
-        ahead = sorted((e, tag) for tag, e in book.near.items() if e >= 1)
-        self.chosen.extend(tag for _e, tag in ahead[:1])
-        return [(tag, e) for e, tag in ahead[:1]]
 
 
 ADMITTED: list[NewestFirst] = []

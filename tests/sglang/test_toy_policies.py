@@ -11,9 +11,9 @@ stands in for the load-back alone (as test_plugin_admission marks a load), and e
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
 import sglang_caches as sc
@@ -21,9 +21,10 @@ from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.managers.schedule_policy import AddReqResult, SchedulePolicy
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.sampling.sampling_params import SamplingParams
+from toy_policies import MostRecentlyUsed, NearestOnly
 
 from kvflow_ray.core.admission import ADMISSION, AdmissionPolicy
-from kvflow_ray.core.policies import EVICTION, EvictionPolicy, StepBook
+from kvflow_ray.core.policies import EVICTION, EvictionPolicy
 from kvflow_ray.core.prefetch import PREFETCH, Load, PrefetchPolicy
 from kvflow_ray.core.radix import Tag
 from kvflow_ray.core.registry import PolicyContext
@@ -31,15 +32,6 @@ from kvflow_ray.engines.sglang import hooks, protocol
 from kvflow_ray.engines.sglang.state import monotonic, path_to_root, reset_state, state
 
 R = TypeVar("R")
-
-
-class MostRecentlyUsed:
-    """Evict the most recently used node first."""
-
-    name = "toy-mru"
-
-    def priority(self, node: Any) -> tuple[float, ...]:
-        return (-node.last_access,)
 
 
 class ShortestFirst:
@@ -51,17 +43,6 @@ class ShortestFirst:
 
     def order(self, waiting: Sequence[R], is_loading: Callable[[R], bool]) -> list[R]:
         return sorted(waiting, key=lambda req: len(req.origin_input_ids))
-
-
-class NearestOnly:
-    """Prefetch only the single nearest agent that will run (E >= 1), one load at a time."""
-
-    name = "toy-nearest-only"
-    max_inflight = 1
-
-    def choose(self, book: StepBook) -> Iterable[tuple[Tag, float]]:
-        ahead = sorted((e, tag) for tag, e in book.near.items() if e >= 1)
-        return [(tag, e) for e, tag in ahead[:1]]
 
 
 def _mru(context: PolicyContext) -> EvictionPolicy:
