@@ -50,7 +50,7 @@ class StatusAwareAdmission:
 
 
 ADMISSION: Registry[AdmissionPolicy] = Registry("admission")
-ADMISSION.register("fcfs", lambda context: FCFSAdmission(),
-                   "arrival order; a batch waits for its members' loads (SGLang's default)")
-ADMISSION.register("status-aware", lambda context: StatusAwareAdmission(),
-                   "ready requests first, queued loads start at once (KVFlow)")
+# arrival order; a batch waits for its members' loads (SGLang's default)
+ADMISSION.register("fcfs", lambda context: FCFSAdmission())
+# ready requests first, queued loads start at once (KVFlow)
+ADMISSION.register("status-aware", lambda context: StatusAwareAdmission())

@@ -67,7 +67,8 @@ class TieredCache:
         self._book_seen = -1  # the book version the indexes are re-ranked up to
         # the host copies one decision may drop, in eviction order: built at its first need for host room
         self._host_candidates: Iterator[RadixNode] | None = None
-        self._host_heap: list[tuple[Rank, int, RadixNode]] = []  # (no index) the same, ranked then
+        # the parents that one decision's host drops make droppable, offered in key order with the rest
+        self._host_heap: list[tuple[Rank, int, RadixNode]] = []
 
     # ------------------------------------------------------------------ capacity
     @property

@@ -296,7 +296,7 @@ class BeladyPolicy(_DistancePolicy):
 
 
 EVICTION: Registry[EvictionPolicy] = Registry("eviction")
-EVICTION.register("lru", lambda context: LRUPolicy(), "least recently used first (SGLang's default)")
+EVICTION.register("lru", lambda context: LRUPolicy())  # least recently used first (SGLang's default)
 
 
 @partial(EVICTION.register, "kvflow")

@@ -72,7 +72,7 @@ class StepsAheadPrefetch:
 
 
 PREFETCH: Registry[PrefetchPolicy] = Registry("prefetch")
-PREFETCH.register("none", lambda context: NoPrefetch(), "never prefetch (loads happen on demand)")
+PREFETCH.register("none", lambda context: NoPrefetch())  # never prefetch (loads happen on demand)
 
 
 @partial(PREFETCH.register, "steps-ahead")

@@ -28,19 +28,12 @@ class PolicyContext:
     book: Any = None
     future: Any = None
 
-    def need(self, what: str, policy: str) -> Any:
-        value = getattr(self, what)
-        if value is None:
-            raise ValueError(f"the {policy!r} policy needs a {what} (PolicyContext.{what})")
-        return value
-
 
 @dataclass(frozen=True)
 class Registered(Generic[T]):
     name: str
     factory: Callable[..., T]
     options: Mapping[str, Any]  # option -> default
-    summary: str
 
 
 class Registry(Generic[T]):
@@ -48,7 +41,7 @@ class Registry(Generic[T]):
         self.kind = kind
         self._entries: dict[str, Registered[T]] = {}
 
-    def register(self, name: str, factory: Callable[..., T], summary: str = "") -> Callable[..., T]:
+    def register(self, name: str, factory: Callable[..., T]) -> Callable[..., T]:
         """Register `factory(context, *, option=default, ...)` under `name` (returns it, so it can
         decorate). Re-registering a name replaces it (a test's toy policy, a plugin's variant)."""
         options = {p.name: p.default for p in inspect.signature(factory).parameters.values()
@@ -56,8 +49,7 @@ class Registry(Generic[T]):
         missing = [k for k, v in options.items() if v is inspect.Parameter.empty]
         if missing:
             raise TypeError(f"{self.kind} policy {name!r}: options need defaults ({', '.join(missing)})")
-        doc = summary or (inspect.getdoc(factory) or "").split("\n")[0]
-        self._entries[name] = Registered(name, factory, options, doc)
+        self._entries[name] = Registered(name, factory, options)
         return factory
 
     def unregister(self, name: str) -> None:
