@@ -611,12 +611,10 @@ class RouterCore:
         everywhere_else = sorted(targets)
         out = []
         for replica in sorted(told & self.loads.keys()):
-            if replica in new and prompts:
-                batch = self._outbox.setdefault(replica, HintBatch())
+            batch = self._outbox.setdefault(replica, HintBatch())
+            if replica in new and prompts:  # its first time: the prompts, in their namespace
                 batch.prompts[key] = prompts
                 batch.salts[key] = salt
-            else:
-                batch = self._outbox.setdefault(replica, HintBatch())
             elsewhere = (everywhere_else if replica not in targets.values()
                          else sorted(agent for agent, target in targets.items() if target != replica))
             batch.steps[key] = steps
