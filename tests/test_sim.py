@@ -97,7 +97,7 @@ def test_workflow_with_barrier_and_branch_runs_every_agent() -> None:
     # planner, coder, tester, reviewer once per pass; summarizer (join any of coder/reviewer) twice
     assert calls == {"planner": 9, "coder": 9, "tester": 9, "reviewer": 9, "summarizer": 18}
     # the planner's prompt came from the spec as byte tokens
-    assert sim.book.prompt(("team/0", "planner")) is None  # retired after the last pass
+    assert sim.replica_for("team/0").book.prompt(("team/0", "planner")) is None  # retired after the last pass
     assert result["latency_s"] > 0
 
 

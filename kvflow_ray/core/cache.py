@@ -160,6 +160,8 @@ class TieredCache:
         # so this bound over-counts them: it never refuses a feasible request.)
         if self.free_tokens + self.pending_free + self.tree.gpu_tokens - self.tree.locked_gpu_tokens < n:
             return False, writebacks
+        if self.free_tokens + self.pending_free >= n:  # write-backs under way free enough: wait for them
+            return False, writebacks
         self._host_candidates = None  # host-eviction candidates, ranked at most once per call
         pri = self.eviction.priority
         if self.index is not None:

@@ -72,6 +72,9 @@ class RadixNode:
     prio_cache: tuple[int, float] = (-1, 0.0)
     rank_stamp: int = 0  # the device eviction index's entry for this node is current iff it carries this stamp
     host_stamp: int = 0  # the same, for the host-copy eviction index
+    # on a child of the root: bumped by every change of structure or tier in its subtree, so a look-up
+    # that starts here can be reused while it stays the same
+    subtree_version: int = 0
 
     @property
     def tier(self) -> Tier:
@@ -252,14 +255,14 @@ class RadixTree:
         return key, self.root.children.get(key)
 
     def _subtree_changed(self, node: RadixNode) -> None:
-        """`node` changed structure or tier: report the root's child above it (when anyone reads
-        `changed_tops`)."""
-        if not self.track_tops:
-            return
+        """`node` changed structure or tier: bump the root's child above it (and report it, when
+        anyone reads `changed_tops`)."""
         while node.parent is not None and node.parent is not self.root:
             node = node.parent
         if node.parent is self.root:
-            self.changed_tops[node] = None
+            node.subtree_version += 1
+            if self.track_tops:
+                self.changed_tops[node] = None
 
     # ------------------------------------------------------------------ structure
     def split(self, node: RadixNode, at: int) -> RadixNode:

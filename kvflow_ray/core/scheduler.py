@@ -73,7 +73,9 @@ class CacheRequest:
     locked: RadixNode | None = None
     reserved: int = 0  # private tokens promised to it while its queued load holds a lock
     tail: RadixNode | None = None  # last node of the cached prefix at the latest look-up
-    seen_version: int = -1  # tree version of that look-up, and what it found
+    # the root's child a look-up of its tokens starts at, and that child's subtree version, at the last
+    # look-up (None: not looked up yet); and what it found
+    seen_top: tuple[RadixNode | None, int] | None = None
     seen_state: tuple[bool, list[RadixNode]] = (True, [])
     pending_nodes: list[RadixNode] = field(default_factory=list)  # prefix nodes not on the device at arrival
     ready_at_arrival: int = 0
@@ -195,6 +197,15 @@ class ReplicaScheduler:
         self._last_plan: tuple[int, ...] | None = None
         self.queued_reserved = 0  # see _start_queued_loads
         self.stats = ReplicaStats(prefetch=cache.prefetches)
+        # Settled admission (see `admit`): calls of the entry points that change what admission reads,
+        # and the state an admission pass that changed nothing left behind. Only for eviction
+        # policies ranked by access times, tags and steps (`incremental`): an oracle's keys move with
+        # every arrival anywhere.
+        self._changes = 0
+        self._settled: tuple[int, ...] | None = None
+        self.settle_admission = cache.index is not None
+        # the last decode-only batch while every running request decodes: the next step's, unchanged
+        self._decode_batch: Batch | None = None
 
     @property
     def idle(self) -> bool:
@@ -224,11 +235,14 @@ class ReplicaScheduler:
         req.cached_at_arrival = match.length
         req.pending_nodes = loading + host
         req.tail = match.last
+        self._changes += 1
         self.waiting.append(req)
         self.waiting_need += self._queued_need(req)
 
     def cancel(self, req: CacheRequest) -> None:
         """Drop a request (client gone, engine error): its locks and memory go back."""
+        self._changes += 1
+        self._decode_batch = None
         if req in self.waiting:
             self.waiting.remove(req)
             self.waiting_need -= self._queued_need(req)
@@ -252,9 +266,17 @@ class ReplicaScheduler:
         prefetches (each prompt in its workflow's namespace)."""
         retire = list(retire)
         self.book.apply(steps, prompts, retire, salts, elsewhere)
-        for workflow in retire:
-            self.cache.retire_workflow(workflow)
+        self.retire(retire, book=False)
         self.plan_prefetch()
+
+    def retire(self, workflows: Iterable[str], *, book: bool = True) -> None:
+        """Finished workflow instances: their prompts lose their tags here (and their steps and
+        prompts leave the book, unless `apply_hints` already took them out)."""
+        self._changes += 1
+        for workflow in workflows:
+            if book:
+                self.book.retire(workflow)
+            self.cache.retire_workflow(workflow)
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self) -> EngineSnapshot:
@@ -304,6 +326,7 @@ class ReplicaScheduler:
         self.copier.load(nodes, tokens, prefetch)
 
     def load_done(self, nodes: list[RadixNode], prefetch: bool, values: list[object] | None = None) -> None:
+        self._changes += 1
         now = self.clock()
         for i, node in enumerate(nodes):
             self.cache.finish_load(node, None if values is None else values[i])
@@ -317,6 +340,7 @@ class ReplicaScheduler:
             self.plan_prefetch()
 
     def offload_done(self, node: RadixNode, value: object = None) -> None:
+        self._changes += 1
         if self.events is not None:
             self.events.record("stored", "cpu", node)  # before finish_offload, which may free the device copy
         self.cache.finish_offload(node, value)
@@ -328,7 +352,9 @@ class ReplicaScheduler:
         look-up answers most calls: device residency is prefix-closed, so a READY tail means the
         whole cached prefix is on the device."""
         tree = self.cache.tree
-        if req.seen_version == tree.version:
+        _key, top = tree.top_of(req.tokens, req.cache_salt)
+        seen = (top, top.subtree_version if top is not None else 0)
+        if req.seen_top == seen:
             return req.seen_state
         tail = req.tail
         if tail is not None and tail.parent is not None and tail.gpu is GpuState.READY:
@@ -338,7 +364,7 @@ class ReplicaScheduler:
             req.tail = match.last
             _ready, loading, host = match.split_by_tier()
             state = (not (loading or host), host)
-        req.seen_version, req.seen_state = tree.version, state
+        req.seen_top, req.seen_state = seen, state
         return state
 
     @staticmethod
@@ -382,8 +408,37 @@ class ReplicaScheduler:
             self.queued_reserved += private
             self._load(host, self.cache.start_load(host), prefetch=False)
 
+    def _admission_state(self) -> tuple[int, ...]:
+        """What an admission pass reads, beyond the requests' own fields, in counters: the scheduler's
+        entry points, the tree's structure and tiers and its access clock, the book, device and host
+        accounting, locks and queued reservations."""
+        cache, tree = self.cache, self.cache.tree
+        return (self._changes, tree.version, tree.clock, self.book.version, cache.private_tokens, tree.gpu_tokens,
+                cache.pending_free, cache.offloading_tokens, tree.locked_gpu_tokens, self.queued_reserved,
+                self.prefetch_inflight, len(self.running))
+
     def admit(self) -> list[CacheRequest]:
-        """Move waiting requests into the running set while memory allows; returns the admitted."""
+        """Move waiting requests into the running set while memory allows; returns the admitted.
+
+        A pass that admits nothing and changes nothing but access times (the head request does not
+        fit) does exactly that again until something it reads changes; it is skipped then, so a
+        replica blocked on memory costs O(1) per step. Skipping its touches keeps every relative
+        access order, as no other touch came in between."""
+        if not self.waiting:
+            return []
+        if self.settle_admission:
+            if self._settled is not None and self._settled == self._admission_state():
+                return []
+            before = self._admission_state()
+        admitted = self._admit()
+        if self.settle_admission:
+            after = self._admission_state()
+            self._settled = after if not admitted and _same_but_clock(before, after) else None
+        if admitted:
+            self._decode_batch = None
+        return admitted
+
+    def _admit(self) -> list[CacheRequest]:
         admitted: list[CacheRequest] = []
         if self.admission.loads_while_queued:
             self._start_queued_loads()
@@ -437,8 +492,11 @@ class ReplicaScheduler:
         """Admit what fits, then pick the next step: prefill chunks of requests whose KV is on the
         device (up to `prefill_budget` tokens), else one decode step of every decoding request.
 
-        None: nothing can run now (idle, or an FCFS batch waits for a load)."""
-        self.admit()
+        None: nothing can run now (idle, or an FCFS batch waits for a load). While no request joins
+        or leaves the running set and all of them decode, it is the same `Batch` object as the last
+        step's (an engine may count on that to advance a decode run incrementally)."""
+        if not self.admit() and self._decode_batch is not None:
+            return self._decode_batch
         budget = prefill_budget
         prefill: list[tuple[CacheRequest, int]] = []
         decode: list[CacheRequest] = []
@@ -460,6 +518,9 @@ class ReplicaScheduler:
             return None
         if prefill:
             decode = []
+        elif len(decode) == len(self.running):
+            self._decode_batch = Batch(prefill, decode)
+            return self._decode_batch
         for req, _n in prefill:
             if not req.started:
                 req.started = True
@@ -473,6 +534,7 @@ class ReplicaScheduler:
         now; `gpu_value` is the engine's payload for the whole prompt) and the first output token
         exists. Returns True when the request is finished. `adopted` receives the ranges of the prompt
         whose KV the tree took from `gpu_value` (the engine frees the rest)."""
+        self._changes += 1
         req.prefill_pos += n
         if req.prefilling:
             return False
@@ -505,6 +567,8 @@ class ReplicaScheduler:
         back (those the tree did not adopt), and then prefetch is planned (memory freed: a prefetch
         that did not fit may fit now). Planned before `free_slots`, a load would be given slots the
         engine has not freed yet."""
+        self._changes += 1
+        self._decode_batch = None
         self.cache.commit(sequence, req.private, gpu_value, adopted, namespace=req.cache_salt)
         req.private = 0
         self.cache.tree.unlock(req.locked)
@@ -519,6 +583,10 @@ class ReplicaScheduler:
         if free_slots is not None:
             free_slots()
         self.plan_prefetch()
+
+
+def _same_but_clock(before: tuple[int, ...], after: tuple[int, ...]) -> bool:
+    return before[:2] == after[:2] and before[3:] == after[3:]
 
 
 def build_replica(policy: str | PolicyConfig, copier: Copier, *, gpu_capacity: int, cpu_capacity: int = 0,

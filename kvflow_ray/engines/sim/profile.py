@@ -53,19 +53,28 @@ class Profile:
     def attention_flops(self, new_tokens: int, context_before: int) -> float:
         """QK^T and AV for `new_tokens` queries over a causal context that starts at `context_before`:
         2 matmuls x 2 FLOPs/MAC x hidden per (query, key) pair, summed over layers."""
-        pairs = new_tokens * context_before + new_tokens * (new_tokens + 1) / 2
-        return 4.0 * self.n_layers * self.hidden_size * pairs
+        return 4.0 * self.n_layers * self.hidden_size * _pairs(new_tokens, context_before)
 
     def step_time(self, prefill: list[tuple[int, int]], decode_contexts: list[int]) -> float:
         """One forward step: `prefill` is (new tokens, tokens already in context) per request chunk;
         `decode_contexts` the context length of each decoding request (one new token each)."""
         if not prefill and not decode_contexts:
             return 0.0
-        tokens = sum(n for n, _ in prefill) + len(decode_contexts)
+        context = sum(decode_contexts)
+        return self._step_time(tokens=sum(n for n, _ in prefill) + len(decode_contexts),
+                               pairs=sum(_pairs(n, ctx) for n, ctx in prefill) + context + len(decode_contexts),
+                               kv_read=context + sum(ctx for _, ctx in prefill))
+
+    def decode_step_time(self, requests: int, context: int) -> float:
+        """`step_time` of a decode-only step from totals: `requests` decoding over `context` tokens
+        of context together (what a simulator tracks incrementally across a run of decode steps)."""
+        return self._step_time(tokens=requests, pairs=context + requests, kv_read=context) if requests else 0.0
+
+    def _step_time(self, tokens: int, pairs: int, kv_read: int) -> float:
+        # (query, key) pairs are summed as integers, so a step costs the same whatever the order its
+        # requests are listed in, and a total kept incrementally gives exactly the same time
         gemm = 2.0 * self.params * tokens
-        attention = sum(self.attention_flops(n, ctx) for n, ctx in prefill)
-        attention += sum(self.attention_flops(1, ctx) for ctx in decode_contexts)
-        kv_read = sum(decode_contexts) + sum(ctx for _, ctx in prefill)
+        attention = 4.0 * self.n_layers * self.hidden_size * pairs
         bytes_moved = self.weight_bytes + kv_read * self.kv_bytes_per_token
         compute = (gemm / (self.peak_flops * self.prefill_mfu)
                    + attention / (self.peak_flops * (self.attention_mfu or self.prefill_mfu)))
@@ -131,3 +140,8 @@ def load_profile(name_or_path: str, overrides: dict[str, str] | None = None) -> 
     if profile.gpu_kv_tokens <= 0:
         raise ValueError(f"{path}: weights leave no device memory for KV ({profile.gpu_kv_tokens} tokens)")
     return profile
+
+
+def _pairs(new_tokens: int, context_before: int) -> int:
+    """(query, key) pairs of `new_tokens` causal queries after `context_before` tokens of context."""
+    return new_tokens * context_before + new_tokens * (new_tokens + 1) // 2

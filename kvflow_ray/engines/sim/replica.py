@@ -39,6 +39,8 @@ class SimRequest(CacheRequest):
 
 
 class SimReplica:
+    decode_runs = True  # advance unchanged decode batches in O(1) per step (off: every request, every step)
+
     def __init__(self, sim: SimClock, index: int, profile: Profile, policy: str | PolicyConfig,
                  book: StepBook | None = None, *, future: FutureAccesses | None = None, horizon: int = 1,
                  max_inflight: int = 4, gpu_capacity: int | None = None, events: CacheEventLog | None = None,
@@ -53,11 +55,20 @@ class SimReplica:
             horizon=horizon, max_inflight=max_inflight, max_running=profile.max_running_requests,
             measuring=lambda: sim.measuring, events=events, serving_on=serving_on)
         self.cache = self.scheduler.cache
+        self.book = self.scheduler.book
         self.policy = self.scheduler.policy
         self.busy = False
         self.kick_pending = False
         self.h2d_free_at = 0.0
         self.d2h_free_at = 0.0
+        # A decode run: steps of the same decode batch (`next_batch` hands back the same object) cost
+        # O(1) each. Its requests' `decoded` counts lag `run_lag` tokens behind until the run ends,
+        # `run_context` is their context total at the current step, and `run_left` the steps until
+        # one of them is done (processed one by one again).
+        self.run: Batch | None = None
+        self.run_lag = 0
+        self.run_context = 0
+        self.run_left = 0
 
     @property
     def stats(self) -> ReplicaStats:
@@ -115,14 +126,47 @@ class SimReplica:
             return
         batch = self.scheduler.next_batch(self.profile.chunked_prefill_tokens)
         if batch is None:
+            self._end_run()
             return
-        duration = self.profile.step_time([(n, r.prefill_pos) for r, n in batch.prefill],
-                                          [len(r.tokens) + r.decoded for r in batch.decode])
+        if batch is self.run:
+            self.run_context += len(batch.decode)
+            duration = self.profile.decode_step_time(len(batch.decode), self.run_context)
+        else:
+            self._end_run()
+            duration = self.profile.step_time([(n, r.prefill_pos) for r, n in batch.prefill],
+                                              [len(r.tokens) + r.decoded for r in batch.decode])
+            if not batch.prefill and self.decode_runs:
+                self._start_run(batch)
         self.busy = True
         self.sim.at(self.sim.now + duration, lambda: self._step_done(batch))
 
+    def _start_run(self, batch: Batch) -> None:
+        self.run, self.run_lag = batch, 0
+        self.run_context = sum(len(r.tokens) + r.decoded for r in batch.decode)
+        self.run_left = min(self._steps_left(r) for r in batch.decode)
+
+    def _end_run(self) -> None:
+        """Bring the run's requests' `decoded` counts up to date; the next batch is ranked afresh."""
+        if self.run is not None:
+            for req in self.run.decode:
+                req.decoded += self.run_lag
+            self.run = None
+
+    @staticmethod
+    def _steps_left(req: CacheRequest) -> int:
+        """Decode steps until `req` is done (the step that finishes it included)."""
+        assert isinstance(req, SimRequest)
+        end = min(req.max_new, len(req.output_tokens)) if req.output_tokens else req.max_new
+        return max(1, end - req.decoded)
+
     def _step_done(self, batch: Batch) -> None:
         self.busy = False
+        if batch is self.run and self.run_left > 1:  # nobody in the run finishes at this step
+            self.run_left -= 1
+            self.run_lag += 1
+            self.kick()
+            return
+        self._end_run()
         for req, n in batch.prefill:
             finished = self.scheduler.prefill_done(req, n)
             if not req.prefilling:

@@ -1,9 +1,12 @@
 """Discrete-event simulation: a clock, an event heap, N replicas, and the workflow clients that drive
 them. Deterministic: events at equal times run in the order they were scheduled.
 
-The simulation plays the router's part too: it keeps every client's step graph state, publishes
-steps-to-execution to a `StepBook` all replicas read, and pins each workflow to one replica
-(round-robin placement; prefix-affinity routing arrives with the Ray router).
+The simulation plays the router's part too: it keeps every client's step graph state, pins each
+workflow to one replica (round-robin placement; prefix-affinity routing arrives with the Ray router)
+and publishes its steps-to-execution and prompts to that replica's `StepBook` only, as the router
+hints only the replicas a workflow touched. Each replica plans from what it was told: a fleet-wide
+book or broadcast would make every replica re-plan on every workflow's step (work growing with
+replicas x workflows) and let unrelated workflows' pace drive a replica's write-backs.
 """
 
 from __future__ import annotations
@@ -71,12 +74,12 @@ class Simulation:
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
-        self.book = StepBook(near_horizon=max(horizon, 2))
         self.future = FutureAccesses(future or []) if policy.oracle else None
         if policy.oracle and future is None:
             raise ValueError(f"{policy.name} needs the future access sequence (run another policy first)")
         self.replicas = [
-            SimReplica(self, i, profile, policy, self.book, future=self.future, horizon=horizon,
+            SimReplica(self, i, profile, policy, StepBook(near_horizon=max(horizon, 2)), future=self.future,
+                       horizon=horizon,
                        max_inflight=max_inflight, gpu_capacity=gpu_capacity)
             for i in range(replicas)
         ]
@@ -118,18 +121,19 @@ class Simulation:
         self.replica_for(req.workflow).submit(req)
 
     def publish(self, workflow: str, state: WorkflowState) -> None:
-        self.book.set_steps(workflow, state.steps_to_execution())
-        for replica in self.replicas:
-            replica.on_hints()
+        replica = self.replica_for(workflow)
+        replica.book.set_steps(workflow, state.steps_to_execution())
+        replica.on_hints()
 
     def retire(self, workflow: str) -> None:
-        self.book.retire(workflow)
-        for replica in self.replicas:
-            replica.cache.retire_workflow(workflow)
+        replica = self.replica_for(workflow)
+        replica.book.retire(workflow)
+        replica.cache.retire_workflow(workflow)
 
     def register_prompts(self, workflow: str, prompts: dict[str, tuple[int, ...]]) -> None:
+        book = self.replica_for(workflow).book
         for agent, tokens in prompts.items():
-            self.book.register_prompt((workflow, agent), tokens)
+            book.register_prompt((workflow, agent), tokens)
 
     def call(self, client: WorkflowClient, agent: str) -> None:
         self.submit(self.new_request(client, agent))
