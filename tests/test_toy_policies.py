@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
 import pytest
@@ -33,7 +33,7 @@ class NewestFirst:
     def __init__(self) -> None:
         self.calls: list[int] = []  # how many requests were waiting at each call
 
-    def order(self, waiting: Sequence[R], is_loading: Callable[[R], bool]) -> list[R]:
+    def order(self, waiting: Sequence[R], ready: Sequence[R]) -> list[R]:
         self.calls.append(len(waiting))
         return list(reversed(waiting))
 

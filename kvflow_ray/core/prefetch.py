@@ -143,8 +143,8 @@ class PrefetchCandidates:
 
     def __init__(self, book: StepBook, tree: Any) -> None:
         self.book = book
-        self.tree = tree  # radix.RadixTree (its changed_tops / new_top_keys)
-        tree.track_tops = True
+        self.tree = tree  # radix.RadixTree
+        self.watch = tree.watch_tops()
         self.near = NearMap()
         self._agents: dict[str, set[str]] = {}  # workflow -> its agents in `near` or set aside
         for tag, e in book.near.items():
@@ -181,7 +181,7 @@ class PrefetchCandidates:
 
     def refresh(self) -> None:
         """Take in what changed since the last plan: steps of workflows, subtrees of the tree."""
-        book, tree = self.book, self.tree
+        book = self.book
         if book.version != self.seen:
             changed = book.changed_since(self.seen)
             self.seen = book.version
@@ -195,12 +195,11 @@ class PrefetchCandidates:
             else:
                 for workflow in changed:
                     self._refresh_workflow(workflow)
-        for top in tree.changed_tops:
+        for top in self.watch.changed:
             self._unpark(self._at_top.pop(top, ()))
-        tree.changed_tops.clear()
-        for key in tree.new_top_keys:
+        for key in self.watch.new_keys:
             self._unpark(self._at_key.pop(key, ()))
-        tree.new_top_keys.clear()
+        self.watch.clear()
 
     def _refresh_workflow(self, workflow: str) -> None:
         """Its steps changed (or it retired): its agents' entries are the book's again."""

@@ -162,6 +162,20 @@ def _common_length(key: tuple[int, ...], tokens: tuple[int, ...], start: int, pa
     return i - i % page
 
 
+@dataclass
+class TopWatch:
+    """What changed under the root since its reader last cleared it: the root's children whose subtree
+    changed (structure or tiers), and the child keys under the root that gained a node. A look-up of
+    tokens is a function of the subtree it starts in, so its answer can differ only for these."""
+
+    changed: dict[RadixNode, None] = field(default_factory=dict)
+    new_keys: dict[ChildKey, None] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        self.changed.clear()
+        self.new_keys.clear()
+
+
 class RadixTree:
     """Paged radix tree; token accounting per tier; tag index per workflow for cheap retirement."""
 
@@ -186,12 +200,8 @@ class RadixTree:
         # nodes whose eviction rank may have changed (last access, tags) or that became device leaves
         # since the eviction index last looked: it re-ranks exactly these (insertion-ordered set)
         self.rank_dirty: dict[RadixNode, None] = {}
-        # the root's children whose subtree changed (structure or tiers) since a reader last drained
-        # it, and the child keys under the root that gained a node: what a look-up of a prompt in them
-        # finds may differ now (prefetch planning re-checks exactly these prompts)
-        self.changed_tops: dict[RadixNode, None] = {}
-        self.new_top_keys: dict[ChildKey, None] = {}
-        self.track_tops = False  # whether anyone reads them (a prefetch planner turns it on)
+        # readers of what changed under the root (`watch_tops`): prefetch planning, the waiting queue
+        self._watches: list[TopWatch] = []
         # agents each workflow has tagged, so retiring it discards exactly its tags: a node shared by
         # thousands of workflows is never rebuilt tag by tag
         self._agents_by_workflow: dict[str, set[str]] = {}
@@ -254,15 +264,20 @@ class RadixTree:
         key = self.child_key(self.root, tokens, namespace)
         return key, self.root.children.get(key)
 
+    def watch_tops(self) -> TopWatch:
+        """A new reader of the root's children whose subtree changes from now on."""
+        watch = TopWatch()
+        self._watches.append(watch)
+        return watch
+
     def _subtree_changed(self, node: RadixNode) -> None:
-        """`node` changed structure or tier: bump the root's child above it (and report it, when
-        anyone reads `changed_tops`)."""
+        """`node` changed structure or tier: bump the root's child above it and tell the watches."""
         while node.parent is not None and node.parent is not self.root:
             node = node.parent
         if node.parent is self.root:
             node.subtree_version += 1
-            if self.track_tops:
-                self.changed_tops[node] = None
+            for watch in self._watches:
+                watch.changed[node] = None
 
     # ------------------------------------------------------------------ structure
     def split(self, node: RadixNode, at: int) -> RadixNode:
@@ -326,8 +341,9 @@ class RadixTree:
             child = RadixNode(key=rest, parent=parent, namespace=namespace,
                               gpu_value=_slice(gpu_value, match.length, len(key)))
             parent.children[self._key_of(child)] = child
-            if parent is self.root and self.track_tops:
-                self.new_top_keys[self._key_of(child)] = None
+            if parent is self.root:
+                for watch in self._watches:
+                    watch.new_keys[self._key_of(child)] = None
             self._set_gpu(child, GpuState.READY)
             new_tokens += len(child.key)
             if adopted is not None:

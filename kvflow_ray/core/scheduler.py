@@ -10,6 +10,7 @@ policies this calls, never in an engine.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -28,6 +29,7 @@ from kvflow_ray.core.prefetch import (
 from kvflow_ray.core.radix import GpuState, RadixNode, Tag
 from kvflow_ray.core.registry import PolicyContext
 from kvflow_ray.core.snapshot import EngineSnapshot
+from kvflow_ray.core.waiting import ArrivalOrder, WaitingIndex
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class CacheRequest:
     # the root's child a look-up of its tokens starts at, and that child's subtree version, at the last
     # look-up (None: not looked up yet); and what it found
     seen_top: tuple[RadixNode | None, int] | None = None
+    seq: int = 0  # arrival order at its scheduler
     seen_state: tuple[bool, list[RadixNode]] = (True, [])
     pending_nodes: list[RadixNode] = field(default_factory=list)  # prefix nodes not on the device at arrival
     ready_at_arrival: int = 0
@@ -196,6 +199,9 @@ class ReplicaScheduler:
         self.candidates: PrefetchCandidates | None = None  # built at the first plan
         self._last_plan: tuple[int, ...] | None = None
         self.queued_reserved = 0  # see _start_queued_loads
+        self.holding: ArrivalOrder[CacheRequest] = ArrivalOrder()  # waiting requests holding a queued load
+        self.queue: WaitingIndex[CacheRequest] = WaitingIndex(cache.tree, self._prefix_state)
+        self._arrivals = 0
         self.stats = ReplicaStats(prefetch=cache.prefetches)
         # Settled admission (see `admit`): calls of the entry points that change what admission reads,
         # and the state an admission pass that changed nothing left behind. Only for eviction
@@ -236,7 +242,10 @@ class ReplicaScheduler:
         req.pending_nodes = loading + host
         req.tail = match.last
         self._changes += 1
+        self._arrivals += 1
+        req.seq = self._arrivals
         self.waiting.append(req)
+        self.queue.add(req)
         self.waiting_need += self._queued_need(req)
 
     def cancel(self, req: CacheRequest) -> None:
@@ -245,10 +254,12 @@ class ReplicaScheduler:
         self._decode_batch = None
         if req in self.waiting:
             self.waiting.remove(req)
+            self.queue.discard(req)
             self.waiting_need -= self._queued_need(req)
             if req.locked is not None:
                 self.cache.tree.unlock(req.locked)
                 self.queued_reserved -= req.reserved
+                self.holding.discard(req)
                 req.locked, req.reserved = None, 0
         elif req in self.running:
             self.running.remove(req)
@@ -371,9 +382,6 @@ class ReplicaScheduler:
     def _queued_need(req: CacheRequest) -> int:
         return queued_need(((len(req.tokens), req.ready_at_arrival, req.max_new),))
 
-    def _is_loading(self, req: CacheRequest) -> bool:
-        return not self._prefix_state(req)[0]
-
     def _private_need(self, req: CacheRequest, matched: int) -> int:
         # a fully cached prompt still recomputes its last token to get the next-token logits
         return len(req.tokens) - min(matched, len(req.tokens) - 1) + req.max_new
@@ -385,28 +393,40 @@ class ReplicaScheduler:
 
         A queued load locks its prefix until the request is admitted (otherwise loads for different
         queued requests evict each other before use), and starts only while free memory still covers
-        the private needs of every request holding such a load, so they can all be admitted."""
-        for req in self.waiting:
-            if req.locked is not None:
-                continue
-            _ready, host = self._prefix_state(req)
-            if not host:
-                continue
-            match = self.cache.match(req.tokens, req.cache_salt)
-            _ready_len, _loading, host = match.split_by_tier()
-            if not host:
-                continue
-            private = self._private_need(req, match.length)
-            self.cache.tree.lock(match.last)
-            ok, writebacks = self.cache.make_room(sum(len(n.key) for n in host) + private + self.queued_reserved)
-            self.copier.write_back(writebacks)
-            if not ok:
-                self.cache.tree.unlock(match.last)
+        the private needs of every request holding such a load, so they can all be admitted.
+
+        The requests are taken in arrival order from the index of those with host-only nodes, kept
+        current after each load started (a load or an eviction changes what others find)."""
+        queue = self.queue
+        queue.refresh()
+        req = queue.needs_load.after(0)
+        while req is not None:
+            if req.locked is None and self._start_queued_load(req):
                 break
-            req.locked = match.last
-            req.reserved = private
-            self.queued_reserved += private
-            self._load(host, self.cache.start_load(host), prefetch=False)
+            queue.refresh()
+            req = queue.needs_load.after(req.seq)
+
+    def _start_queued_load(self, req: CacheRequest) -> bool:
+        """Start `req`'s queued load if memory allows; True when it does not (the pass stops)."""
+        if not self._prefix_state(req)[1]:
+            return False
+        match = self.cache.match(req.tokens, req.cache_salt)
+        _ready_len, _loading, host = match.split_by_tier()
+        if not host:
+            return False
+        private = self._private_need(req, match.length)
+        self.cache.tree.lock(match.last)
+        ok, writebacks = self.cache.make_room(sum(len(n.key) for n in host) + private + self.queued_reserved)
+        self.copier.write_back(writebacks)
+        if not ok:
+            self.cache.tree.unlock(match.last)
+            return True
+        req.locked = match.last
+        req.reserved = private
+        self.queued_reserved += private
+        self.holding.add(req)
+        self._load(host, self.cache.start_load(host), prefetch=False)
+        return False
 
     def _admission_state(self) -> tuple[int, ...]:
         """What an admission pass reads, beyond the requests' own fields, in counters: the scheduler's
@@ -445,9 +465,11 @@ class ReplicaScheduler:
         # Requests holding a queued load go first: their memory is already reserved, so admitting them
         # takes nothing from anyone. Otherwise a request ahead of them that does not fit (because
         # their locked prefixes cannot be evicted) waits for memory that only they would free.
-        holding = [r for r in self.waiting if r.locked is not None]
-        rest = [r for r in self.admission.order(self.waiting, self._is_loading) if r.locked is None]
-        for req in holding + rest:
+        self.queue.refresh()
+        holding = self.holding.items()
+        # the rest is filtered as the pass reaches it: most passes stop at their first request
+        rest = (r for r in self.admission.order(self.waiting, self.queue.ready.items()) if r.locked is None)
+        for req in itertools.chain(holding, rest):
             if len(self.running) >= self.max_running:
                 break
             match = self.cache.match(req.tokens, req.cache_salt)
@@ -463,6 +485,7 @@ class ReplicaScheduler:
             if req.locked is not None:  # the lock of its queued load passes to the admitted request
                 self.cache.tree.unlock(req.locked)
                 self.queued_reserved -= req.reserved
+                self.holding.discard(req)
                 req.reserved = 0
             req.locked = match.last
             self.cache.prefetches.use(match.path)
@@ -479,6 +502,7 @@ class ReplicaScheduler:
             req.miss = len(req.tokens) - match.length
             req.prefill_pos = min(match.length, len(req.tokens) - 1)
             self.waiting.remove(req)
+            self.queue.discard(req)
             self.waiting_need -= self._queued_need(req)
             self.running.append(req)
             admitted.append(req)

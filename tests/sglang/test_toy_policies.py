@@ -11,7 +11,7 @@ stands in for the load-back alone (as test_plugin_admission marks a load), and e
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 from typing import TypeVar
 
@@ -41,7 +41,7 @@ class ShortestFirst:
     loads_while_queued = False
     batch_waits_for_loads = True
 
-    def order(self, waiting: Sequence[R], is_loading: Callable[[R], bool]) -> list[R]:
+    def order(self, waiting: Sequence[R], ready: Sequence[R]) -> list[R]:
         return sorted(waiting, key=lambda req: len(req.origin_input_ids))
 
 

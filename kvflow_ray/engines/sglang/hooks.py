@@ -195,7 +195,7 @@ def after_calc_priority(result: Any, policy: Any, waiting_queue: list[Any], *arg
         except KeyError:  # the node left the tree since the request's last match: nothing loads there
             return False
 
-    ordered = st.admission.order(waiting_queue, is_loading)
+    ordered = st.admission.order(waiting_queue, [req for req in waiting_queue if not is_loading(req)])
     chosen = {id(req) for req in ordered}
     waiting_queue[:] = [*ordered, *(req for req in waiting_queue if id(req) not in chosen)]
 
