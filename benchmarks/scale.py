@@ -7,8 +7,9 @@ not with everything. Pure Python, no Ray, one process; lru and kvflow side by si
    leaves per workflow (agents' prompt tails), and 100 at 100k leaves to show a big workflow's re-rank.
 2. prefetch: planning after one hint (one workflow's steps change) vs live workflows (100, 1k, 10k),
    through `PrefetchCandidates` (what the scheduler uses) and straight over the step book (before).
-3. simulator: wall time of the concurrent scenario vs workflows (30 → 300) on 8 replicas and vs
-   replicas (1 → 64), lru and kvflow.
+3. simulator: wall time of the concurrent scenario (every workflow a 10-agent loop, 1,024-token
+   prompts, 4 passes) vs workflows (30 → 1,000) on 8 replicas and vs replicas (1 → 64), up to
+   10,000 workflows on 64 replicas, lru and kvflow.
 4. router: `RouterCore` start+end pairs/s and `finish_client` p99 vs live clients (1k → 100k) on 8
    replicas, vs replicas (2 → 32) at 10k clients, and at 100k clients × 32 replicas (no Ray; the
    in-process store behind the write queue the router actor uses, flushed, and every replica's merged
@@ -198,7 +199,9 @@ def grid(quick: bool) -> list[tuple[str, dict[str, Any], Callable[[], dict[str, 
         for candidates in (True, False):
             runs.append(("prefetch", {"live_workflows": live, "candidates": candidates},
                          lambda n=live, c=candidates: prefetch(n, candidates=c, hints=50 if quick else 300)))
-    for tasks, replicas in ([(30, 8)] if quick else [(30, 8), (100, 8), (300, 8), (100, 1), (100, 64)]):
+    sims = [(30, 8)] if quick else [(30, 8), (100, 8), (300, 8), (1000, 8), (100, 1), (100, 64), (1000, 64),
+                                    (10_000, 64)]
+    for tasks, replicas in sims:
         for policy in ("lru", "kvflow"):
             runs.append(("simulator", {"policy": policy, "workflows": tasks, "replicas": replicas},
                          lambda p=policy, t=tasks, r=replicas: simulator(p, t, r)))
@@ -206,7 +209,7 @@ def grid(quick: bool) -> list[tuple[str, dict[str, Any], Callable[[], dict[str, 
                    [(1000, 8), (10_000, 8), (100_000, 8), (10_000, 2), (10_000, 32), (100_000, 32)])
     for clients, replicas in router_grid:
         runs.append(("router", {"clients": clients, "replicas": replicas},
-                     lambda c=clients, r=replicas: router(c, r, pairs=500 if quick else 3000)))
+                     lambda c=clients, r=replicas: router(c, r, pairs=500 if quick else 20_000)))
     return runs
 
 

@@ -82,6 +82,7 @@ JOINS: tuple[str, ...] = ("all", "any")
 # the spec's folder). Bounded so that a mistaken path (a log, /dev/zero) cannot fill memory.
 MAX_SPEC_FILE_BYTES = MAX_CONFIG_FILE_BYTES  # 4 MiB
 MAX_PROMPT_FILE_BYTES = 1024 * 1024  # 1 MiB per prompt file
+STEPS_MEMO = 1024  # states per spec whose steps-to-execution are remembered
 
 
 class SpecError(ValueError):
@@ -208,6 +209,10 @@ class WorkflowSpec:
     # workflow; recomputing successors there would dominate its cost.
     _successors: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
     _start: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    # steps_to_execution by state (running agents, arrivals): a workflow cycles through few states,
+    # and thousands of live instances share one spec
+    _steps_memo: dict[tuple[frozenset[str], frozenset[tuple[str, frozenset[str]]]], dict[str, float]] = field(
+        init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_name("name", self.name)
@@ -240,6 +245,7 @@ class WorkflowSpec:
                     "entry", "required when every agent has a predecessor (the workflow is a loop)"
                 )
         object.__setattr__(self, "_start", start)
+        object.__setattr__(self, "_steps_memo", {})
 
         # An agent no start agent leads to can never run: almost always a typo in `after`.
         reached = set(start)
@@ -354,7 +360,21 @@ class WorkflowState:
         value back through the evaluations that produced it visits distinct agents (a later value of
         an agent is never larger than an earlier one), so finite values are <= len(agents) and each
         agent is lowered at most len(agents) + 1 times. Typical DAGs settle in one pass.
+
+        The values depend on the state alone, so each spec remembers them per state (up to
+        `STEPS_MEMO` states); the caller gets its own copy.
         """
+        key = (frozenset(self.running), frozenset((v, frozenset(got)) for v, got in self.arrived.items() if got))
+        memo = self.spec._steps_memo
+        e = memo.get(key)
+        if e is None:
+            e = self._steps_to_execution()
+            if len(memo) >= STEPS_MEMO:
+                memo.clear()
+            memo[key] = e
+        return dict(e)
+
+    def _steps_to_execution(self) -> dict[str, float]:
         spec = self.spec
         agents = spec.agents
         successors = spec._successors

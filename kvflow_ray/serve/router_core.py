@@ -603,11 +603,11 @@ class RouterCore:
         it. A replica learns the agents' prompts the first time it hears of the instance."""
         steps = state.steps_to_execution()
         targets = self._prefetch_targets(steps, record)
-        prompts = {agent: a.prompt for agent, a in spec.agents.items() if a.prompt}
         salt = str(record.get("salt", ""))
         told = self._told.setdefault(key, set())
         new = {*record["placement"].values(), *targets.values()} - told
         told |= new & self.loads.keys()
+        prompts = {agent: a.prompt for agent, a in spec.agents.items() if a.prompt} if new else {}
         everywhere_else = sorted(targets)
         out = []
         for replica in sorted(told & self.loads.keys()):
