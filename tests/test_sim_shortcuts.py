@@ -2,7 +2,8 @@
 pass that found nothing to admit is not repeated until something it reads changes) and decode runs
 (steps of an unchanged decode batch advance totals, not each request) must give exactly what doing
 every step in full gives: on several replicas, under memory pressure, with a host tier, prefetch,
-status-aware admission and prompts shared by every client."""
+status-aware admission and prompts shared by every client. The full runs also check the waiting
+queue's index (`core/waiting.py`) against looking every queued request up, before every pass."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvflow_ray.core.scheduler import resolve_policy
+from kvflow_ray.core.scheduler import ReplicaScheduler, resolve_policy
 from kvflow_ray.engines.sim import workload
 from kvflow_ray.engines.sim.profile import load_profile
 from kvflow_ray.engines.sim.runner import summarise
@@ -35,7 +36,8 @@ def run(scenario: Scenario, policy: str, replicas: int, capacity: int, *, shortc
         scheduler = replica.scheduler
         scheduler.settle_admission = shortcuts and scheduler.settle_admission
         # count the real methods' calls (a spy: they run unchanged)
-        scheduler._admit = _counted(scheduler._admit, work, "admission passes")  # type: ignore[method-assign]
+        scheduler._admit = _counted(scheduler._admit, work, "admission passes",  # type: ignore[method-assign]
+                                    check=None if shortcuts else _check_queue(scheduler))
         scheduler.decoded = _counted(scheduler.decoded, work, "request decode steps")  # type: ignore[method-assign]
     for plan in scenario.plans:
         sim.add_client(plan)
@@ -44,11 +46,19 @@ def run(scenario: Scenario, policy: str, replicas: int, capacity: int, *, shortc
     return json.dumps([summarise(sim), iterations, sim.trace]), work["admission passes"], work["request decode steps"]
 
 
-def _counted(method: Callable[..., Any], work: dict[str, int], name: str) -> Callable[..., Any]:
+def _counted(method: Callable[..., Any], work: dict[str, int], name: str,
+             check: Callable[[], None] | None = None) -> Callable[..., Any]:
     def counted(*args: Any, **kwargs: Any) -> Any:
         work[name] += 1
+        if check is not None:
+            check()
         return method(*args, **kwargs)
     return counted
+
+
+def _check_queue(scheduler: ReplicaScheduler) -> Callable[[], None]:
+    """Before each full admission pass: the waiting queue's index against looking every request up."""
+    return lambda: scheduler.queue.check(scheduler.waiting)
 
 
 @pytest.mark.parametrize("policy", ["lru", "hicache", "kvflow", "kvflow-noprefetch"])

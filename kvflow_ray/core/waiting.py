@@ -10,7 +10,7 @@ the queue, not the queue's length (hundreds of requests per replica when a fleet
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from kvflow_ray.core.radix import ChildKey, RadixNode, RadixTree
@@ -106,6 +106,13 @@ class WaitingIndex(Generic[Q]):
         watch.clear()
         for req in stale:
             self._place(req)
+
+    def check(self, waiting: Sequence[Q]) -> None:
+        """The index against looking every queued request up again (tests)."""
+        self.refresh()
+        states = [(req, self.prefix_state(req)) for req in waiting]
+        assert self.ready.items() == [req for req, (usable, _host) in states if usable]
+        assert self.needs_load.items() == [req for req, (_usable, host) in states if host]
 
     def _place(self, req: Q) -> None:
         key, top = self.tree.top_of(req.tokens, req.cache_salt)
