@@ -241,6 +241,7 @@ class ReplicaScheduler:
         req.cached_at_arrival = match.length
         req.pending_nodes = loading + host
         req.tail = match.last
+        req.seen_top, req.seen_state = self._top_stamp(req), (not (loading or host), host)
         self._changes += 1
         self._arrivals += 1
         req.seq = self._arrivals
@@ -358,13 +359,18 @@ class ReplicaScheduler:
         self.plan_prefetch()  # room that a prefetch was waiting for may be free now
 
     # ------------------------------------------------------------------ admission
+    def _top_stamp(self, req: CacheRequest) -> tuple[RadixNode | None, int]:
+        """The root's child a look-up of `req` starts in, and its subtree version: while it stays the
+        same, so does what the look-up finds."""
+        _key, top = self.cache.tree.top_of(req.tokens, req.cache_salt)
+        return top, top.subtree_version if top is not None else 0
+
     def _prefix_state(self, req: CacheRequest) -> tuple[bool, list[RadixNode]]:
         """(cached prefix usable now, its host-only nodes). The tail node remembered from the last
         look-up answers most calls: device residency is prefix-closed, so a READY tail means the
         whole cached prefix is on the device."""
         tree = self.cache.tree
-        _key, top = tree.top_of(req.tokens, req.cache_salt)
-        seen = (top, top.subtree_version if top is not None else 0)
+        seen = self._top_stamp(req)
         if req.seen_top == seen:
             return req.seen_state
         tail = req.tail

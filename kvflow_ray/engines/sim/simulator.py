@@ -126,9 +126,7 @@ class Simulation:
         replica.on_hints()
 
     def retire(self, workflow: str) -> None:
-        replica = self.replica_for(workflow)
-        replica.book.retire(workflow)
-        replica.cache.retire_workflow(workflow)
+        self.replica_for(workflow).scheduler.retire([workflow])
 
     def register_prompts(self, workflow: str, prompts: dict[str, tuple[int, ...]]) -> None:
         book = self.replica_for(workflow).book
