@@ -78,8 +78,8 @@ class CacheRequest:
     # the root's child a look-up of its tokens starts at, and that child's subtree version, at the last
     # look-up (None: not looked up yet); and what it found
     seen_top: tuple[RadixNode | None, int] | None = None
-    seq: int = 0  # arrival order at its scheduler
     seen_state: tuple[bool, list[RadixNode]] = (True, [])
+    seq: int = 0  # arrival order at its scheduler
     pending_nodes: list[RadixNode] = field(default_factory=list)  # prefix nodes not on the device at arrival
     ready_at_arrival: int = 0
     cached_at_arrival: int = 0  # prefix tokens in the tree (either tier) at arrival
@@ -204,11 +204,12 @@ class ReplicaScheduler:
         self._arrivals = 0
         self.stats = ReplicaStats(prefetch=cache.prefetches)
         # Settled admission (see `admit`): calls of the entry points that change what admission reads,
-        # and the state an admission pass that changed nothing left behind. Only for eviction
+        # and the state (with the tree's access clock) an admission pass that changed nothing left
+        # behind. Only for eviction
         # policies ranked by access times, tags and steps (`incremental`): an oracle's keys move with
         # every arrival anywhere.
         self._changes = 0
-        self._settled: tuple[int, ...] | None = None
+        self._settled: tuple[tuple[int, ...], int] | None = None
         self.settle_admission = cache.index is not None
         # the last decode-only batch while every running request decodes: the next step's, unchanged
         self._decode_batch: Batch | None = None
@@ -414,8 +415,6 @@ class ReplicaScheduler:
 
     def _start_queued_load(self, req: CacheRequest) -> bool:
         """Start `req`'s queued load if memory allows; True when it does not (the pass stops)."""
-        if not self._prefix_state(req)[1]:
-            return False
         match = self.cache.match(req.tokens, req.cache_salt)
         _ready_len, _loading, host = match.split_by_tier()
         if not host:
@@ -435,11 +434,11 @@ class ReplicaScheduler:
         return False
 
     def _admission_state(self) -> tuple[int, ...]:
-        """What an admission pass reads, beyond the requests' own fields, in counters: the scheduler's
-        entry points, the tree's structure and tiers and its access clock, the book, device and host
+        """What an admission pass reads, beyond the requests' own fields and access times, in counters:
+        the scheduler's entry points, the tree's structure and tiers, the book, device and host
         accounting, locks and queued reservations."""
         cache, tree = self.cache, self.cache.tree
-        return (self._changes, tree.version, tree.clock, self.book.version, cache.private_tokens, tree.gpu_tokens,
+        return (self._changes, tree.version, self.book.version, cache.private_tokens, tree.gpu_tokens,
                 cache.pending_free, cache.offloading_tokens, tree.locked_gpu_tokens, self.queued_reserved,
                 self.prefetch_inflight, len(self.running))
 
@@ -453,13 +452,13 @@ class ReplicaScheduler:
         if not self.waiting:
             return []
         if self.settle_admission:
-            if self._settled is not None and self._settled == self._admission_state():
-                return []
             before = self._admission_state()
+            if self._settled == (before, self.cache.tree.clock):
+                return []
         admitted = self._admit()
         if self.settle_admission:
             after = self._admission_state()
-            self._settled = after if not admitted and _same_but_clock(before, after) else None
+            self._settled = (after, self.cache.tree.clock) if not admitted and after == before else None
         if admitted:
             self._decode_batch = None
         return admitted
@@ -613,10 +612,6 @@ class ReplicaScheduler:
         if free_slots is not None:
             free_slots()
         self.plan_prefetch()
-
-
-def _same_but_clock(before: tuple[int, ...], after: tuple[int, ...]) -> bool:
-    return before[:2] == after[:2] and before[3:] == after[3:]
 
 
 def build_replica(policy: str | PolicyConfig, copier: Copier, *, gpu_capacity: int, cpu_capacity: int = 0,

@@ -10,7 +10,7 @@ the queue, not the queue's length (hundreds of requests per replica when a fleet
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from kvflow_ray.core.radix import ChildKey, RadixNode, RadixTree
@@ -32,13 +32,6 @@ class ArrivalOrder(Generic[Q]):
         self._seqs: list[int] = []
         self._items: list[Q] = []
 
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __contains__(self, req: Q) -> bool:
-        i = bisect.bisect_left(self._seqs, req.seq)
-        return i < len(self._seqs) and self._seqs[i] == req.seq
-
     def add(self, req: Q) -> None:
         i = bisect.bisect_left(self._seqs, req.seq)
         if i == len(self._seqs) or self._seqs[i] != req.seq:
@@ -58,9 +51,6 @@ class ArrivalOrder(Generic[Q]):
         """The first request that arrived after `seq` (None: none)."""
         i = bisect.bisect_right(self._seqs, seq)
         return self._items[i] if i < len(self._items) else None
-
-    def __iter__(self) -> Iterator[Q]:
-        return iter(self._items[:])
 
 
 class WaitingIndex(Generic[Q]):

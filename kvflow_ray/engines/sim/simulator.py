@@ -79,8 +79,7 @@ class Simulation:
             raise ValueError(f"{policy.name} needs the future access sequence (run another policy first)")
         self.replicas = [
             SimReplica(self, i, profile, policy, StepBook(near_horizon=max(horizon, 2)), future=self.future,
-                       horizon=horizon,
-                       max_inflight=max_inflight, gpu_capacity=gpu_capacity)
+                       horizon=horizon, max_inflight=max_inflight, gpu_capacity=gpu_capacity)
             for i in range(replicas)
         ]
         self._placement: dict[str, int] = {}
