@@ -6,36 +6,40 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvflow_ray.core.routing import PrefixAffinityRouter
+from kvflow_ray.core.routing import Fleet, PrefixAffinityRouter, RouteDecision, RouteRequest
 
 ROUTER = PrefixAffinityRouter(balance_threshold=4)
 
 
+def route(holders: dict[str, str], loads: dict[str, int], tokens: int, home: str | None = None) -> RouteDecision:
+    return ROUTER.route(RouteRequest(prefix_tokens=tokens, holders=holders, home=home), Fleet(loads=dict(loads)))
+
+
 def test_affinity_prefers_the_device_tier_then_the_host_tier() -> None:
     loads = {"a": 2, "b": 2, "c": 0}
-    d = ROUTER.route({"a": "cpu", "b": "gpu"}, loads, 2048)
+    d = route({"a": "cpu", "b": "gpu"}, loads, 2048)
     assert (d.replica, d.outcome, d.tier) == ("b", "affinity", "gpu")
-    d = ROUTER.route({"a": "cpu"}, loads, 2048)
+    d = route({"a": "cpu"}, loads, 2048)
     assert (d.replica, d.outcome, d.tier) == ("a", "affinity", "cpu")
 
 
 def test_an_overloaded_holder_loses_the_call_to_the_cheapest_replica() -> None:
-    d = ROUTER.route({"a": "gpu"}, {"a": 9, "b": 1}, 2048)
+    d = route({"a": "gpu"}, {"a": 9, "b": 1}, 2048)
     assert (d.replica, d.outcome, d.tier) == ("b", "balanced", None)
     # within the threshold the holder keeps it
-    assert ROUTER.route({"a": "gpu"}, {"a": 5, "b": 1}, 2048).replica == "a"
+    assert route({"a": "gpu"}, {"a": 5, "b": 1}, 2048).replica == "a"
 
 
 def test_a_cold_agent_goes_where_it_is_cheapest() -> None:
-    d = ROUTER.route({}, {"a": 3, "b": 1, "c": 1}, 512)
+    d = route({}, {"a": 3, "b": 1, "c": 1}, 512)
     assert (d.replica, d.outcome) == ("b", "cold")  # least loaded, ties by name
 
 
 def test_dead_holders_are_ignored_and_no_replica_is_an_error() -> None:
-    d = ROUTER.route({"gone": "gpu"}, {"a": 0}, 100)
+    d = route({"gone": "gpu"}, {"a": 0}, 100)
     assert (d.replica, d.outcome) == ("a", "cold")
     with pytest.raises(ValueError, match="no live replica"):
-        ROUTER.route({"a": "gpu"}, {}, 100)
+        route({"a": "gpu"}, {}, 100)
     with pytest.raises(ValueError, match="balance_threshold"):
         PrefixAffinityRouter(balance_threshold=-1)
 
@@ -45,7 +49,7 @@ def test_dead_holders_are_ignored_and_no_replica_is_an_error() -> None:
        st.integers(1, 10_000))
 @example(loads={"a": 5, "b": 0, "c": 1}, holders={"a": "gpu", "c": "cpu"}, tokens=1)  # a busy device holder
 def test_decisions_are_live_and_bounded(loads: dict[str, int], holders: dict[str, str], tokens: int) -> None:
-    d = ROUTER.route(holders, loads, tokens)
+    d = route(holders, loads, tokens)
     assert d.replica in loads
     assert d.tier == holders.get(d.replica)
     live = {r for r in holders if r in loads}

@@ -10,6 +10,15 @@ Examples:
   kvflow-ray sim --scenario concurrent --fixed 1024 --tasks 64 --profile h100-qwen2.5-32b \\
       --policies lru,hicache,kvflow --json
   kvflow-ray sim --workflow workflows/peer.yaml --clients 32 --profile a10g-llama3.1-8b
+  kvflow-ray sim --scenario concurrent --tasks 128 --replicas 8 --policies lru,kvflow \
+      --routing workflow,ray-prefix,sglang-cache-aware,dynamo-kv,llmd-precise,pow2,round-robin
+
+Routing (--routing, several compared in one run; results keyed "<policy>@<routing>"): every call
+goes through the serving router with that policy. workflow: the workflow router (prefix affinity,
+priced); ray-prefix: Ray Serve LLM's PrefixCacheAffinityRouter; sglang-cache-aware: the SGLang
+gateway's cache_aware; dynamo-kv: NVIDIA Dynamo's KV router; llmd-precise: llm-d's precise prefix
+scorer + load scorers; pow2; round-robin. Without --routing each workflow stays on one replica,
+assigned in turn.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from kvflow_ray.core.graph import SpecError, load_spec
 from kvflow_ray.core.scheduler import POLICIES
 from kvflow_ray.engines.sim import workload
 from kvflow_ray.engines.sim.profile import available_profiles, load_profile
-from kvflow_ray.engines.sim.runner import parse_policies, run_policies
+from kvflow_ray.engines.sim.runner import parse_policies, parse_routings, run_policies
 
 DEFAULT_POLICIES = "lru,hicache,kvflow,belady,infinite"
 
@@ -56,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated, of: {', '.join(POLICIES)} (default {DEFAULT_POLICIES}); a combination "
                              "of registered policies is added with core.scheduler.register_policy")
     parser.add_argument("--replicas", type=int, default=1, help="simulated GPU replicas")
+    parser.add_argument("--routing", default=None, metavar="NAMES",
+                        help="comma-separated routing policies to compare (see above); default: none, each "
+                             "workflow pinned to one replica")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the routing policies that draw at random")
     parser.add_argument("--horizon", type=int, default=1, help="prefetch agents at most this many steps ahead")
     parser.add_argument("--max-inflight", type=int, default=4, help="concurrent prefetch loads per replica")
     parser.add_argument("--gpu-kv-tokens", type=int, default=None,
@@ -89,6 +102,9 @@ def build_scenario(args: argparse.Namespace) -> workload.Scenario:
 def run(args: argparse.Namespace) -> int:
     try:
         policies = parse_policies(args.policies)
+        routings = parse_routings(args.routing) if args.routing is not None else None
+        if args.replicas < 1:
+            raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
         overrides = {}
         for item in args.overrides:
             key, sep, value = item.partition("=")
@@ -102,17 +118,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from tqdm import tqdm
 
-    bar = tqdm(total=len(policies), desc=f"sim {scenario.name}", unit="policy", file=sys.stderr,
-               disable=None)
+    bar = tqdm(total=len(policies) * len(routings or [None]), desc=f"sim {scenario.name}", unit="run",
+               file=sys.stderr, disable=None)
 
-    def progress(policy: str) -> None:
-        if bar.n or policy != policies[0]:
+    started = False
+
+    def progress(name: str) -> None:
+        nonlocal started
+        if started:
             bar.update(1)
-        bar.set_postfix_str(policy)
+        started = True
+        bar.set_postfix_str(name)
 
     try:
         out = run_policies(scenario, profile, policies, replicas=args.replicas, horizon=args.horizon,
-                           max_inflight=args.max_inflight, gpu_capacity=args.gpu_kv_tokens, progress=progress)
+                           max_inflight=args.max_inflight, gpu_capacity=args.gpu_kv_tokens, progress=progress,
+                           routings=routings, seed=args.seed)
     except ValueError as exc:
         bar.close()
         print(f"kvflow-ray sim: error: {exc}", file=sys.stderr)
@@ -129,12 +150,15 @@ def run(args: argparse.Namespace) -> int:
 def format_table(out: dict) -> str:
     results = out["results"]
     base = results.get("lru") or next(iter(results.values()))
+    width = max(18, *(len(name) + 2 for name in results))
     lines = [f"scenario {out['scenario']} on {out['profile']} {out['params']}",
-             f"{'policy':<18}{'latency s':>11}{'p99 s':>9}{'vs lru':>8}{'gpu hit':>9}{'cpu hit':>9}"
+             f"{'policy':<{width}}{'latency s':>11}{'p99 s':>9}{'vs lru':>8}{'gpu hit':>9}{'cpu hit':>9}"
              f"{'recomputed':>12}{'loaded':>10}{'stall s':>9}"]
     for name, r in results.items():
+        _policy, at, routing = name.partition("@")
+        base = results.get(f"lru@{routing}" if at else "lru") or base  # lru under the same routing
         speedup = base["latency_s"] / r["latency_s"] if r["latency_s"] else float("nan")
-        lines.append(f"{name:<18}{r['latency_s']:>11.3f}{r['p99_latency_s']:>9.3f}{speedup:>7.2f}x"
+        lines.append(f"{name:<{width}}{r['latency_s']:>11.3f}{r['p99_latency_s']:>9.3f}{speedup:>7.2f}x"
                      f"{r['gpu_hit_ratio']:>9.3f}{r['cpu_hit_ratio']:>9.3f}{r['recomputed_tokens']:>12}"
                      f"{r['loaded_tokens']:>10}{r['prefetch_stall_s']:>9.3f}")
     return "\n".join(lines)

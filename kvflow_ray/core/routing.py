@@ -1,46 +1,254 @@
-"""Which replica serves an agent's call (DESIGN.md §5). Pure: the workflow router feeds it what it
-knows (where the agent's fixed prefix is cached, how loaded each replica is) and gets a decision.
+"""Which replica serves an agent's call (DESIGN.md §5). Pure: a router feeds a policy what it knows
+(`Fleet`: its own counts of the calls it routed, what replicas last reported, which KV blocks their
+cache events say they hold) and the call (`RouteRequest`), and gets a decision.
 
-- affinity: a replica holding the prefix, device tier before host tier, unless its queue is longer
-  than the least loaded replica's by more than `balance_threshold` requests;
-- balanced: the prefix is held, but its holders are overloaded: the cheapest replica instead;
-- cold: nobody holds the prefix: the workflow's home replica (where its previous agent ran, which
-  holds the context that agent produced and the prompt preamble agents of one application share)
-  while it is within the balance threshold, else the cheapest replica.
-"Cheapest" prices the queue ahead of the call and the prefix work it would need there: nothing on
-the device tier, a copy from the host tier, a full recompute elsewhere.
+Every routing rule lives here behind the `ROUTING` registry: the workflow router's own
+(`PrefixAffinityRouter`) and the peers' rules it is measured against (`core/peer_routers.py`:
+Ray Serve LLM, the SGLang gateway, Dynamo, llm-d; `pow2` and `round-robin` here). The serving
+router (`serve/router_core.py`) and the simulator call the same objects.
+
+A policy's `route` is a pure function of its state, the request and the fleet: a router may ask it
+where a call *would* go (prefetch targets) without sending one. What it learns from a call it
+actually routed comes through `routed` (Ray Serve's `on_request_routed`); a replica that left,
+through `removed` (`on_replica_actor_died`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import functools
+import hashlib
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
 from kvflow_ray.core.registry import PolicyContext, Registry
 
 TIER_RANK = {"gpu": 0, "cpu": 1}
+BLOCK_TOKENS = 16  # KV block of the router's block index (vLLM's and Dynamo's default block size)
+
+
+# ---------------------------------------------------------------------------------------------- blocks
+@functools.lru_cache(maxsize=4096)
+def _salt_seed(salt: str) -> int:
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "big")
+
+
+def block_hashes(tokens: Sequence[int], salt: str = "", block: int = BLOCK_TOKENS) -> tuple[int, ...]:
+    """Chained hashes of the full `block`-token blocks of `tokens` in cache namespace `salt`: block i's
+    hash names the whole prefix up to its end (as vLLM's, Dynamo's and llm-d's block hashes do), so
+    two sequences share a block hash exactly when they share that prefix. Stable across processes
+    (tuples of ints hash the same everywhere)."""
+    tokens = tuple(tokens)
+    h = _salt_seed(salt)
+    out = []
+    for start in range(0, len(tokens) - block + 1, block):
+        h = hash((h, tokens[start:start + block]))
+        out.append(h)
+    return tuple(out)
+
+
+class BlockIndex:
+    """Which KV blocks each replica holds, per tier, from its cache events: Dynamo's and llm-d's
+    view of the fleet ("exact holdings"). O(blocks of an event) per event; a look-up walks the
+    request's blocks from the start and drops a replica at its first missing block."""
+
+    def __init__(self, block: int = BLOCK_TOKENS) -> None:
+        self.block = block
+        self._holders: dict[int, dict[str, set[str]]] = {}  # block hash -> replica -> tiers
+        self._blocks: dict[str, int] = {}  # replica -> blocks it holds on the device
+
+    def stored(self, replica: str, tier: str, blocks: Sequence[int]) -> None:
+        for h in blocks:
+            tiers = self._holders.setdefault(h, {}).setdefault(replica, set())
+            if tier == "gpu" and "gpu" not in tiers:
+                self._blocks[replica] = self._blocks.get(replica, 0) + 1
+            tiers.add(tier)
+
+    def removed(self, replica: str, tier: str, blocks: Sequence[int]) -> None:
+        for h in blocks:
+            holders = self._holders.get(h)
+            tiers = holders.get(replica) if holders else None
+            if tiers is None or tier not in tiers:
+                continue
+            tiers.discard(tier)
+            if tier == "gpu":
+                self._blocks[replica] -= 1
+            if not tiers:
+                del holders[replica]
+                if not holders:
+                    del self._holders[h]
+
+    def drop(self, replica: str) -> None:
+        """A replica left: forget its blocks (O(blocks held anywhere), rare)."""
+        for h in list(self._holders):
+            holders = self._holders[h]
+            if holders.pop(replica, None) is not None and not holders:
+                del self._holders[h]
+        self._blocks.pop(replica, None)
+
+    def device_blocks(self, replica: str) -> int:
+        return self._blocks.get(replica, 0)
+
+    def overlaps(self, blocks: Sequence[int]) -> dict[str, tuple[int, int]]:
+        """replica -> (leading blocks of `blocks` it holds on the device, leading blocks it holds on
+        the device or the host), for every replica holding the first block."""
+        out: dict[str, tuple[int, int]] = {}
+        if not blocks:
+            return out
+        first = self._holders.get(blocks[0])
+        if not first:
+            return out
+        device = {r for r, tiers in first.items() if "gpu" in tiers}
+        anywhere = set(first)
+        counts = {r: [0, 0] for r in anywhere}
+        for h in blocks:
+            holders = self._holders.get(h, {})
+            for r in list(anywhere):
+                tiers = holders.get(r)
+                if not tiers:
+                    anywhere.discard(r)
+                    device.discard(r)
+                    continue
+                counts[r][1] += 1
+                if r in device:
+                    if "gpu" in tiers:
+                        counts[r][0] += 1
+                    else:
+                        device.discard(r)
+            if not anywhere:
+                break
+        return {r: (c[0], c[1]) for r, c in counts.items()}
+
+
+# ---------------------------------------------------------------------------------------------- the fleet
+@dataclass
+class Fleet:
+    """What a router knows of its replicas: `loads`, the calls it routed there that have not ended
+    (its own count, always current); `usage` / `waiting`, the device KV utilization (0..1) and the
+    queue each replica last reported; `blocks`, their holdings from cache events."""
+
+    loads: dict[str, int] = field(default_factory=dict)
+    usage: dict[str, float] = field(default_factory=dict)
+    waiting: dict[str, int] = field(default_factory=dict)
+    blocks: BlockIndex = field(default_factory=BlockIndex)
+
+    def add(self, replica: str) -> None:
+        self.loads.setdefault(replica, 0)
+        self.usage.setdefault(replica, 0.0)
+        self.waiting.setdefault(replica, 0)
+
+    def remove(self, replica: str) -> None:
+        for counts in (self.loads, self.usage, self.waiting):
+            counts.pop(replica, None)
+        self.blocks.drop(replica)
+
+    def report(self, replica: str, *, usage: float, waiting: int) -> None:
+        if replica in self.loads:
+            self.usage[replica] = usage
+            self.waiting[replica] = waiting
+
+
+@dataclass
+class RouteRequest:
+    """One call as a routing policy sees it. `tokens`: the prompt's token ids (empty when the caller
+    knows only its fixed prefix's hash); `salt`: its cache namespace; `prefix_hash` /
+    `prefix_tokens`: the agent's fixed prompt; `holders`: replica -> best tier holding that prompt
+    (the router's location index); `home`: where the workflow's previous agent ran; `max_new`: its
+    output budget."""
+
+    tokens: Sequence[int] = ()
+    salt: str = ""
+    prefix_hash: str | None = None
+    prefix_tokens: int = 0
+    holders: Mapping[str, str] = field(default_factory=dict)
+    home: str | None = None
+    max_new: int = 0
+    _blocks: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
+
+    def blocks(self, block: int = BLOCK_TOKENS) -> tuple[int, ...]:
+        """Its prompt's block hashes (computed once per block size)."""
+        got = self._blocks.get(block)
+        if got is None:
+            got = self._blocks[block] = block_hashes(self.tokens, self.salt, block)
+        return got
 
 
 @dataclass(frozen=True)
 class RouteDecision:
     replica: str
     outcome: str  # "affinity" | "balanced" | "cold"
-    tier: str | None  # where the chosen replica holds the prefix (None: it does not)
+    tier: str | None  # where the chosen replica holds the agent's fixed prompt (None: it does not)
 
 
 class RoutingPolicy(Protocol):
-    def route(self, holders: Mapping[str, str], loads: Mapping[str, int], prefix_tokens: int,
-              home: str | None = None) -> RouteDecision:
-        """`holders`: replica -> tier holding the agent's fixed prefix; `loads`: queued + running
-        requests of every live replica (the candidates); `home`: where the workflow's previous agent
-        ran, if anywhere."""
+    def route(self, request: RouteRequest, fleet: Fleet) -> RouteDecision:
+        """Where the call goes; pure (a router may ask without sending the call). Raises ValueError
+        when the fleet has no replica."""
+        ...
+
+    def routed(self, request: RouteRequest, replica: str) -> None:
+        """The call was sent to `replica` (what a stateful policy learns from its own decisions)."""
+        ...
+
+    def prefilled(self, request: RouteRequest, replica: str) -> None:
+        """The call's first token came back: its prompt is computed."""
+        ...
+
+    def ended(self, request: RouteRequest, replica: str) -> None:
+        """The call finished (served or failed)."""
+        ...
+
+    def removed(self, replica: str) -> None:
+        """`replica` left the fleet."""
         ...
 
 
+class RoutingHooks:
+    """`RoutingPolicy`'s hooks, doing nothing: a policy overrides those it needs."""
+
+    def routed(self, request: RouteRequest, replica: str) -> None:
+        return None
+
+    def prefilled(self, request: RouteRequest, replica: str) -> None:
+        return None
+
+    def ended(self, request: RouteRequest, replica: str) -> None:
+        return None
+
+    def removed(self, replica: str) -> None:
+        return None
+
+
+def live_replicas(fleet: Fleet) -> list[str]:
+    if not fleet.loads:
+        raise ValueError("no live replica to route to")
+    return list(fleet.loads)
+
+
+def decision(request: RouteRequest, replica: str) -> RouteDecision:
+    """The decision to send `request` to `replica`, with the outcome the router's metrics count:
+    affinity (it holds the fixed prompt), balanced (others hold it) or cold (nobody does)."""
+    tier = request.holders.get(replica)
+    if tier is not None:
+        return RouteDecision(replica, "affinity", tier)
+    return RouteDecision(replica, "balanced" if request.holders else "cold", None)
+
+
+# ---------------------------------------------------------------------------------------------- workflow router
 @dataclass(frozen=True)
-class PrefixAffinityRouter:
+class PrefixAffinityRouter(RoutingHooks):
+    """The workflow router's rule:
+    - affinity: a replica holding the prefix, device tier before host tier, unless its queue is longer
+      than the least loaded replica's by more than `balance_threshold` requests;
+    - balanced: the prefix is held, but its holders are overloaded: the cheapest replica instead;
+    - cold: nobody holds the prefix: the workflow's home replica (where its previous agent ran, which
+      holds the context that agent produced and the prompt preamble agents of one application share)
+      while it is within the balance threshold, else the cheapest replica.
+    "Cheapest" prices the queue ahead of the call and the prefix work it would need there: nothing on
+    the device tier, a copy from the host tier, a full recompute elsewhere."""
+
     balance_threshold: int = 4  # extra queued requests a holder may have before the call goes elsewhere
     queued_request_cost: float = 1.0  # cost of one request queued ahead (the unit of cost)
     host_token_cost: float = 0.0002  # per prefix token loaded from the host tier
@@ -54,14 +262,12 @@ class PrefixAffinityRouter:
         per_token = 0.0 if tier == "gpu" else self.host_token_cost if tier == "cpu" else self.miss_token_cost
         return load * self.queued_request_cost + prefix_tokens * per_token
 
-    def route(self, holders: Mapping[str, str], loads: Mapping[str, int], prefix_tokens: int,
-              home: str | None = None) -> RouteDecision:
-        """`holders`: replica -> tier holding the agent's fixed prefix; `loads`: queued + running
-        requests of every live replica (the candidates); `home`: where the workflow's previous
-        agent ran, if anywhere. Ties break by replica name (stable)."""
+    def route(self, request: RouteRequest, fleet: Fleet) -> RouteDecision:
+        """Ties break by replica name (stable)."""
+        loads, home = fleet.loads, request.home
         if not loads:
             raise ValueError("no live replica to route to")
-        live_holders = {r: t for r, t in holders.items() if r in loads}
+        live_holders = {r: t for r, t in request.holders.items() if r in loads}
         least = min(loads.values())
         if live_holders:
             # the best tier among the holders within the threshold (a device holder that is too busy
@@ -72,18 +278,82 @@ class PrefixAffinityRouter:
                 return RouteDecision(best, "affinity", live_holders[best])
         elif home in loads and loads[home] - least <= self.balance_threshold:
             return RouteDecision(home, "cold", None)
-        cheapest = min(loads, key=lambda r: (self.cost(loads[r], live_holders.get(r), prefix_tokens), r))
+        tokens = request.prefix_tokens
+        cheapest = min(loads, key=lambda r: (self.cost(loads[r], live_holders.get(r), tokens), r))
         outcome = "balanced" if live_holders else "cold"
         if cheapest in live_holders:  # overloaded holders can still be the cheapest choice
             outcome = "affinity"
         return RouteDecision(cheapest, outcome, live_holders.get(cheapest))
 
 
+# ---------------------------------------------------------------------------------------------- load only
+class RoundRobinRouter(RoutingHooks):
+    """Every replica in turn, blind to load and cache (Ray Serve's and the SGLang gateway's
+    `round_robin`): the n-th routed call goes to the n-th replica, modulo the fleet."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def route(self, request: RouteRequest, fleet: Fleet) -> RouteDecision:
+        replicas = live_replicas(fleet)
+        return decision(request, replicas[self.sent % len(replicas)])
+
+    def routed(self, request: RouteRequest, replica: str) -> None:
+        self.sent += 1
+
+
+class PowerOfTwoRouter(RoutingHooks):
+    """Power of two choices, Ray Serve's default router (ray: python/ray/serve/_private/request_router/
+    pow_2_router.py, `PowerOfTwoChoicesRequestRouter`): two distinct replicas drawn at random, the
+    one with the shorter queue (requests in flight) wins; with two replicas, both in random order,
+    so a tie goes either way. The draw of the n-th call is a function of (seed, n), so asking
+    where a call would go draws nothing."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self.sent = 0
+
+    def route(self, request: RouteRequest, fleet: Fleet) -> RouteDecision:
+        return decision(request, pow2_choice(fleet, random.Random(hash((self.seed, self.sent)))))
+
+    def routed(self, request: RouteRequest, replica: str) -> None:
+        self.sent += 1
+
+
+def pow2_choice(fleet: Fleet, rng: random.Random) -> str:
+    """Ray Serve's pow2 pick: the shorter queue of two distinct random replicas (first on a tie, the
+    pair in random order)."""
+    replicas = live_replicas(fleet)
+    pair = list(replicas) if len(replicas) <= 2 else rng.sample(replicas, 2)
+    rng.shuffle(pair)
+    return min(pair, key=lambda r: fleet.loads[r])
+
+
+# ---------------------------------------------------------------------------------------------- registry
 ROUTING: Registry[RoutingPolicy] = Registry("routing")
 
 
-@partial(ROUTING.register, "prefix-affinity")
-def _prefix_affinity(context: PolicyContext, *, balance_threshold: int = 4, queued_request_cost: float = 1.0,
-                     host_token_cost: float = 0.0002, miss_token_cost: float = 0.001) -> RoutingPolicy:
-    """the replica holding the prefix unless it is overloaded, else the cheapest (workflow router)"""
+def _workflow(context: PolicyContext, *, balance_threshold: int = 4, queued_request_cost: float = 1.0,
+              host_token_cost: float = 0.0002, miss_token_cost: float = 0.001) -> RoutingPolicy:
+    """the replica holding the agent's prefix unless it is overloaded, else the cheapest (the workflow router)"""
     return PrefixAffinityRouter(balance_threshold, queued_request_cost, host_token_cost, miss_token_cost)
+
+
+ROUTING.register("workflow", _workflow)
+ROUTING.register("prefix-affinity", _workflow)  # the serve config's name for it (`route_policy`)
+
+
+@partial(ROUTING.register, "round-robin")
+def _round_robin(context: PolicyContext) -> RoutingPolicy:
+    """every replica in turn"""
+    return RoundRobinRouter()
+
+
+@partial(ROUTING.register, "pow2")
+def _pow2(context: PolicyContext, *, seed: int = 0) -> RoutingPolicy:
+    """the shorter queue of two random replicas (Ray Serve's default)"""
+    return PowerOfTwoRouter(seed)
+
+
+# the peers' prefix-aware rules register themselves (they build on the types above)
+from kvflow_ray.core import peer_routers as _peer_routers  # noqa: E402,F401

@@ -100,6 +100,9 @@ class CacheEvent:
     tier: str  # "gpu" | "cpu"
     prefix_hash: str
     tokens: int
+    # the chained hashes (`core.routing.block_hashes`) of the KV blocks that end inside the node: a
+    # router's block index (Dynamo's, llm-d's view) learns from them which blocks the replica holds
+    blocks: tuple[int, ...] = ()
 
 
 def request_tokens(request: GenerateRequest, *, model_name: str, encode: Callable[[str], list[int]],

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import deque
 
 from kvflow_ray.core.radix import RadixNode
+from kvflow_ray.core.routing import BLOCK_TOKENS, block_hashes
 from kvflow_ray.engines.base import CacheEvent, prefix_hash
 
 
@@ -16,10 +17,17 @@ class CacheEventLog:
         self._events: deque[CacheEvent] = deque(maxlen=maxlen)
 
     def record(self, kind: str, tier: str, node: RadixNode) -> None:
-        if node.parent is not None:
+        if node.parent is None:
+            return
+        if node.route_ids is None:
             # the namespace is part of the prefix's identity: a router never sends one tenant's
             # request to a replica for KV that only another tenant may use
-            self._events.append(CacheEvent(kind, tier, prefix_hash(node.sequence(), node.namespace), len(node.key)))
+            sequence = node.sequence()
+            node.route_ids = (prefix_hash(sequence, node.namespace),
+                              block_hashes(sequence, node.namespace, BLOCK_TOKENS), len(sequence))
+        name, blocks, end = node.route_ids
+        first = -(-(end - len(node.key) + 1) // BLOCK_TOKENS) - 1  # the first block ending inside the node
+        self._events.append(CacheEvent(kind, tier, name, len(node.key), blocks[max(first, 0):end // BLOCK_TOKENS]))
 
     def on_free(self, node: RadixNode, tier: str) -> None:
         """The tree dropped `node`'s copy in `tier` (its `on_free` hook)."""

@@ -104,7 +104,7 @@ class WorkflowRouterActor:
         if exposition is not None:
             self.expositions[name] = exposition
 
-    async def cache_events(self, replica: str, events: list[tuple[str, str, str, int]]) -> None:
+    async def cache_events(self, replica: str, events: list[tuple[Any, ...]]) -> None:
         self.other_calls["cache_events"] += 1
         self._heard_from(replica)  # a restarted router learns of it here too
         self.core.cache_events(replica, [CacheEvent(*e) for e in events])

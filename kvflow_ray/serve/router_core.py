@@ -25,12 +25,12 @@ import hashlib
 import json
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow_ray.core.graph import UnknownAgentError, WorkflowSpec, WorkflowState, parse_spec
-from kvflow_ray.core.routing import ROUTING, RoutingPolicy
+from kvflow_ray.core.routing import ROUTING, Fleet, RouteRequest, RoutingPolicy
 from kvflow_ray.engines.base import CacheEvent, Hints
 from kvflow_ray.serve.config import TenantLimits
 from kvflow_ray.serve.store import BufferedStore, Store, check_name
@@ -128,7 +128,9 @@ class RouterCore:
         self.template_ttl_s = max(template_ttl_s or 0.0, self.store.ttl_s)  # never shorter than a client's life
         self.policy = policy or ROUTING.create("prefix-affinity")
         self.prefetch_horizon = prefetch_horizon  # the engines prefetch agents this many steps ahead
-        self.loads: dict[str, int] = {}  # live replicas -> requests queued or running there
+        # the live replicas as routing sees them; `loads`: requests queued or running there
+        self.fleet = Fleet()
+        self.loads = self.fleet.loads
         self.decisions: Counter[str] = Counter()
         self.deviations = 0
         self.calls = Counter[str]()  # start_call / end_call / finish_client invocations (for per-call cost)
@@ -154,6 +156,8 @@ class RouterCore:
         # calls started and not yet ended, per (tenant, client); a client finished meanwhile retires
         # when its last call ends, so the call still returns its answer
         self._calls: Counter[tuple[str, str]] = Counter()
+        # the calls in flight as the policy saw them, per client: (agent, replica, request), for its hooks
+        self._routed: dict[tuple[str, str], list[tuple[str, str, RouteRequest]]] = {}
         self._finishing: set[tuple[str, str]] = set()
         self._write_tokens: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at)
         self._load()
@@ -202,13 +206,14 @@ class RouterCore:
 
     # ------------------------------------------------------------------ replicas
     def add_replica(self, name: str) -> None:
-        self.loads.setdefault(check_name("replica", name), 0)
+        self.fleet.add(check_name("replica", name))
 
     def remove_replica(self, name: str) -> None:
         """A dead replica: its load, outbox and prefixes are forgotten at once (O(what it held + live
         clients), rare), so its clients' next calls route elsewhere, and a replica that comes back
         under the name starts at 0."""
-        self.loads.pop(name, None)
+        self.fleet.remove(name)
+        self.policy.removed(name)
         self._outbox.pop(name, None)
         for replicas in self._told.values():
             replicas.discard(name)
@@ -228,8 +233,10 @@ class RouterCore:
             tiers = held.setdefault(event.prefix_hash, set())
             if event.kind == "stored":
                 tiers.add(event.tier)
+                self.fleet.blocks.stored(replica, event.tier, event.blocks)
             else:
                 tiers.discard(event.tier)
+                self.fleet.blocks.removed(replica, event.tier, event.blocks)
             best = "gpu" if "gpu" in tiers else "cpu" if "cpu" in tiers else None
             holders = self._locations.setdefault(event.prefix_hash, {})
             if best is None:
@@ -406,11 +413,13 @@ class RouterCore:
 
     def start_call(self, tenant: str, client_id: str, agent: str, *, workflow: str | None = None,
                    prefix_hash: str | None = None, prefix_tokens: int = 0, cache_salt: str = "",
-                   retry: bool = False) -> Route:
+                   retry: bool = False, tokens: Sequence[int] = (), max_new: int = 0) -> Route:
         """An agent call arrives: update the client's state, pick a replica, compute the hints.
         `cache_salt`: the cache namespace of the tenant's requests (the engines' prompts for prefetch
         live there); `prefix_hash` is already salted. Every check runs before any state changes.
-        `retry`: the same call again, after its replica died under it (one end_call ends both)."""
+        `retry`: the same call again, after its replica died under it (one end_call ends both).
+        `tokens` / `max_new`: the prompt's token ids and output budget, for policies that read them
+        (the peers' prefix trees and block indexes; the workflow router needs only the hash)."""
         started = time.perf_counter()
         self.calls["start_call"] += 1
         check_name("client_id", client_id)
@@ -439,8 +448,14 @@ class RouterCore:
         if deviation:
             self.deviations += 1
         state.start(agent)
-        holders = self._holders(prefix_hash) if prefix_hash else {}
-        decision = self.policy.route(holders, self.loads, prefix_tokens, home=record.get("home"))
+        request = RouteRequest(tokens, cache_salt, prefix_hash, prefix_tokens,
+                               self._holders(prefix_hash) if prefix_hash else {}, record.get("home"), max_new)
+        decision = self.policy.route(request, self.fleet)
+        self.policy.routed(request, decision.replica)
+        routed = self._routed.setdefault((tenant, client_id), [])
+        if retry:  # the call's entry on the replica that died goes (the policy has forgotten that replica)
+            routed[:] = [entry for entry in routed if entry[0] != agent or entry[1] in self.loads]
+        routed.append((agent, decision.replica, request))
         record["placement"][agent] = decision.replica
         record["home"] = decision.replica
         if prefix_hash:  # where this agent's prompt lives next time: for prefetch hints (below)
@@ -468,6 +483,9 @@ class RouterCore:
         self.calls["end_call"] += 1
         if replica is not None and self.loads.get(replica, 0) > 0:
             self.loads[replica] -= 1
+        call = self._take_routed(tenant, client_id, agent, replica)
+        if call is not None:
+            self.policy.ended(call[2], call[1])
         client = (tenant, client_id)
         if self._calls[client] > 1:
             self._calls[client] -= 1
@@ -485,6 +503,28 @@ class RouterCore:
         self._save_client(tenant, client_id, spec, state, record)
         self._touch_live(tenant, client_id, admit=False)
         return self._hints(workflow_key(tenant, client_id), state, spec, record)
+
+    def prefilled(self, tenant: str, client_id: str, agent: str, replica: str) -> None:
+        """The call's first token came back (its prompt is computed): for policies that count
+        prefill work in flight (Dynamo's)."""
+        for entry in self._routed.get((tenant, client_id), ()):
+            if entry[0] == agent and entry[1] == replica:
+                self.policy.prefilled(entry[2], replica)
+                return
+
+    def _take_routed(self, tenant: str, client_id: str, agent: str,
+                     replica: str | None) -> tuple[str, str, RouteRequest] | None:
+        """The oldest call in flight of `agent` (on `replica` when given), no longer in flight."""
+        routed = self._routed.get((tenant, client_id))
+        if not routed:
+            return None
+        for i, entry in enumerate(routed):
+            if entry[0] == agent and (replica is None or entry[1] == replica):
+                del routed[i]
+                if not routed:
+                    del self._routed[(tenant, client_id)]
+                return entry
+        return None
 
     def finish_client(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:
         """`POST /v1/clients/{id}/finish`: the workflow instance is over; its prompts are retired, at
@@ -516,6 +556,7 @@ class RouterCore:
         its cached record, its live entry, what replicas were told; and a retire hint for every
         replica, so their books and tags let go of it too."""
         self._clients.pop((tenant, client_id), None)
+        self._routed.pop((tenant, client_id), None)
         self._live.get(tenant, OrderedDict()).pop(client_id, None)
         key = workflow_key(tenant, client_id)
         told = self._told.pop(key, None)
@@ -641,7 +682,8 @@ class RouterCore:
             if prefix_hash is None and home not in self.loads:
                 continue
             holders = self._holders(prefix_hash) if prefix_hash else {}
-            targets[agent] = self.policy.route(holders, self.loads, tokens, home=home).replica
+            ask = RouteRequest(prefix_hash=prefix_hash, prefix_tokens=tokens, holders=holders, home=home)
+            targets[agent] = self.policy.route(ask, self.fleet).replica
         return targets
 
     def _record_latency(self, seconds: float) -> None:

@@ -35,6 +35,7 @@ class SimRequest(CacheRequest):
     rid: int = 0
     output_tokens: tuple[int, ...] = ()
     on_done: Callable[[SimRequest], None] | None = None
+    on_prefilled: Callable[[SimRequest], None] | None = None  # its first output token is out
     first_token_at: float = -1.0  # simulated time the prompt finished (its first output token)
 
 
@@ -172,6 +173,8 @@ class SimReplica:
             if not req.prefilling:
                 assert isinstance(req, SimRequest)
                 req.first_token_at = self.sim.now
+                if req.on_prefilled is not None:
+                    req.on_prefilled(req)
             if finished or self._output_done(req, 0):
                 self._finish(req)
         for req in batch.decode:

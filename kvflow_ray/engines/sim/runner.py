@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvflow_ray.core.radix import Tag
+from kvflow_ray.core.routing import ROUTING
 from kvflow_ray.core.scheduler import POLICIES, ReplicaStats, resolve_policy
 from kvflow_ray.engines.sim.profile import Profile
 from kvflow_ray.engines.sim.simulator import IterationRecord, Simulation
@@ -23,6 +24,16 @@ def parse_policies(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def parse_routings(text: str) -> list[str]:
+    names = [r.strip() for r in text.split(",") if r.strip()]
+    if not names:
+        raise ValueError("--routing: give at least one routing policy")
+    unknown = [r for r in names if r not in ROUTING]
+    if unknown:
+        raise ValueError(f"--routing: unknown {', '.join(unknown)} (known: {', '.join(ROUTING.names())})")
+    return list(dict.fromkeys(names))
+
+
 def _percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return 0.0
@@ -33,9 +44,10 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 def simulate(scenario: Scenario, profile: Profile, policy: str, *, replicas: int = 1, horizon: int = 1,
              max_inflight: int = 4, future: list[Tag] | None = None,
-             gpu_capacity: int | None = None) -> tuple[dict[str, Any], Simulation]:
+             gpu_capacity: int | None = None, routing: str | None = None,
+             seed: int = 0) -> tuple[dict[str, Any], Simulation]:
     sim = Simulation(profile, resolve_policy(policy), replicas=replicas, horizon=horizon, max_inflight=max_inflight,
-                     future=future, gpu_capacity=gpu_capacity)
+                     future=future, gpu_capacity=gpu_capacity, routing=routing, seed=seed)
     for plan in scenario.plans:
         sim.add_client(plan)
     sim.run()
@@ -43,8 +55,15 @@ def simulate(scenario: Scenario, profile: Profile, policy: str, *, replicas: int
 
 
 def summarise(sim: Simulation) -> dict[str, Any]:
-    return summarise_run(sim.iterations, [r.stats for r in sim.replicas], sim.now,
-                         None if sim.policy.infinite else sim.replicas[0].cache.gpu_capacity)
+    result = summarise_run(sim.iterations, [r.stats for r in sim.replicas], sim.now,
+                           None if sim.policy.infinite else sim.replicas[0].cache.gpu_capacity)
+    if sim.router is not None:
+        core = sim.router.core
+        decisions = list(core.decision_seconds)
+        result["routing"] = {"decisions": dict(core.decisions),
+                             "decision_p50_ms": _percentile(decisions, 0.5) * 1e3,
+                             "decision_p99_ms": _percentile(decisions, 0.99) * 1e3}
+    return result
 
 
 def summarise_run(iterations: Sequence[IterationRecord], stats: Sequence[ReplicaStats], makespan: float,
@@ -73,23 +92,28 @@ def summarise_run(iterations: Sequence[IterationRecord], stats: Sequence[Replica
 
 def run_policies(scenario: Scenario, profile: Profile, policies: list[str], *, replicas: int = 1,
                  horizon: int = 1, max_inflight: int = 4, gpu_capacity: int | None = None,
-                 progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Every policy on the same scenario. `belady` needs the future: it replays the arrival order of
-    a reference run (exact for sequential workflows, an approximation under concurrency)."""
+                 progress: Callable[[str], None] | None = None, routings: list[str] | None = None,
+                 seed: int = 0) -> dict[str, Any]:
+    """Every policy on the same scenario (under every routing policy, when given: results keyed
+    `"<policy>@<routing>"`). `belady` needs the future: it replays the arrival order of a reference
+    run under the same routing (exact for sequential workflows, an approximation under concurrency)."""
     results: dict[str, Any] = {}
-    trace: list[Tag] | None = None
-    for policy in policies:
-        if progress:
-            progress(policy)
-        future = None
-        if POLICIES[policy].oracle:
-            if trace is None:
-                _, ref = simulate(scenario, profile, "infinite", replicas=replicas)
-                trace = ref.trace
-            future = trace
-        result, sim = simulate(scenario, profile, policy, replicas=replicas, horizon=horizon,
-                               max_inflight=max_inflight, future=future, gpu_capacity=gpu_capacity)
-        if POLICIES[policy].infinite:
-            trace = sim.trace
-        results[policy] = result
+    for routing in routings or [None]:
+        trace: list[Tag] | None = None
+        for policy in policies:
+            name = policy if routing is None else f"{policy}@{routing}"
+            if progress:
+                progress(name)
+            future = None
+            if POLICIES[policy].oracle:
+                if trace is None:
+                    _, ref = simulate(scenario, profile, "infinite", replicas=replicas, routing=routing, seed=seed)
+                    trace = ref.trace
+                future = trace
+            result, sim = simulate(scenario, profile, policy, replicas=replicas, horizon=horizon,
+                                   max_inflight=max_inflight, future=future, gpu_capacity=gpu_capacity,
+                                   routing=routing, seed=seed)
+            if POLICIES[policy].infinite:
+                trace = sim.trace
+            results[name] = result
     return {"scenario": scenario.name, "profile": profile.name, "params": scenario.params, "results": results}

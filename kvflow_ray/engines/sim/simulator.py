@@ -20,8 +20,10 @@ from kvflow_ray.core.graph import WorkflowSpec, WorkflowState
 from kvflow_ray.core.policies import FutureAccesses, StepBook
 from kvflow_ray.core.radix import Tag
 from kvflow_ray.core.scheduler import PolicyConfig
+from kvflow_ray.engines.events import CacheEventLog
 from kvflow_ray.engines.sim.profile import Profile
 from kvflow_ray.engines.sim.replica import SimReplica, SimRequest
+from kvflow_ray.engines.sim.routed import SimRouter
 
 
 @dataclass
@@ -36,6 +38,7 @@ class ClientPlan:
     iterations: int
     warmup: int = 0
     start_at: float = 0.0
+    salt: str = ""  # its requests' cache namespace (its tenant's, when routed as one of many tenants)
 
 
 @dataclass
@@ -66,7 +69,10 @@ class TokenSource:
 class Simulation:
     def __init__(self, profile: Profile, policy: PolicyConfig, *, replicas: int = 1, horizon: int = 1,
                  max_inflight: int = 4, future: list[Tag] | None = None,
-                 gpu_capacity: int | None = None) -> None:
+                 gpu_capacity: int | None = None, routing: str | None = None, seed: int = 0) -> None:
+        """`routing`: a `core.routing` policy: every call goes through the serving router
+        (`routed.SimRouter`). None: each workflow stays on one replica, assigned in turn, and its
+        steps and prompts go to that replica alone (the router's part without the router)."""
         if replicas < 1:
             raise ValueError("a simulation needs at least one replica")
         self.profile = profile
@@ -79,9 +85,11 @@ class Simulation:
             raise ValueError(f"{policy.name} needs the future access sequence (run another policy first)")
         self.replicas = [
             SimReplica(self, i, profile, policy, StepBook(near_horizon=max(horizon, 2)), future=self.future,
-                       horizon=horizon, max_inflight=max_inflight, gpu_capacity=gpu_capacity)
+                       horizon=horizon, max_inflight=max_inflight, gpu_capacity=gpu_capacity,
+                       events=None if routing is None else CacheEventLog())
             for i in range(replicas)
         ]
+        self.router = None if routing is None else SimRouter(self, routing, seed)
         self._placement: dict[str, int] = {}
         self.trace: list[Tag] = []  # agent invocations in arrival order (the belady oracle's input)
         self.tokens = TokenSource()
@@ -117,17 +125,27 @@ class Simulation:
         self.trace.append((req.workflow, req.agent))
         if self.future is not None:
             self.future.advance(len(self.trace))
-        self.replica_for(req.workflow).submit(req)
+        if self.router is not None:
+            self.router.submit(req)
+        else:
+            self.replica_for(req.workflow).submit(req)
 
     def publish(self, workflow: str, state: WorkflowState) -> None:
+        if self.router is not None:  # the router derives steps from the calls it routes
+            return
         replica = self.replica_for(workflow)
         replica.book.set_steps(workflow, state.steps_to_execution())
         replica.on_hints()
 
     def retire(self, workflow: str) -> None:
-        self.replica_for(workflow).scheduler.retire([workflow])
+        if self.router is not None:
+            self.router.retire(workflow)
+        else:
+            self.replica_for(workflow).scheduler.retire([workflow])
 
     def register_prompts(self, workflow: str, prompts: dict[str, tuple[int, ...]]) -> None:
+        if self.router is not None:  # a replica learns them with its first hint of the workflow
+            return
         book = self.replica_for(workflow).book
         for agent, tokens in prompts.items():
             book.register_prompt((workflow, agent), tokens)
@@ -137,6 +155,8 @@ class Simulation:
 
     def add_client(self, plan: ClientPlan) -> WorkflowClient:
         client = WorkflowClient(self, plan)
+        if self.router is not None:
+            self.router.add_client(plan)
         self.at(plan.start_at, client.begin)
         return client
 
@@ -148,6 +168,7 @@ class Simulation:
         return SimRequest(
             rid=self._rid, workflow=plan.key, agent=agent,
             tokens=prompt + self.tokens.fresh(plan.dynamic), fixed_len=len(prompt), max_new=len(output),
+            cache_salt=plan.salt,
             output_tokens=output, measured=client.iteration >= plan.warmup,
             on_done=lambda req: client.on_done(agent),
         )
