@@ -275,6 +275,15 @@ class _Active:
     blocks: dict[int, int] = field(default_factory=dict)  # block hash -> calls in flight holding it
 
 
+def dynamo_cost(isl: int, block: int, active_prefill_tokens: int, device_blocks: int, host_blocks: int,
+                decode_blocks: int, overlap_score_credit: float = 1.0, prefill_load_scale: float = 1.0,
+                host_cache_hit_weight: float = 0.75) -> float:
+    """Dynamo's `worker_logit` (selector/default.rs) for a prompt of `isl` tokens on one worker:
+    `decode_blocks` = its active blocks plus the prompt's blocks not among them."""
+    credit = overlap_score_credit * device_blocks + host_cache_hit_weight * host_blocks
+    return prefill_load_scale * max(0.0, (active_prefill_tokens + isl) / block - credit) + decode_blocks
+
+
 class DynamoKvRouter(RoutingHooks):
     """NVIDIA Dynamo's KV router (dynamo: lib/kv-router/src/scheduling/selector/default.rs
     `worker_logit`, selector/mod.rs; load from lib/kv-router/src/sequences/single.rs; tier weights
@@ -311,19 +320,17 @@ class DynamoKvRouter(RoutingHooks):
         return out
 
     def costs(self, request: RouteRequest, fleet: Fleet) -> dict[str, float]:
-        bs = self.block_tokens
-        isl = len(request.tokens)
         cached = self._cached_blocks(request, fleet) if request.tokens else {}
         self._seen = (request, cached)
-        mine = request.blocks(bs) if request.tokens else ()
+        mine = request.blocks(self.block_tokens) if request.tokens else ()
         out = {}
         for replica in live_replicas(fleet):
             active = self.active.get(replica) or _Active()
             device, host = cached.get(replica, (0, 0))
-            credit = self.overlap_score_credit * device + self.host_cache_hit_weight * host
-            prefill = max(0.0, (active.prefill_tokens + isl) / bs - credit)
-            new_blocks = sum(1 for h in mine if h not in active.blocks)
-            out[replica] = self.prefill_load_scale * prefill + len(active.blocks) + new_blocks
+            decode = len(active.blocks) + sum(1 for h in mine if h not in active.blocks)
+            out[replica] = dynamo_cost(len(request.tokens), self.block_tokens, active.prefill_tokens, device, host,
+                                       decode, self.overlap_score_credit, self.prefill_load_scale,
+                                       self.host_cache_hit_weight)
         return out
 
     def route(self, request: RouteRequest, fleet: Fleet) -> RouteDecision:
