@@ -196,15 +196,15 @@ def test_dynamo_routes_to_the_holder_and_counts_prefill_in_flight() -> None:
     assert costs["b"] < costs["a"]
     assert policy.route(request, f).replica == "b"
     policy.routed(request, "b")
-    assert policy.active["b"].prefill_tokens == 0  # all cached on b: nothing to prefill
+    assert policy.work.prefill_tokens("b") == 0  # all cached on b: nothing to prefill
     cold = RouteRequest(tokens=tuple(range(1000, 1256)))
     policy.route(cold, f)
     policy.routed(cold, "a")
-    assert policy.active["a"].prefill_tokens == 256 and len(policy.active["a"].blocks) == 16
+    assert policy.work.prefill_tokens("a") == 256 and policy.work.blocks("a") == 16
     policy.prefilled(cold, "a")
-    assert policy.active["a"].prefill_tokens == 0 and len(policy.active["a"].blocks) == 16
+    assert policy.work.prefill_tokens("a") == 0 and policy.work.blocks("a") == 16
     policy.ended(cold, "a")
-    assert not policy.active["a"].blocks
+    assert policy.work.blocks("a") == 0
 
 
 # ---------------------------------------------------------------------------------------------- llm-d

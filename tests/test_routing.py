@@ -61,3 +61,49 @@ def test_decisions_are_live_and_bounded(loads: dict[str, int], holders: dict[str
     within = [r for r in live if loads[r] - min(loads.values()) <= ROUTER.balance_threshold]
     if within:
         assert d.outcome == "affinity" and loads[d.replica] - min(loads.values()) <= ROUTER.balance_threshold
+
+
+# ---------------------------------------------------------------------------------------------- the priced router
+def _fleet(**loads: int) -> Fleet:
+    f = Fleet()
+    for name, load in loads.items():
+        f.add(name)
+        f.loads[name] = load
+    return f
+
+
+def test_workflow_router_prices_cached_prompt_against_work_in_flight() -> None:
+    from kvflow_ray.core.routing import WorkflowRouter, block_hashes
+
+    router = WorkflowRouter()
+    prompt = tuple(range(1024))
+    f = _fleet(a=0, b=0)
+    f.blocks.stored("b", "gpu", block_hashes(prompt[:768], "", f.blocks.block))
+    call = RouteRequest(tokens=prompt)
+    costs = router.costs(call, f)
+    assert costs["a"] - costs["b"] == 768  # b computes 768 prompt tokens fewer
+    assert router.route(call, f).replica == "b"
+    router.routed(call, "b")
+    assert router.work.prefill_tokens("b") == 256  # what b still computes for it, until its first token
+    # a second, unrelated call now waits behind that work on b: a is cheaper
+    other = RouteRequest(tokens=tuple(range(5000, 5512)))
+    assert router.route(other, f).replica == "a"
+    router.prefilled(call, "b")
+    router.ended(call, "b")
+    assert router.work.prefill_tokens("b") == 0 and router.work.blocks("b") == 0
+
+
+def test_workflow_router_uses_exact_holders_host_credit_and_home() -> None:
+    from kvflow_ray.core.routing import WorkflowRouter
+
+    router = WorkflowRouter(host_credit=0.75)
+    f = _fleet(a=0, b=0, c=0)
+    # no tokens (where would an upcoming agent go): its fixed prompt, priced from the location index
+    ask = RouteRequest(prefix_tokens=1000, holders={"b": "cpu", "c": "gpu"})
+    assert router.costs(ask, f) == {"a": 1000.0, "b": 250.0, "c": 0.0}
+    assert router.route(ask, f) == RouteDecision("c", "affinity", "gpu")
+    # equal prices: the workflow's home wins, then the name
+    assert router.route(RouteRequest(prefix_tokens=10, home="b"), f).replica == "b"
+    assert router.route(RouteRequest(prefix_tokens=10), f).replica == "a"
+    with pytest.raises(ValueError, match="host_credit"):
+        WorkflowRouter(host_credit=2)

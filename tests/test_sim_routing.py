@@ -86,4 +86,28 @@ def test_cli_compares_routings_side_by_side() -> None:
     assert all(sum(r["routing"]["decisions"].values()) > 0 for r in results.values())
     bad = subprocess.run([sys.executable, "-m", "kvflow_ray.cli", "sim", "--scenario", "peer", "--routing", "nope"],
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "unknown nope" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "unknown routing policy 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_fleet_workload_is_seeded_poisson_over_tenants_and_shapes() -> None:
+    a, b = workload.fleet(tenants=4, apps=2, clients=400, rate=5.0, seed=3), workload.fleet(
+        tenants=4, apps=2, clients=400, rate=5.0, seed=3)
+    assert [(p.key, p.start_at, p.prompts) for p in a.plans] == [(p.key, p.start_at, p.prompts) for p in b.plans]
+    starts = [p.start_at for p in a.plans]
+    assert starts == sorted(starts) and 400 / starts[-1] == pytest.approx(5.0, rel=0.2)  # the rate, roughly
+    assert {p.spec.name for p in a.plans} == {"peer", "team", "triage", "chain"}
+    # tenants share nothing: each is a cache namespace, and no two applications share a prompt token
+    assert all(p.salt == p.key.split("/")[0] for p in a.plans)
+    apps = {(p.salt, p.key.split("/")[1].rsplit("-", 1)[0]): p.prompts for p in a.plans}
+    firsts = [next(iter(prompts.values()))[0] for prompts in apps.values()]
+    assert len(set(firsts)) == len(apps) == 8
+    # inside an application, the agents' prompts share its preamble
+    prompts = list(next(iter(apps.values())).values())
+    assert prompts[0][:64] == prompts[1][:64] and prompts[0] != prompts[1]
+
+
+def test_llmd_preset_is_their_benchmark_shape() -> None:
+    s = workload.llmd(clients=300, rate=20.0)
+    assert {len(p.prompts["user"]) for p in s.plans} == {6000}
+    assert {(p.dynamic, p.output) for p in s.plans} == {(1200, 1000)}
+    assert len({p.prompts["user"] for p in s.plans}) <= 150

@@ -36,10 +36,12 @@ from kvflow_ray.engines.sim.runner import parse_policies, parse_routings, run_po
 DEFAULT_POLICIES = "lru,hicache,kvflow,belady,infinite"
 
 
-def add_scenario_arguments(parser: argparse.ArgumentParser, single_iterations: int = 10) -> None:
-    """The scenario flags, shared by `sim` and `bench cpu` (DESIGN.md §8)."""
+def add_scenario_arguments(parser: argparse.ArgumentParser, single_iterations: int = 10, fleet: bool = False) -> None:
+    """The scenario flags, shared by `sim` and `bench cpu` (DESIGN.md §8); `fleet`: the fleet scenario's
+    too (the simulator's alone: its arrivals follow the simulated clock)."""
     which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--scenario", choices=["single", "concurrent", "peer"], help="a built-in scenario")
+    which.add_argument("--scenario", choices=["single", "concurrent", "peer", *(["fleet"] if fleet else [])],
+                       help="a built-in scenario")
     which.add_argument("--workflow", metavar="FILE", help="run any workflow spec (YAML/JSON)")
     parser.add_argument("--agents", type=int, default=10, help="agents per workflow (single, concurrent)")
     parser.add_argument("--fixed", type=int, default=None,
@@ -52,12 +54,24 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, single_iterations: i
                         help=f"measured passes per workflow after one warm-up pass (default {single_iterations} "
                              "single, 3 otherwise)")
     parser.add_argument("--tasks", type=int, default=64, help="concurrent workflow instances (concurrent)")
-    parser.add_argument("--clients", type=int, default=None, help="concurrent clients (peer: 64, workflow: 1)")
+    parser.add_argument("--clients", type=int, default=None,
+                        help="concurrent clients (peer: 64, workflow: 1); workflow instances (fleet: 256, llmd: 1024)")
+    if fleet:
+        parser.add_argument("--rate", type=float, default=None,
+                            help="fleet: workflow instances arriving per second, Poisson (default 2; llmd 10)")
+        parser.add_argument("--tenants", type=int, default=8, help="fleet: tenants (each its own cache namespace)")
+        parser.add_argument("--apps", type=int, default=2,
+                            help="fleet: applications per tenant, each a workflow shape with its own prompts")
+        parser.add_argument("--preset", choices=["llmd"], default=None,
+                            help="fleet: llmd = llm-d's benchmark shape (150 system prompts of 6,000 tokens, "
+                                 "1,200-token questions, 1,000 tokens out)")
+        parser.add_argument("--seed", type=int, default=0,
+                            help="seed of the fleet's random draws and of routing policies that draw at random")
     parser.set_defaults(_single_iterations=single_iterations)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_scenario_arguments(parser)
+    add_scenario_arguments(parser, fleet=True)
     parser.add_argument("--profile", default="a10g-llama3.1-8b",
                         help=f"GPU cost profile name or YAML path (built in: {', '.join(available_profiles())}; "
                              "cpu-reference after `kvflow-ray bench calibrate`)")
@@ -68,7 +82,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", default=None, metavar="NAMES",
                         help="comma-separated routing policies to compare (see above); default: none, each "
                              "workflow pinned to one replica")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the routing policies that draw at random")
     parser.add_argument("--horizon", type=int, default=1, help="prefetch agents at most this many steps ahead")
     parser.add_argument("--max-inflight", type=int, default=4, help="concurrent prefetch loads per replica")
     parser.add_argument("--gpu-kv-tokens", type=int, default=None,
@@ -82,6 +95,16 @@ def build_scenario(args: argparse.Namespace) -> workload.Scenario:
     def pick(value: int | None, default: int) -> int:
         return default if value is None else value
 
+    if getattr(args, "preset", None) is not None and args.scenario != "fleet":
+        raise ValueError("--preset goes with --scenario fleet")
+    if args.scenario == "fleet":
+        rate = args.rate
+        if args.preset == "llmd":
+            return workload.llmd(clients=pick(args.clients, 1024), rate=10.0 if rate is None else rate,
+                                 output=pick(args.output, 1000), seed=args.seed)
+        return workload.fleet(tenants=args.tenants, apps=args.apps, clients=pick(args.clients, 256),
+                              rate=2.0 if rate is None else rate, dynamic=pick(args.dynamic, 256),
+                              output=pick(args.output, 128), seed=args.seed)
     if args.workflow:
         spec = load_spec(args.workflow)
         return workload.from_spec(spec, clients=pick(args.clients, 1), fixed=pick(args.fixed, 1024),

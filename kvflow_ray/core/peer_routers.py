@@ -29,6 +29,7 @@ from kvflow_ray.core.routing import (
     RouteRequest,
     RoutingHooks,
     RoutingPolicy,
+    WorkInFlight,
     decision,
     live_replicas,
     pow2_choice,
@@ -266,15 +267,6 @@ class SGLangCacheAwareRouter(_HistoryRouter):
 
 
 # ---------------------------------------------------------------------------------------------- Dynamo
-@dataclass
-class _Active:
-    """Dynamo's `ActiveSequences` of one replica: prompt tokens still to prefill, and the blocks of
-    the calls in flight, each counted once however many calls share it."""
-
-    prefill_tokens: int = 0
-    blocks: dict[int, int] = field(default_factory=dict)  # block hash -> calls in flight holding it
-
-
 def dynamo_cost(isl: int, block: int, active_prefill_tokens: int, device_blocks: int, host_blocks: int,
                 decode_blocks: int, overlap_score_credit: float = 1.0, prefill_load_scale: float = 1.0,
                 host_cache_hit_weight: float = 0.75) -> float:
@@ -307,8 +299,7 @@ class DynamoKvRouter(RoutingHooks):
         self.block_tokens = block_tokens
         self.seed = seed
         self.sent = 0
-        self.active: dict[str, _Active] = {}
-        self._prefill: dict[int, tuple[str, int]] = {}  # id(request) -> (replica, prefill tokens it added)
+        self.work = WorkInFlight(block_tokens)  # `ActiveSequences`
         self._seen: tuple[RouteRequest, dict[str, tuple[int, int]]] | None = None  # the last call priced
 
     def _cached_blocks(self, request: RouteRequest, fleet: Fleet) -> dict[str, tuple[int, int]]:
@@ -322,14 +313,13 @@ class DynamoKvRouter(RoutingHooks):
     def costs(self, request: RouteRequest, fleet: Fleet) -> dict[str, float]:
         cached = self._cached_blocks(request, fleet) if request.tokens else {}
         self._seen = (request, cached)
-        mine = request.blocks(self.block_tokens) if request.tokens else ()
+        work = self.work
         out = {}
         for replica in live_replicas(fleet):
-            active = self.active.get(replica) or _Active()
             device, host = cached.get(replica, (0, 0))
-            decode = len(active.blocks) + sum(1 for h in mine if h not in active.blocks)
-            out[replica] = dynamo_cost(len(request.tokens), self.block_tokens, active.prefill_tokens, device, host,
-                                       decode, self.overlap_score_credit, self.prefill_load_scale,
+            decode = work.blocks(replica) + work.new_blocks(replica, request)
+            out[replica] = dynamo_cost(len(request.tokens), self.block_tokens, work.prefill_tokens(replica), device,
+                                       host, decode, self.overlap_score_credit, self.prefill_load_scale,
                                        self.host_cache_hit_weight)
         return out
 
@@ -341,35 +331,19 @@ class DynamoKvRouter(RoutingHooks):
 
     def routed(self, request: RouteRequest, replica: str) -> None:
         self.sent += 1
-        active = self.active.setdefault(replica, _Active())
         seen, self._seen = self._seen, None
         device, host = seen[1].get(replica, (0, 0)) if seen is not None and seen[0] is request else (0, 0)
         cached = round((device + self.host_cache_hit_weight * host) * self.block_tokens)
-        prefill = len(request.tokens) - min(cached, len(request.tokens))
-        active.prefill_tokens += prefill
-        self._prefill[id(request)] = (replica, prefill)
-        for h in request.blocks(self.block_tokens) if request.tokens else ():
-            active.blocks[h] = active.blocks.get(h, 0) + 1
+        self.work.add(request, replica, len(request.tokens) - min(cached, len(request.tokens)))
 
     def prefilled(self, request: RouteRequest, replica: str) -> None:
-        entry = self._prefill.pop(id(request), None)
-        if entry is not None:
-            self.active[entry[0]].prefill_tokens -= entry[1]
+        self.work.prefilled(request)
 
     def ended(self, request: RouteRequest, replica: str) -> None:
-        self.prefilled(request, replica)
-        active = self.active.get(replica)
-        if active is None:
-            return
-        for h in request.blocks(self.block_tokens) if request.tokens else ():
-            left = active.blocks.get(h, 0) - 1
-            if left > 0:
-                active.blocks[h] = left
-            else:
-                active.blocks.pop(h, None)
+        self.work.ended(request, replica)
 
     def removed(self, replica: str) -> None:
-        self.active.pop(replica, None)
+        self.work.drop(replica)
 
 
 # ---------------------------------------------------------------------------------------------- llm-d

@@ -100,7 +100,7 @@ class RadixNode:
 
     def sequence(self) -> tuple[int, ...]:
         """The tokens from the root to the end of this node: the prefix whose KV it completes."""
-        return tuple(t for node in self.path() for t in node.key)
+        return tuple(itertools.chain.from_iterable(node.key for node in self.path()))
 
     @property
     def in_flight(self) -> bool:

@@ -122,6 +122,68 @@ class BlockIndex:
         return {r: (c[0], c[1]) for r, c in counts.items()}
 
 
+# ---------------------------------------------------------------------------------------------- work in flight
+@dataclass
+class _Work:
+    prefill_tokens: int = 0
+    blocks: dict[int, int] = field(default_factory=dict)  # block hash -> calls in flight holding it
+
+
+class WorkInFlight:
+    """Per replica, the work of the calls a router sent there that have not ended (Dynamo's
+    `ActiveSequences`, lib/kv-router/src/sequences/single.rs): the prompt tokens still to prefill
+    (what was not cached when routed; until the first token), and the KV blocks of the calls' prompts,
+    each counted once however many calls share it."""
+
+    def __init__(self, block: int = BLOCK_TOKENS) -> None:
+        self.block = block
+        self._replicas: dict[str, _Work] = {}
+        self._prefill: dict[int, tuple[str, int]] = {}  # id(request) -> (replica, prefill tokens it added)
+
+    def prefill_tokens(self, replica: str) -> int:
+        work = self._replicas.get(replica)
+        return work.prefill_tokens if work else 0
+
+    def blocks(self, replica: str) -> int:
+        work = self._replicas.get(replica)
+        return len(work.blocks) if work else 0
+
+    def new_blocks(self, replica: str, request: RouteRequest) -> int:
+        """The call's prompt blocks not already held by calls in flight there."""
+        if not request.tokens:
+            return 0
+        work = self._replicas.get(replica)
+        held = work.blocks if work else {}
+        return sum(1 for h in request.blocks(self.block) if h not in held)
+
+    def add(self, request: RouteRequest, replica: str, prefill_tokens: int) -> None:
+        work = self._replicas.setdefault(replica, _Work())
+        work.prefill_tokens += prefill_tokens
+        self._prefill[id(request)] = (replica, prefill_tokens)
+        for h in request.blocks(self.block) if request.tokens else ():
+            work.blocks[h] = work.blocks.get(h, 0) + 1
+
+    def prefilled(self, request: RouteRequest) -> None:
+        entry = self._prefill.pop(id(request), None)
+        if entry is not None and entry[0] in self._replicas:
+            self._replicas[entry[0]].prefill_tokens -= entry[1]
+
+    def ended(self, request: RouteRequest, replica: str) -> None:
+        self.prefilled(request)
+        work = self._replicas.get(replica)
+        if work is None:
+            return
+        for h in request.blocks(self.block) if request.tokens else ():
+            left = work.blocks.get(h, 0) - 1
+            if left > 0:
+                work.blocks[h] = left
+            else:
+                work.blocks.pop(h, None)
+
+    def drop(self, replica: str) -> None:
+        self._replicas.pop(replica, None)
+
+
 # ---------------------------------------------------------------------------------------------- the fleet
 @dataclass
 class Fleet:
@@ -286,6 +348,68 @@ class PrefixAffinityRouter(RoutingHooks):
         return RouteDecision(cheapest, outcome, live_holders.get(cheapest))
 
 
+class WorkflowRouter(RoutingHooks):
+    """The workflow router: each replica priced by the work the call would wait behind and bring
+    there, in tokens, the cheapest wins:
+
+        prompt tokens still to prefill there (calls in flight)
+        + the call's prompt tokens not cached there (host copies at `host_credit` of a device copy)
+        + KV tokens the calls in flight there hold, and the call's own not among them
+
+    What it knows that the peers' routers do not: where each agent's fixed prompt is cached,
+    exactly, from the router's location index (a replica it just sent the prompt to counts as a
+    holder before its cache event arrives), and where the workflow's previous agent ran (`home`,
+    which wins ties). The prompt's leading blocks come from the fleet's block index, as Dynamo's.
+    Without the call's tokens (a router asking where an upcoming agent would go), the fixed prompt
+    alone is priced."""
+
+    def __init__(self, host_credit: float = 0.75, block_tokens: int = BLOCK_TOKENS) -> None:
+        if not 0 <= host_credit <= 1:
+            raise ValueError(f"host_credit must be within [0, 1], got {host_credit}")
+        self.host_credit = host_credit
+        self.work = WorkInFlight(block_tokens)
+        self._seen: tuple[RouteRequest, dict[str, float]] | None = None  # the last call priced: its cached tokens
+
+    def cached_tokens(self, request: RouteRequest, fleet: Fleet) -> dict[str, float]:
+        """replica -> the call's prompt tokens it would not compute (host copies at their credit)."""
+        block = fleet.blocks.block
+        out: dict[str, float] = {}
+        if request.tokens:
+            for replica, (device, anywhere) in fleet.blocks.overlaps(request.blocks(block)).items():
+                out[replica] = device * block + self.host_credit * (anywhere - device) * block
+        for replica, tier in request.holders.items():  # the fixed prompt, exactly
+            held = request.prefix_tokens * (1.0 if tier == "gpu" else self.host_credit)
+            out[replica] = max(out.get(replica, 0.0), held)
+        return out
+
+    def costs(self, request: RouteRequest, fleet: Fleet) -> dict[str, float]:
+        cached = self.cached_tokens(request, fleet)
+        self._seen = (request, cached)
+        work, block = self.work, self.work.block
+        prompt = len(request.tokens) or request.prefix_tokens
+        return {replica: work.prefill_tokens(replica) + max(0.0, prompt - cached.get(replica, 0.0))
+                + (work.blocks(replica) + work.new_blocks(replica, request)) * block
+                for replica in live_replicas(fleet)}
+
+    def route(self, request: RouteRequest, fleet: Fleet) -> RouteDecision:
+        costs = self.costs(request, fleet)
+        return decision(request, min(costs, key=lambda r: (costs[r], r != request.home, r)))
+
+    def routed(self, request: RouteRequest, replica: str) -> None:
+        seen, self._seen = self._seen, None
+        cached = seen[1].get(replica, 0.0) if seen is not None and seen[0] is request else 0.0
+        self.work.add(request, replica, max(0, len(request.tokens) - round(cached)))
+
+    def prefilled(self, request: RouteRequest, replica: str) -> None:
+        self.work.prefilled(request)
+
+    def ended(self, request: RouteRequest, replica: str) -> None:
+        self.work.ended(request, replica)
+
+    def removed(self, replica: str) -> None:
+        self.work.drop(replica)
+
+
 # ---------------------------------------------------------------------------------------------- load only
 class RoundRobinRouter(RoutingHooks):
     """Every replica in turn, blind to load and cache (Ray Serve's and the SGLang gateway's
@@ -333,14 +457,43 @@ def pow2_choice(fleet: Fleet, rng: random.Random) -> str:
 ROUTING: Registry[RoutingPolicy] = Registry("routing")
 
 
-def _workflow(context: PolicyContext, *, balance_threshold: int = 4, queued_request_cost: float = 1.0,
-              host_token_cost: float = 0.0002, miss_token_cost: float = 0.001) -> RoutingPolicy:
-    """the replica holding the agent's prefix unless it is overloaded, else the cheapest (the workflow router)"""
+def parse_routing(text: str) -> tuple[str, dict[str, float]]:
+    """`name` or `name:option=value:option=value` (a policy with options other than its defaults, as
+    a threshold sweep names them) -> (name, options); raises ValueError naming what is wrong."""
+    name, *pairs = text.strip().split(":")
+    options: dict[str, float] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"routing {text!r}: expected option=value after ':', got {pair!r}")
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"routing {text!r}: {key} must be a number, got {value!r}") from None
+        options[key.strip()] = int(number) if number.is_integer() else number
+    ROUTING.check_options(name, options)
+    return name, options
+
+
+def create_routing(text: str, seed: int = 0) -> RoutingPolicy:
+    """The policy `text` names (`parse_routing`), drawing from `seed` if it draws at random."""
+    name, options = parse_routing(text)
+    if "seed" in ROUTING.get(name).options:
+        options.setdefault("seed", seed)
+    return ROUTING.create(name, PolicyContext(), **options)
+
+
+@partial(ROUTING.register, "workflow")
+def _workflow(context: PolicyContext, *, host_credit: float = 0.75, block_tokens: int = BLOCK_TOKENS) -> RoutingPolicy:
+    """the replica where the call waits behind and brings the least work, priced in tokens (the workflow router)"""
+    return WorkflowRouter(host_credit, block_tokens)
+
+
+@partial(ROUTING.register, "prefix-affinity")
+def _prefix_affinity(context: PolicyContext, *, balance_threshold: int = 4, queued_request_cost: float = 1.0,
+                     host_token_cost: float = 0.0002, miss_token_cost: float = 0.001) -> RoutingPolicy:
+    """a holder of the agent's prefix unless its queue is longer by more than the threshold, else the cheapest"""
     return PrefixAffinityRouter(balance_threshold, queued_request_cost, host_token_cost, miss_token_cost)
-
-
-ROUTING.register("workflow", _workflow)
-ROUTING.register("prefix-affinity", _workflow)  # the serve config's name for it (`route_policy`)
 
 
 @partial(ROUTING.register, "round-robin")

@@ -70,6 +70,11 @@ class SimReplica:
         self.run_lag = 0
         self.run_context = 0
         self.run_left = 0
+        # what a fleet comparison reads: compute time spent, and the measured requests' time to first
+        # token and output tokens
+        self.busy_s = 0.0
+        self.ttfts: list[float] = []
+        self.output_tokens = 0
 
     @property
     def stats(self) -> ReplicaStats:
@@ -139,6 +144,7 @@ class SimReplica:
             if not batch.prefill and self.decode_runs:
                 self._start_run(batch)
         self.busy = True
+        self.busy_s += duration
         self.sim.at(self.sim.now + duration, lambda: self._step_done(batch))
 
     def _start_run(self, batch: Batch) -> None:
@@ -191,6 +197,9 @@ class SimReplica:
 
     def _finish(self, req: CacheRequest) -> None:
         assert isinstance(req, SimRequest)
+        if req.measured:
+            self.ttfts.append(req.first_token_at - req.arrival)
+            self.output_tokens += len(req.output_tokens)
         self.scheduler.finish(req, req.tokens + req.output_tokens)  # simulated memory: no slots to hand back
         assert req.on_done is not None
         req.on_done(req)

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvflow_ray.core.registry import PolicyContext
-from kvflow_ray.core.routing import ROUTING
+from kvflow_ray.core.routing import create_routing
 from kvflow_ray.engines.base import prefix_hash
 from kvflow_ray.serve.config import TenantLimits
 from kvflow_ray.serve.router_core import RouterCore
@@ -40,11 +39,10 @@ def split_key(key: str) -> tuple[str, str]:
 
 class SimRouter:
     def __init__(self, sim: Simulation, routing: str, seed: int = 0) -> None:
-        entry = ROUTING.get(routing)
-        options = {"seed": seed} if "seed" in entry.options else {}
+        """`routing`: a `core.routing.parse_routing` name, options allowed."""
         self.sim = sim
         self.core = RouterCore(BufferedStore(MemoryStore(ttl_s=1e9, clock=lambda: sim.now)),
-                               ROUTING.create(routing, PolicyContext(), **options), limits=SIM_LIMITS)
+                               create_routing(routing, seed), limits=SIM_LIMITS)
         self.replicas: dict[str, SimReplica] = {}
         for replica in sim.replicas:
             name = f"r{replica.index}"
@@ -52,6 +50,7 @@ class SimRouter:
             self.core.add_replica(name)
         self._plans: dict[str, ClientPlan] = {}
         self._templates: set[tuple[str, str]] = set()
+        self._prefix_hashes: dict[tuple[str, str], str | None] = {}  # (workflow, agent) -> its fixed prompt's
         self._calls = 0
 
     # ------------------------------------------------------------------ the client's side
@@ -66,11 +65,13 @@ class SimRouter:
         plan = self._plans[req.workflow]
         tenant, client = split_key(req.workflow)
         prompt = plan.prompts[req.agent]
+        key = (req.workflow, req.agent)
+        if key not in self._prefix_hashes:  # what the ingress computes from the request, once per agent here
+            self._prefix_hashes[key] = prefix_hash(prompt, plan.salt) if prompt else None
         self._observe()
         route = self.core.start_call(tenant, client, req.agent, workflow=plan.spec.name,
-                                     prefix_hash=prefix_hash(prompt, plan.salt) if prompt else None,
-                                     prefix_tokens=len(prompt), cache_salt=plan.salt, tokens=req.tokens,
-                                     max_new=req.max_new)
+                                     prefix_hash=self._prefix_hashes[key], prefix_tokens=len(prompt),
+                                     cache_salt=plan.salt, tokens=req.tokens, max_new=req.max_new)
         self._deliver()
         replica = self.replicas[route.replica]
         req.on_prefilled = lambda r: self.core.prefilled(tenant, client, r.agent, route.replica)

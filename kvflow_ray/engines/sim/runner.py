@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvflow_ray.core.radix import Tag
-from kvflow_ray.core.routing import ROUTING
+from kvflow_ray.core.routing import parse_routing
 from kvflow_ray.core.scheduler import POLICIES, ReplicaStats, resolve_policy
 from kvflow_ray.engines.sim.profile import Profile
 from kvflow_ray.engines.sim.simulator import IterationRecord, Simulation
@@ -25,12 +25,15 @@ def parse_policies(text: str) -> list[str]:
 
 
 def parse_routings(text: str) -> list[str]:
+    """Comma-separated routing policies, each `name` or `name:option=value...` (`parse_routing`)."""
     names = [r.strip() for r in text.split(",") if r.strip()]
     if not names:
         raise ValueError("--routing: give at least one routing policy")
-    unknown = [r for r in names if r not in ROUTING]
-    if unknown:
-        raise ValueError(f"--routing: unknown {', '.join(unknown)} (known: {', '.join(ROUTING.names())})")
+    for name in names:
+        try:
+            parse_routing(name)
+        except ValueError as exc:
+            raise ValueError(f"--routing: {exc}") from None
     return list(dict.fromkeys(names))
 
 
@@ -58,12 +61,29 @@ def summarise(sim: Simulation) -> dict[str, Any]:
     result = summarise_run(sim.iterations, [r.stats for r in sim.replicas], sim.now,
                            None if sim.policy.infinite else sim.replicas[0].cache.gpu_capacity)
     if sim.router is not None:
-        core = sim.router.core
-        decisions = list(core.decision_seconds)
-        result["routing"] = {"decisions": dict(core.decisions),
-                             "decision_p50_ms": _percentile(decisions, 0.5) * 1e3,
-                             "decision_p99_ms": _percentile(decisions, 0.99) * 1e3}
+        result.update(fleet_measures(sim))
     return result
+
+
+def fleet_measures(sim: Simulation) -> dict[str, Any]:
+    """What a routing comparison adds: time to first token, output throughput, how evenly the
+    replicas worked (max / mean compute time), prefetch outcomes, and the router's decisions."""
+    ttfts = [t for r in sim.replicas for t in r.ttfts]
+    busy = [r.busy_s for r in sim.replicas]
+    ledgers = [r.cache.prefetches for r in sim.replicas]
+    assert sim.router is not None
+    core = sim.router.core
+    decisions = list(core.decision_seconds)
+    return {
+        "ttft_p50_s": _percentile(ttfts, 0.5),
+        "ttft_p90_s": _percentile(ttfts, 0.9),
+        "output_tokens_per_s": sum(r.output_tokens for r in sim.replicas) / sim.now if sim.now else 0.0,
+        "imbalance": max(busy) / statistics.fmean(busy) if any(busy) else 1.0,
+        "prefetch_used": sum(ledger.used for ledger in ledgers),
+        "prefetch_wasted": sum(ledger.wasted for ledger in ledgers),
+        "routing": {"decisions": dict(core.decisions), "decision_p50_ms": _percentile(decisions, 0.5) * 1e3,
+                    "decision_p99_ms": _percentile(decisions, 0.99) * 1e3},
+    }
 
 
 def summarise_run(iterations: Sequence[IterationRecord], stats: Sequence[ReplicaStats], makespan: float,

@@ -6,10 +6,14 @@
 - `peer`: the PEER loop (Plan -> Execute -> Express -> Review -> Plan) with short prompts that share a
   common preamble, many clients of the same template.
 - `workflow`: any spec file; prompts come from the spec (byte-level tokens) or `fixed` fresh tokens.
+- `fleet`: many tenants' applications (a mix of workflow shapes, each with its own prompts sharing an
+  application preamble), instances arriving as a Poisson process; `llmd` is llm-d's benchmark shape.
 """
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
 
 from kvflow_ray.core.graph import AgentSpec, WorkflowSpec
@@ -84,6 +88,87 @@ def from_spec(spec: WorkflowSpec, clients: int = 1, fixed: int = 1024, dynamic: 
                         iterations=warmup + iterations, warmup=warmup) for c in range(clients)]
     return Scenario(spec.name, plans, dict(clients=clients, fixed=fixed, dynamic=dynamic, output=output,
                                            iterations=iterations, warmup=warmup))
+
+
+# ---------------------------------------------------------------------------------------------- fleet
+def _agent(name: str, after: tuple[str, ...] = (), join: str = "all") -> AgentSpec:
+    return AgentSpec(name, None, after, join)
+
+
+def _chain(name: str, agents: list[str]) -> WorkflowSpec:
+    return WorkflowSpec(name, agents[0], {a: _agent(a, (agents[i - 1],) if i else ()) for i, a in enumerate(agents)})
+
+
+def fleet_shapes() -> dict[str, WorkflowSpec]:
+    """The application shapes of the fleet scenario: the PEER loop, a software team whose coders meet
+    at a barrier, a triage that fans out and joins, and a 10-agent chain."""
+    team = WorkflowSpec("team", "pm", {
+        "pm": _agent("pm"), "architect": _agent("architect", ("pm",)),
+        **{f"coder{i}": _agent(f"coder{i}", ("architect",)) for i in range(3)},
+        "tester": _agent("tester", tuple(f"coder{i}" for i in range(3)))})
+    triage = WorkflowSpec("triage", "triage", {
+        "triage": _agent("triage"), "research": _agent("research", ("triage",)),
+        "draft": _agent("draft", ("triage",)), "respond": _agent("respond", ("research", "draft"))})
+    return {"peer": sequential_loop("peer", list(PEER_AGENTS)), "team": team, "triage": triage,
+            "chain": _chain("chain", [f"step{i}" for i in range(10)])}
+
+
+def _prompt_tokens(rng: random.Random, median: int) -> int:
+    """A prompt length: log-normal around `median` (sigma 0.6), within [median / 8, median * 4]."""
+    return int(min(max(rng.lognormvariate(math.log(median), 0.6), median / 8), median * 4))
+
+
+def fleet(tenants: int = 8, apps: int = 2, clients: int = 256, rate: float = 2.0, preamble: int = 1024,
+          prompt: int = 512, dynamic: int = 256, output: int = 128, seed: int = 0) -> Scenario:
+    """`tenants` x `apps` applications, each one workflow shape (in turn through `fleet_shapes`) with
+    its own agents' prompts: an application preamble (log-normal around `preamble` tokens) then a
+    role prompt per agent (around `prompt`). Tenants share nothing (each is a cache namespace).
+    `clients` workflow instances, each of a random application, arrive as a Poisson process of
+    `rate` per second and run one pass."""
+    _check_positive(tenants=tenants, apps=apps, clients=clients, preamble=preamble, prompt=prompt)
+    if not rate > 0:
+        raise ValueError(f"--rate must be positive, got {rate}")
+    rng = random.Random(seed)
+    tokens = TokenSource(1)
+    shapes = list(fleet_shapes().values())
+    applications = []
+    for t in range(tenants):
+        for a in range(apps):
+            spec = shapes[(t * apps + a) % len(shapes)]
+            common = tokens.fresh(_prompt_tokens(rng, preamble))
+            prompts = {agent: common + tokens.fresh(_prompt_tokens(rng, prompt)) for agent in spec.agents}
+            applications.append((f"t{t}", f"{spec.name}{a}", spec, prompts))
+    plans, at = [], 0.0
+    for c in range(clients):
+        at += rng.expovariate(rate)
+        tenant, app, spec, prompts = rng.choice(applications)
+        plans.append(ClientPlan(key=f"{tenant}/{app}-{c}", spec=spec, prompts=prompts, dynamic=dynamic,
+                                output=output, iterations=1, start_at=at, salt=tenant))
+    return Scenario("fleet", plans, dict(tenants=tenants, apps=apps, clients=clients, rate=rate, preamble=preamble,
+                                         prompt=prompt, dynamic=dynamic, output=output, seed=seed))
+
+
+def llmd(clients: int = 1024, rate: float = 10.0, groups: int = 150, system: int = 6000, question: int = 1200,
+         output: int = 1000, seed: int = 0) -> Scenario:
+    """llm-d's precise prefix-cache benchmark (llm-d-kv-cache-manager benchmarking/73-capacity;
+    blog "KV-Cache Wins You Can See"): `groups` customers, each with a `system`-token system prompt,
+    send single calls (system prompt + a fresh `question`, `output` tokens out) as a Poisson process
+    of `rate` per second; 150 x 6,000 tokens at 3-60 QPS on 8 replicas is their shape."""
+    _check_positive(clients=clients, groups=groups, system=system)
+    if not rate > 0:
+        raise ValueError(f"--rate must be positive, got {rate}")
+    rng = random.Random(seed)
+    tokens = TokenSource(1)
+    spec = WorkflowSpec("chat", "user", {"user": _agent("user")})
+    systems = [{"user": tokens.fresh(system)} for _ in range(groups)]
+    plans, at = [], 0.0
+    for c in range(clients):
+        at += rng.expovariate(rate)
+        g = rng.randrange(groups)
+        plans.append(ClientPlan(key=f"llmd/g{g}-{c}", spec=spec, prompts=systems[g], dynamic=question, output=output,
+                                iterations=1, start_at=at))
+    return Scenario("llmd", plans, dict(clients=clients, rate=rate, groups=groups, system=system, question=question,
+                                        output=output, seed=seed))
 
 
 def _check_positive(**values: int) -> None:
