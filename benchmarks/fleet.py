@@ -49,7 +49,7 @@ TUNING = {
                            "sglang-cache-aware:balance_abs_threshold=8:balance_rel_threshold=1.1",
                            "sglang-cache-aware:cache_threshold=0.5"],
     "dynamo-kv": ["dynamo-kv", "dynamo-kv:overlap_score_credit=1.5", "dynamo-kv:prefill_load_scale=2",
-                  "dynamo-kv:prefill_load_scale=0.5"],
+                  "dynamo-kv:prefill_load_scale=4", "dynamo-kv:prefill_load_scale=0.5"],
     "llmd-precise": ["llmd-precise", "llmd-precise:prefix_weight=3:kv_cache_weight=2:queue_weight=2",
                      "llmd-precise:prefix_weight=4"],
     "pow2": ["pow2"],
@@ -145,7 +145,8 @@ def tables(report: dict[str, Any]) -> str:
     lines = ["sweep: workflow router + kvflow vs the best baseline at each rate (ratios < 1: workflow better)",
              f"{'replicas':>8} {'rate':>6} {'mean':>18} {'p99':>18} {'ttft p90':>18} {'hit':>12}  best baseline (mean)"]
     for e in report["comparison"]:
-        cells = [f"{e[k]['workflow']:.1f}/{e[k]['best']:.1f}={e[k]['ratio']:.2f}" for k in ("latency_s", "p99_latency_s")]
+        cells = [f"{e[k]['workflow']:.1f}/{e[k]['best']:.1f}={e[k]['ratio']:.2f}"
+                 for k in ("latency_s", "p99_latency_s")]
         ttft = e["ttft_p90_s"]
         cells.append(f"{ttft['workflow']:.2f}/{ttft['best']:.2f}={ttft['ratio']:.2f}")
         hit = e["hit_ratio"]

@@ -354,7 +354,12 @@ class WorkflowRouter(RoutingHooks):
 
         prompt tokens still to prefill there (calls in flight)
         + the call's prompt tokens not cached there (host copies at `host_credit` of a device copy)
-        + KV tokens the calls in flight there hold, and the call's own not among them
+        + `kv_weight` x (KV tokens the calls in flight there hold, and the call's own not among them)
+
+    A token to prefill costs more than a token of KV a decode step reads (a prefill token is a
+    matrix row through every layer; a context token, one KV read per step): `kv_weight` 0.25 was
+    chosen on `benchmarks/fleet.py`'s sweep (0.1-1.0 tried; Dynamo's `prefill_load_scale`, the same
+    knob inverted, is swept there too).
 
     What it knows that the peers' routers do not: where each agent's fixed prompt is cached,
     exactly, from the router's location index (a replica it just sent the prompt to counts as a
@@ -363,10 +368,11 @@ class WorkflowRouter(RoutingHooks):
     Without the call's tokens (a router asking where an upcoming agent would go), the fixed prompt
     alone is priced."""
 
-    def __init__(self, host_credit: float = 0.75, block_tokens: int = BLOCK_TOKENS) -> None:
+    def __init__(self, host_credit: float = 0.75, kv_weight: float = 0.25, block_tokens: int = BLOCK_TOKENS) -> None:
         if not 0 <= host_credit <= 1:
             raise ValueError(f"host_credit must be within [0, 1], got {host_credit}")
         self.host_credit = host_credit
+        self.kv_weight = kv_weight
         self.work = WorkInFlight(block_tokens)
         self._seen: tuple[RouteRequest, dict[str, float]] | None = None  # the last call priced: its cached tokens
 
@@ -388,7 +394,7 @@ class WorkflowRouter(RoutingHooks):
         work, block = self.work, self.work.block
         prompt = len(request.tokens) or request.prefix_tokens
         return {replica: work.prefill_tokens(replica) + max(0.0, prompt - cached.get(replica, 0.0))
-                + (work.blocks(replica) + work.new_blocks(replica, request)) * block
+                + self.kv_weight * (work.blocks(replica) + work.new_blocks(replica, request)) * block
                 for replica in live_replicas(fleet)}
 
     def route(self, request: RouteRequest, fleet: Fleet) -> RouteDecision:
@@ -484,9 +490,10 @@ def create_routing(text: str, seed: int = 0) -> RoutingPolicy:
 
 
 @partial(ROUTING.register, "workflow")
-def _workflow(context: PolicyContext, *, host_credit: float = 0.75, block_tokens: int = BLOCK_TOKENS) -> RoutingPolicy:
+def _workflow(context: PolicyContext, *, host_credit: float = 0.75, kv_weight: float = 0.25,
+              block_tokens: int = BLOCK_TOKENS) -> RoutingPolicy:
     """the replica where the call waits behind and brings the least work, priced in tokens (the workflow router)"""
-    return WorkflowRouter(host_credit, block_tokens)
+    return WorkflowRouter(host_credit, kv_weight, block_tokens)
 
 
 @partial(ROUTING.register, "prefix-affinity")
