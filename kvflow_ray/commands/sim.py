@@ -126,8 +126,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         policies = parse_policies(args.policies)
         routings = parse_routings(args.routing) if args.routing is not None else None
-        if args.replicas < 1:
-            raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
         overrides = {}
         for item in args.overrides:
             key, sep, value = item.partition("=")

@@ -419,7 +419,7 @@ class RouterCore:
         live there); `prefix_hash` is already salted. Every check runs before any state changes.
         `retry`: the same call again, after its replica died under it (one end_call ends both).
         `tokens` / `max_new`: the prompt's token ids and output budget, for policies that read them
-        (the peers' prefix trees and block indexes; the workflow router needs only the hash)."""
+        (prefix trees, block look-ups); without them a policy prices the fixed prompt alone."""
         started = time.perf_counter()
         self.calls["start_call"] += 1
         check_name("client_id", client_id)
