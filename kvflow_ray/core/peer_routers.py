@@ -30,6 +30,7 @@ from kvflow_ray.core.routing import (
     RoutingHooks,
     RoutingPolicy,
     WorkInFlight,
+    WorkPricingRouter,
     decision,
     live_replicas,
     pow2_choice,
@@ -276,7 +277,7 @@ def dynamo_cost(isl: int, block: int, active_prefill_tokens: int, device_blocks:
     return prefill_load_scale * max(0.0, (active_prefill_tokens + isl) / block - credit) + decode_blocks
 
 
-class DynamoKvRouter(RoutingHooks):
+class DynamoKvRouter(WorkPricingRouter):
     """NVIDIA Dynamo's KV router (dynamo: lib/kv-router/src/scheduling/selector/default.rs
     `worker_logit`, selector/mod.rs; load from lib/kv-router/src/sequences/single.rs; tier weights
     in overlap.rs / config.rs). For each replica:
@@ -300,7 +301,6 @@ class DynamoKvRouter(RoutingHooks):
         self.seed = seed
         self.sent = 0
         self.work = WorkInFlight(block_tokens)  # `ActiveSequences`
-        self._seen: tuple[RouteRequest, dict[str, tuple[int, int]]] | None = None  # the last call priced
 
     def _cached_blocks(self, request: RouteRequest, fleet: Fleet) -> dict[str, tuple[int, int]]:
         """replica -> (device blocks, host blocks extending them) of the call's prompt."""
@@ -312,7 +312,8 @@ class DynamoKvRouter(RoutingHooks):
 
     def costs(self, request: RouteRequest, fleet: Fleet) -> dict[str, float]:
         cached = self._cached_blocks(request, fleet) if request.tokens else {}
-        self._seen = (request, cached)
+        bs, host_w = self.block_tokens, self.host_cache_hit_weight
+        self._priced(request, {r: (device + host_w * host) * bs for r, (device, host) in cached.items()})
         work = self.work
         out = {}
         for replica in live_replicas(fleet):
@@ -331,19 +332,7 @@ class DynamoKvRouter(RoutingHooks):
 
     def routed(self, request: RouteRequest, replica: str) -> None:
         self.sent += 1
-        seen, self._seen = self._seen, None
-        device, host = seen[1].get(replica, (0, 0)) if seen is not None and seen[0] is request else (0, 0)
-        cached = round((device + self.host_cache_hit_weight * host) * self.block_tokens)
-        self.work.add(request, replica, len(request.tokens) - min(cached, len(request.tokens)))
-
-    def prefilled(self, request: RouteRequest, replica: str) -> None:
-        self.work.prefilled(request)
-
-    def ended(self, request: RouteRequest, replica: str) -> None:
-        self.work.ended(request, replica)
-
-    def removed(self, replica: str) -> None:
-        self.work.drop(replica)
+        super().routed(request, replica)
 
 
 # ---------------------------------------------------------------------------------------------- llm-d

@@ -298,6 +298,32 @@ def decision(request: RouteRequest, replica: str) -> RouteDecision:
     return RouteDecision(replica, "balanced" if request.holders else "cold", None)
 
 
+class WorkPricingRouter(RoutingHooks):
+    """A policy that prices the work in flight (`work`, kept by its hooks): it notes the cached prompt
+    tokens it priced a call at on each replica (`_priced`), and a routed call joins the chosen
+    replica's prefill work with the rest of its prompt."""
+
+    work: WorkInFlight
+    _last: tuple[RouteRequest, Mapping[str, float]] | None = None
+
+    def _priced(self, request: RouteRequest, cached: Mapping[str, float]) -> None:
+        self._last = (request, cached)
+
+    def routed(self, request: RouteRequest, replica: str) -> None:
+        last, self._last = self._last, None
+        cached = last[1].get(replica, 0.0) if last is not None and last[0] is request else 0.0
+        self.work.add(request, replica, max(0, len(request.tokens) - round(cached)))
+
+    def prefilled(self, request: RouteRequest, replica: str) -> None:
+        self.work.prefilled(request)
+
+    def ended(self, request: RouteRequest, replica: str) -> None:
+        self.work.ended(request, replica)
+
+    def removed(self, replica: str) -> None:
+        self.work.drop(replica)
+
+
 # ---------------------------------------------------------------------------------------------- workflow router
 @dataclass(frozen=True)
 class PrefixAffinityRouter(RoutingHooks):
@@ -348,7 +374,7 @@ class PrefixAffinityRouter(RoutingHooks):
         return RouteDecision(cheapest, outcome, live_holders.get(cheapest))
 
 
-class WorkflowRouter(RoutingHooks):
+class WorkflowRouter(WorkPricingRouter):
     """The workflow router: each replica priced by the work the call would wait behind and bring
     there, in tokens, the cheapest wins:
 
@@ -374,7 +400,6 @@ class WorkflowRouter(RoutingHooks):
         self.host_credit = host_credit
         self.kv_weight = kv_weight
         self.work = WorkInFlight(block_tokens)
-        self._seen: tuple[RouteRequest, dict[str, float]] | None = None  # the last call priced: its cached tokens
 
     def cached_tokens(self, request: RouteRequest, fleet: Fleet) -> dict[str, float]:
         """replica -> the call's prompt tokens it would not compute (host copies at their credit)."""
@@ -390,7 +415,7 @@ class WorkflowRouter(RoutingHooks):
 
     def costs(self, request: RouteRequest, fleet: Fleet) -> dict[str, float]:
         cached = self.cached_tokens(request, fleet)
-        self._seen = (request, cached)
+        self._priced(request, cached)
         work, block = self.work, self.work.block
         prompt = len(request.tokens) or request.prefix_tokens
         return {replica: work.prefill_tokens(replica) + max(0.0, prompt - cached.get(replica, 0.0))
@@ -401,19 +426,6 @@ class WorkflowRouter(RoutingHooks):
         costs = self.costs(request, fleet)
         return decision(request, min(costs, key=lambda r: (costs[r], r != request.home, r)))
 
-    def routed(self, request: RouteRequest, replica: str) -> None:
-        seen, self._seen = self._seen, None
-        cached = seen[1].get(replica, 0.0) if seen is not None and seen[0] is request else 0.0
-        self.work.add(request, replica, max(0, len(request.tokens) - round(cached)))
-
-    def prefilled(self, request: RouteRequest, replica: str) -> None:
-        self.work.prefilled(request)
-
-    def ended(self, request: RouteRequest, replica: str) -> None:
-        self.work.ended(request, replica)
-
-    def removed(self, replica: str) -> None:
-        self.work.drop(replica)
 
 
 # ---------------------------------------------------------------------------------------------- load only
