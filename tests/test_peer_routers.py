@@ -31,11 +31,7 @@ def text(s: str) -> tuple[int, ...]:
 
 
 def fleet(**loads: int) -> Fleet:
-    f = Fleet()
-    for name, load in loads.items():
-        f.add(name)
-        f.loads[name] = load
-    return f
+    return Fleet.of(loads)
 
 
 def send(policy: RoutingPolicy, f: Fleet, prompt: str) -> str:

@@ -12,7 +12,7 @@ ROUTER = PrefixAffinityRouter(balance_threshold=4)
 
 
 def route(holders: dict[str, str], loads: dict[str, int], tokens: int, home: str | None = None) -> RouteDecision:
-    return ROUTER.route(RouteRequest(prefix_tokens=tokens, holders=holders, home=home), Fleet(loads=dict(loads)))
+    return ROUTER.route(RouteRequest(prefix_tokens=tokens, holders=holders, home=home), Fleet.of(loads))
 
 
 def test_affinity_prefers_the_device_tier_then_the_host_tier() -> None:
@@ -64,20 +64,12 @@ def test_decisions_are_live_and_bounded(loads: dict[str, int], holders: dict[str
 
 
 # ---------------------------------------------------------------------------------------------- the priced router
-def _fleet(**loads: int) -> Fleet:
-    f = Fleet()
-    for name, load in loads.items():
-        f.add(name)
-        f.loads[name] = load
-    return f
-
-
 def test_workflow_router_prices_cached_prompt_against_work_in_flight() -> None:
     from kvflow_ray.core.routing import WorkflowRouter, block_hashes
 
     router = WorkflowRouter()
     prompt = tuple(range(1024))
-    f = _fleet(a=0, b=0)
+    f = Fleet.of({"a": 0, "b": 0})
     f.blocks.stored("b", "gpu", block_hashes(prompt[:768], "", f.blocks.block))
     call = RouteRequest(tokens=prompt)
     costs = router.costs(call, f)
@@ -97,7 +89,7 @@ def test_workflow_router_uses_exact_holders_host_credit_and_home() -> None:
     from kvflow_ray.core.routing import WorkflowRouter
 
     router = WorkflowRouter(host_credit=0.75)
-    f = _fleet(a=0, b=0, c=0)
+    f = Fleet.of({"a": 0, "b": 0, "c": 0})
     # no tokens (where would an upcoming agent go): its fixed prompt, priced from the location index
     ask = RouteRequest(prefix_tokens=1000, holders={"b": "cpu", "c": "gpu"})
     assert router.costs(ask, f) == {"a": 1000.0, "b": 250.0, "c": 0.0}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -34,6 +33,8 @@ from kvflow_ray.core.routing import (
     decision,
     live_replicas,
     pow2_choice,
+    random_best,
+    seeded,
 )
 
 
@@ -201,7 +202,7 @@ class RayPrefixRouter(_HistoryRouter):
         replicas = self._tenants(fleet)
         loads = fleet.loads
         if max(loads.values()) - min(loads.values()) > self.imbalanced_threshold or not request.tokens:
-            return decision(request, pow2_choice(fleet, random.Random(hash((self.seed, self.clock)))))
+            return decision(request, pow2_choice(fleet, seeded(self.seed, self.clock)))
         text = request.tokens
         matched, node = self.tree.walk(text, set(replicas))
         if matched / len(text) < self.match_rate_threshold:
@@ -302,16 +303,8 @@ class DynamoKvRouter(WorkPricingRouter):
         self.sent = 0
         self.work = WorkInFlight(block_tokens)  # `ActiveSequences`
 
-    def _cached_blocks(self, request: RouteRequest, fleet: Fleet) -> dict[str, tuple[int, int]]:
-        """replica -> (device blocks, host blocks extending them) of the call's prompt."""
-        scale = self.block_tokens // fleet.blocks.block
-        out = {}
-        for replica, (device, anywhere) in fleet.blocks.overlaps(request.blocks(fleet.blocks.block)).items():
-            out[replica] = (device // scale, anywhere // scale - device // scale)
-        return out
-
     def costs(self, request: RouteRequest, fleet: Fleet) -> dict[str, float]:
-        cached = self._cached_blocks(request, fleet) if request.tokens else {}
+        cached = fleet.prompt_blocks(request, self.block_tokens)
         bs, host_w = self.block_tokens, self.host_cache_hit_weight
         self._priced(request, {r: (device + host_w * host) * bs for r, (device, host) in cached.items()})
         work = self.work
@@ -325,10 +318,7 @@ class DynamoKvRouter(WorkPricingRouter):
         return out
 
     def route(self, request: RouteRequest, fleet: Fleet) -> RouteDecision:
-        costs = self.costs(request, fleet)
-        best = min(costs.values())
-        tied = [r for r, c in costs.items() if c == best]
-        return decision(request, random.Random(hash((self.seed, self.sent))).choice(tied))
+        return decision(request, random_best(self.costs(request, fleet), seeded(self.seed, self.sent)))
 
     def routed(self, request: RouteRequest, replica: str) -> None:
         self.sent += 1
@@ -360,13 +350,9 @@ class LlmdPreciseRouter(RoutingHooks):
 
     def scores(self, request: RouteRequest, fleet: Fleet) -> dict[str, float]:
         replicas = live_replicas(fleet)
-        scale = self.block_tokens // fleet.blocks.block
-        raw: dict[str, float] = {}
-        if request.tokens:
-            for replica, (device, anywhere) in fleet.blocks.overlaps(request.blocks(fleet.blocks.block)).items():
-                d, a = device // scale, anywhere // scale
-                if a and replica in fleet.loads:
-                    raw[replica] = d + self.host_block_weight * (a - d)
+        raw = {replica: device + self.host_block_weight * host
+               for replica, (device, host) in fleet.prompt_blocks(request, self.block_tokens).items()
+               if device + host and replica in fleet.loads}
         low, high = (min(raw.values()), max(raw.values())) if raw else (0.0, 0.0)
         waiting = [fleet.waiting.get(r, 0) for r in replicas]
         q_low, q_high = min(waiting), max(waiting)
@@ -380,10 +366,7 @@ class LlmdPreciseRouter(RoutingHooks):
         return out
 
     def route(self, request: RouteRequest, fleet: Fleet) -> RouteDecision:
-        scores = self.scores(request, fleet)
-        best = max(scores.values())
-        tied = [r for r, s in scores.items() if s == best]
-        return decision(request, random.Random(hash((self.seed, self.sent))).choice(tied))
+        return decision(request, random_best(self.scores(request, fleet), seeded(self.seed, self.sent), lowest=False))
 
     def routed(self, request: RouteRequest, replica: str) -> None:
         self.sent += 1

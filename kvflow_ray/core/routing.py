@@ -206,10 +206,31 @@ class Fleet:
             counts.pop(replica, None)
         self.blocks.drop(replica)
 
+    @classmethod
+    def of(cls, loads: Mapping[str, int]) -> Fleet:
+        """A fleet of these replicas with these loads (nothing reported, nothing held)."""
+        fleet = cls()
+        for replica, load in loads.items():
+            fleet.add(replica)
+            fleet.loads[replica] = load
+        return fleet
+
     def report(self, replica: str, *, usage: float, waiting: int) -> None:
         if replica in self.loads:
             self.usage[replica] = usage
             self.waiting[replica] = waiting
+
+    def prompt_blocks(self, request: RouteRequest, block: int) -> dict[str, tuple[int, int]]:
+        """replica -> (leading `block`-token blocks of the call's prompt it holds on the device, blocks
+        extending those on the host), for every replica holding the first; `block` is a multiple of
+        the index's block (a coarser block is held when all of its index blocks are)."""
+        if not request.tokens:
+            return {}
+        scale = block // self.blocks.block
+        out = {}
+        for replica, (device, anywhere) in self.blocks.overlaps(request.blocks(self.blocks.block)).items():
+            out[replica] = (device // scale, anywhere // scale - device // scale)
+        return out
 
 
 @dataclass
@@ -281,6 +302,18 @@ class RoutingHooks:
 
     def removed(self, replica: str) -> None:
         return None
+
+
+def seeded(seed: int, n: int) -> random.Random:
+    """The random draws of a policy's `n`-th routed call: a function of (seed, n), so asking where a
+    call would go draws nothing and runs repeat per seed."""
+    return random.Random(hash((seed, n)))
+
+
+def random_best(values: Mapping[str, float], rng: random.Random, lowest: bool = True) -> str:
+    """A replica with the lowest (or highest) value, ties at random."""
+    best = min(values.values()) if lowest else max(values.values())
+    return rng.choice([r for r, v in values.items() if v == best])
 
 
 def live_replicas(fleet: Fleet) -> list[str]:
@@ -404,10 +437,8 @@ class WorkflowRouter(WorkPricingRouter):
     def cached_tokens(self, request: RouteRequest, fleet: Fleet) -> dict[str, float]:
         """replica -> the call's prompt tokens it would not compute (host copies at their credit)."""
         block = fleet.blocks.block
-        out: dict[str, float] = {}
-        if request.tokens:
-            for replica, (device, anywhere) in fleet.blocks.overlaps(request.blocks(block)).items():
-                out[replica] = device * block + self.host_credit * (anywhere - device) * block
+        out: dict[str, float] = {replica: (device + self.host_credit * host) * block
+                                 for replica, (device, host) in fleet.prompt_blocks(request, block).items()}
         for replica, tier in request.holders.items():  # the fixed prompt, exactly
             held = request.prefix_tokens * (1.0 if tier == "gpu" else self.host_credit)
             out[replica] = max(out.get(replica, 0.0), held)
@@ -456,7 +487,7 @@ class PowerOfTwoRouter(RoutingHooks):
         self.sent = 0
 
     def route(self, request: RouteRequest, fleet: Fleet) -> RouteDecision:
-        return decision(request, pow2_choice(fleet, random.Random(hash((self.seed, self.sent)))))
+        return decision(request, pow2_choice(fleet, seeded(self.seed, self.sent)))
 
     def routed(self, request: RouteRequest, replica: str) -> None:
         self.sent += 1
