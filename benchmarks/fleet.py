@@ -12,6 +12,9 @@ precise scorer, pow2, round-robin), every call through the serving router's code
    baseline with its best cache policy there).
 2. tune: each baseline with its thresholds swept, at 8 replicas with lru engines, 128 and 512
    instances; the workflow router against the best-tuned of them.
+3. bound: at every point of both, the `infinite` policy (no device capacity limit) under the workflow
+   router and under Dynamo's: the latency no eviction or placement of prefixes can beat by much, so
+   "best baseline / bound" says how much room any router has left.
 
 Run: python benchmarks/fleet.py [--quick] [--replicas 8,32] [--out DIR]. Progress on stderr, tables on
 stdout, fleet.json and fleet.png (latency against rate, one curve per router) in DIR (default
@@ -39,6 +42,8 @@ PROFILE = "a10g-llama3.1-8b"
 BASELINES = ["ray-prefix", "sglang-cache-aware", "dynamo-kv", "llmd-precise", "pow2", "round-robin"]
 ROUTERS = ["workflow", *BASELINES]
 POLICIES = ["lru", "hicache", "kvflow"]
+BOUND = "infinite"  # no device capacity limit: what is left is compute and queueing
+BOUND_ROUTERS = ["workflow", "dynamo-kv"]
 RATES = [1.0, 2.0, 4.0, 8.0, 16.0]  # instances per second per 8 replicas
 # each baseline's thresholds, swept (its defaults first)
 TUNING = {
@@ -80,29 +85,37 @@ def sweep(replica_counts: list[int], rates: list[float], clients: int, seed: int
     rows = []
     for replicas in replica_counts:
         for rate in rates:
-            for routing in ROUTERS:
-                for policy in POLICIES:
-                    bar.set_description(f"sweep {replicas}x rate {rate:g} {policy}@{routing}")
-                    rows.append({"replicas": replicas, "rate": rate, "policy": policy, "routing": routing,
-                                 **run_one(replicas, rate, clients, policy, routing, seed)})
-                    bar.update()
+            runs = [(policy, routing) for routing in ROUTERS for policy in POLICIES]
+            for policy, routing in runs + [(BOUND, routing) for routing in BOUND_ROUTERS]:
+                bar.set_description(f"sweep {replicas}x rate {rate:g} {policy}@{routing}")
+                rows.append({"replicas": replicas, "rate": rate, "policy": policy, "routing": routing,
+                             **run_one(replicas, rate, clients, policy, routing, seed)})
+                bar.update()
     return rows
 
 
 def tune(instances: list[int], rate: float, seed: int, bar: tqdm) -> list[dict[str, Any]]:
     rows = []
     for clients in instances:
-        for routing in ["workflow", *[spec for specs in TUNING.values() for spec in specs]]:
-            bar.set_description(f"tune {clients} instances lru@{routing}")
-            rows.append({"clients": clients, "rate": rate, "policy": "lru", "routing": routing,
-                         **run_one(8, rate, clients, "lru", routing, seed)})
+        runs = [("lru", "workflow"), *[("lru", spec) for specs in TUNING.values() for spec in specs]]
+        for policy, routing in runs + [(BOUND, routing) for routing in BOUND_ROUTERS]:
+            bar.set_description(f"tune {clients} instances {policy}@{routing}")
+            rows.append({"clients": clients, "rate": rate, "policy": policy, "routing": routing,
+                         **run_one(8, rate, clients, policy, routing, seed)})
             bar.update()
     return rows
 
 
 def best_baseline(rows: list[dict[str, Any]], key: str = "latency_s") -> dict[str, Any]:
-    """The baseline run with the lowest `key` among `rows` (any router but the workflow router)."""
-    return min((r for r in rows if not r["routing"].startswith("workflow")), key=lambda r: r[key])
+    """The baseline run with the lowest `key` among `rows` (any router but the workflow router, with a
+    real cache: the bound's runs are not baselines)."""
+    return min((r for r in rows if not r["routing"].startswith("workflow") and r["policy"] != BOUND),
+               key=lambda r: r[key])
+
+
+def bound(rows: list[dict[str, Any]], key: str) -> float:
+    """The lowest `key` of the no-capacity runs among `rows`."""
+    return min(r[key] for r in rows if r["policy"] == BOUND)
 
 
 def comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -117,8 +130,9 @@ def comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 best = best_baseline(here, key)
                 entry[key] = {"workflow": ours[key], "best": best[key],
                               "best_is": f"{best['policy']}@{best['routing']}",
-                              "ratio": ours[key] / best[key] if best[key] else float("nan")}
-            best_hit = max((r for r in here if r["routing"] != "workflow"),
+                              "ratio": ours[key] / best[key] if best[key] else float("nan"),
+                              "bound": bound(here, key)}
+            best_hit = max((r for r in here if r["routing"] != "workflow" and r["policy"] != BOUND),
                            key=lambda r: r["gpu_hit_ratio"] + r["cpu_hit_ratio"])
             entry["hit_ratio"] = {"workflow": ours["gpu_hit_ratio"] + ours["cpu_hit_ratio"],
                                   "best": best_hit["gpu_hit_ratio"] + best_hit["cpu_hit_ratio"],
@@ -131,19 +145,21 @@ def tuned_comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for clients in sorted({r["clients"] for r in rows}):
         here = [r for r in rows if r["clients"] == clients]
-        ours = next(r for r in here if r["routing"] == "workflow")
+        ours = next(r for r in here if r["routing"] == "workflow" and r["policy"] == "lru")
         entry: dict[str, Any] = {"clients": clients}
         for key in ("latency_s", "p99_latency_s"):
             best = best_baseline(here, key)
             entry[key] = {"workflow": ours[key], "best": best[key], "best_is": best["routing"],
-                          "ratio": ours[key] / best[key] if best[key] else float("nan")}
+                          "ratio": ours[key] / best[key] if best[key] else float("nan"),
+                          "bound": bound(here, key)}
         out.append(entry)
     return out
 
 
 def tables(report: dict[str, Any]) -> str:
     lines = ["sweep: workflow router + kvflow vs the best baseline at each rate (ratios < 1: workflow better)",
-             f"{'replicas':>8} {'rate':>6} {'mean':>18} {'p99':>18} {'ttft p90':>18} {'hit':>12}  best baseline (mean)"]
+             f"{'replicas':>8} {'rate':>6} {'mean':>18} {'p99':>18} {'ttft p90':>18} {'hit':>12} "
+             f"{'bound mean':>10}  best baseline (mean)"]
     for e in report["comparison"]:
         cells = [f"{e[k]['workflow']:.1f}/{e[k]['best']:.1f}={e[k]['ratio']:.2f}"
                  for k in ("latency_s", "p99_latency_s")]
@@ -151,14 +167,15 @@ def tables(report: dict[str, Any]) -> str:
         cells.append(f"{ttft['workflow']:.2f}/{ttft['best']:.2f}={ttft['ratio']:.2f}")
         hit = e["hit_ratio"]
         lines.append(f"{e['replicas']:>8} {e['rate']:>6g} {cells[0]:>18} {cells[1]:>18} {cells[2]:>18} "
-                     f"{hit['workflow']:5.3f}/{hit['best']:5.3f}  {e['latency_s']['best_is']}")
+                     f"{hit['workflow']:5.3f}/{hit['best']:5.3f} {e['latency_s']['bound']:>10.1f}  "
+                     f"{e['latency_s']['best_is']}")
     if report.get("tuned"):
         lines.append("tune (8 replicas, lru): workflow router vs the best-tuned baseline")
         for e in report["tuned"]:
             m, p = e["latency_s"], e["p99_latency_s"]
             lines.append(f"  {e['clients']:>5} instances: mean {m['workflow']:.2f} vs {m['best']:.2f} ({m['best_is']}) "
                          f"= {m['ratio']:.2f}; p99 {p['workflow']:.2f} vs {p['best']:.2f} ({p['best_is']}) "
-                         f"= {p['ratio']:.2f}")
+                         f"= {p['ratio']:.2f}; no-capacity bound mean {m['bound']:.2f}, p99 {p['bound']:.2f}")
     return "\n".join(lines)
 
 
@@ -174,7 +191,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         for routing in ROUTERS:
             points = []
             for rate in sorted({r["rate"] for r in rows}):
-                here = [r for r in rows if r["replicas"] == replicas and r["rate"] == rate and r["routing"] == routing]
+                here = [r for r in rows if r["replicas"] == replicas and r["rate"] == rate
+                        and r["routing"] == routing and r["policy"] != BOUND]
                 if here:
                     points.append((rate, min(r["latency_s"] for r in here)))  # its best cache policy
             style = "-o" if routing == "workflow" else "--."
@@ -206,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     clients = 64 if args.quick else args.clients
     tuning = not (args.quick or args.no_tune)
     instances = [128, 512]
-    runs = len(replica_counts) * len(rates) * len(ROUTERS) * len(POLICIES)
+    runs = len(replica_counts) * len(rates) * (len(ROUTERS) * len(POLICIES) + len(BOUND_ROUTERS))
     if tuning:
-        runs += len(instances) * (1 + sum(map(len, TUNING.values())))
+        runs += len(instances) * (1 + sum(map(len, TUNING.values())) + len(BOUND_ROUTERS))
     out = args.out if args.out is not None else (None if args.quick else RESULTS)
     started = time.perf_counter()
     with tqdm(total=runs, disable=args.no_progress, file=sys.stderr, unit="run") as bar:
