@@ -353,7 +353,7 @@ def test_error_unknown_agent_key() -> None:
     expect_error(
         data,
         "agents.executor.foo",
-        "unknown key 'foo' (allowed: prompt, prompt_file, after, join, description)",
+        "unknown key 'foo' (allowed: prompt, prompt_file, after, join, next, weights, max_iterations, description)",
     )
 
 

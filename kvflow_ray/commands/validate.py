@@ -73,9 +73,11 @@ def _symbol_inf() -> str:
 
 
 def format_table(spec: WorkflowSpec, state: WorkflowState, steps: dict[str, float]) -> str:
+    """One row per agent; a spec with `next: one` agents adds each one's choice and the expected steps
+    under its weights."""
     inf_text = _symbol_inf()
-    header = ("agent", "join", "after", "steps-to-execution")
-    rows = [
+    header: tuple[str, ...] = ("agent", "join", "after", "steps-to-execution")
+    rows: list[tuple[str, ...]] = [
         (
             name,
             agent.join,
@@ -84,6 +86,11 @@ def format_table(spec: WorkflowSpec, state: WorkflowState, steps: dict[str, floa
         )
         for name, agent in spec.agents.items()
     ]
+    if spec.dynamic:
+        expected = state.expected_steps()
+        header = (*header, "next", "expected-steps")
+        rows = [(*row, agent.next, inf_text if math.isinf(expected[name]) else f"{expected[name]:.2f}")
+                for row, (name, agent) in zip(rows, spec.agents.items(), strict=True)]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [
         f"workflow {spec.name!r}: valid, {len(spec.agents)} agents, start: {', '.join(spec.start_agents())}",
@@ -112,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             "valid": True,
             "name": spec.name,
             "steps_to_execution": {a: None if math.isinf(v) else int(v) for a, v in steps.items()},
+            "expected_steps": {a: None if math.isinf(v) else round(v, 6) for a, v in state.expected_steps().items()},
         }
         print(json.dumps(out))
     else:

@@ -1,9 +1,12 @@
 """Agent Step Graph: workflow spec loading/validation and steps-to-execution (DESIGN.md §3, §6).
 
 A workflow spec names agents and, for each, the agents it runs after (``after``) and how it joins
-them (``join: all`` = barrier, ``join: any`` = branch). A :class:`WorkflowState` is the live state of
-one running instance of a workflow; :meth:`WorkflowState.steps_to_execution` turns it into E values,
-the number of steps until each agent runs next, which the cache policies use as eviction priority.
+them (``join: all`` = barrier, ``join: any`` = branch). An agent with ``next: one`` hands over to
+exactly one of its successors, chosen at run time (``weights``: priors over them); ``max_iterations``
+bounds how often an agent runs per instance. A :class:`WorkflowState` is the live state of one running
+instance of a workflow; :meth:`WorkflowState.steps_to_execution` turns it into E values, the number
+of steps until each agent runs next, which the cache policies use as eviction priority, and
+:meth:`WorkflowState.expected_steps` weighs the exclusive choices by their probabilities.
 
 Pure Python on purpose: the router, every engine and the simulator all import this module, and none
 of them should pay for torch/ray/numpy just to read a workflow.
@@ -42,11 +45,13 @@ __all__ = [
     "MAX_SPEC_FILE_BYTES",
     "NAME_PATTERN",
     "NAME_RE",
+    "NEXTS",
     "TOP_LEVEL_KEYS",
     "AgentSpec",
     "SpecError",
     "SpecLimitError",
     "SpecLimits",
+    "Transitions",
     "UnknownAgentError",
     "WorkflowSpec",
     "WorkflowState",
@@ -75,8 +80,14 @@ def is_name(value: object, rule: re.Pattern[str] = NAME_RE) -> bool:
     return isinstance(value, str) and rule.fullmatch(value) is not None
 
 TOP_LEVEL_KEYS: tuple[str, ...] = ("name", "entry", "agents", "description")
-AGENT_KEYS: tuple[str, ...] = ("prompt", "prompt_file", "after", "join", "description")
+AGENT_KEYS: tuple[str, ...] = ("prompt", "prompt_file", "after", "join", "next", "weights", "max_iterations",
+                                "description")
 JOINS: tuple[str, ...] = ("all", "any")
+NEXTS: tuple[str, ...] = ("all", "one")  # all: every ready successor runs; one: exactly one of them
+
+# agent -> successor -> probability that the agent hands over to it (the `next: one` agents only; an
+# agent missing here uses its spec's weights)
+Transitions = Mapping[str, Mapping[str, float]]
 
 # What a spec file may read from disk: the spec itself, and each `prompt_file` (a regular file inside
 # the spec's folder). Bounded so that a mistaken path (a log, /dev/zero) cannot fill memory.
@@ -171,15 +182,31 @@ class AgentSpec:
     after: tuple[str, ...] = ()
     join: str = "all"
     description: str | None = None
+    next: str = "all"
+    # priors over the successors of a `next: one` agent, as (successor, weight) pairs in file order
+    weights: tuple[tuple[str, float], ...] = ()
+    max_iterations: int | None = None
 
     def __post_init__(self) -> None:
         # Accept any iterable for convenience in code-built specs; a tuple keeps the object hashable.
         if not isinstance(self.after, tuple):
             object.__setattr__(self, "after", tuple(self.after))
+        if isinstance(self.weights, Mapping):
+            object.__setattr__(self, "weights", tuple(self.weights.items()))
+        where = f"agents.{self.name}"
         if self.join not in JOINS:
-            raise SpecError(
-                f"agents.{self.name}.join", f"must be one of {', '.join(JOINS)}, got {self.join!r}"
-            )
+            raise SpecError(f"{where}.join", f"must be one of {', '.join(JOINS)}, got {self.join!r}")
+        if self.next not in NEXTS:
+            raise SpecError(f"{where}.next", f"must be one of {', '.join(NEXTS)}, got {self.next!r}")
+        if self.weights and self.next != "one":
+            raise SpecError(f"{where}.weights", "needs `next: one` (weights are priors over which successor runs)")
+        for successor, weight in self.weights:
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
+                raise SpecError(f"{where}.weights.{successor}", f"must be a positive number, got {weight!r}")
+        if self.max_iterations is not None and (
+                isinstance(self.max_iterations, bool) or not isinstance(self.max_iterations, int)
+                or self.max_iterations < 1):
+            raise SpecError(f"{where}.max_iterations", f"must be an integer >= 1, got {self.max_iterations!r}")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -187,6 +214,12 @@ class AgentSpec:
             out["prompt"] = self.prompt
         out["after"] = list(self.after)
         out["join"] = self.join
+        if self.next != "all":
+            out["next"] = self.next
+        if self.weights:
+            out["weights"] = dict(self.weights)
+        if self.max_iterations is not None:
+            out["max_iterations"] = self.max_iterations
         if self.description is not None:
             out["description"] = self.description
         return out
@@ -209,6 +242,11 @@ class WorkflowSpec:
     # workflow; recomputing successors there would dominate its cost.
     _successors: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
     _start: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    # agent -> the `next: one` agents among its predecessors (whose other alternatives lose their
+    # arrival when it starts)
+    _exclusive_after: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
+    # agent -> successor -> prior probability, for the `next: one` agents
+    _priors: dict[str, dict[str, float]] = field(init=False, repr=False, compare=False)
     # steps_to_execution by state (running agents, arrivals): a workflow cycles through few states,
     # and thousands of live instances share one spec
     _steps_memo: dict[tuple[frozenset[str], frozenset[tuple[str, frozenset[str]]]], dict[str, float]] = field(
@@ -233,6 +271,22 @@ class WorkflowSpec:
                 seen.add(pred)
                 succ[pred].append(key)
         object.__setattr__(self, "_successors", {k: tuple(v) for k, v in succ.items()})
+        priors: dict[str, dict[str, float]] = {}
+        for key, agent in self.agents.items():
+            if agent.next != "one":
+                continue
+            given = dict(agent.weights)
+            for successor in given:
+                if successor not in succ[key]:
+                    raise SpecError(f"agents.{key}.weights.{successor}",
+                                    f"{successor!r} is not a successor of {key!r} (successors: "
+                                    f"{', '.join(succ[key]) or 'none'})")
+            raw = {v: float(given.get(v, 1.0)) for v in succ[key]}
+            total = sum(raw.values())
+            priors[key] = {v: w / total for v, w in raw.items()}
+        object.__setattr__(self, "_priors", priors)
+        object.__setattr__(self, "_exclusive_after", {
+            key: tuple(u for u in agent.after if u in priors) for key, agent in self.agents.items()})
 
         if self.entry is not None:
             if self.entry not in self.agents:
@@ -274,6 +328,16 @@ class WorkflowSpec:
         """Where a new instance begins: the entry if given, else every agent without predecessors."""
         return self._start
 
+    def priors(self, agent: str) -> dict[str, float]:
+        """The spec's probability of each successor of a `next: one` agent (its weights, normalised;
+        a successor without a weight counts 1); empty for an agent whose successors all run."""
+        return self._priors.get(agent, {})
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether any agent chooses one successor at run time (`next: one`)."""
+        return bool(self._priors)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data that :func:`parse_spec` turns back into an equal spec (prompt files are inlined)."""
         out: dict[str, Any] = {"name": self.name}
@@ -294,28 +358,52 @@ class WorkflowState:
     D back, so D is one step away while C runs instead of looking unreachable.
     """
 
-    __slots__ = ("arrived", "running", "spec")
+    __slots__ = ("arrived", "running", "runs", "spec")
 
     def __init__(self, spec: WorkflowSpec, running: Iterable[str] | None = None) -> None:
         self.spec = spec
-        if running is None:
-            self.running: set[str] = set(spec.start_agents())
-        else:
-            self.running = set(running)
-            for agent in self.running:
-                self._check(agent)
         # Only agents with at least one arrival have an entry, which keeps copies cheap.
         self.arrived: dict[str, set[str]] = {}
+        # how often each agent with `max_iterations` has started in this instance
+        self.runs: dict[str, int] = {}
+        self.running: set[str] = set()
+        for agent in spec.start_agents() if running is None else running:
+            self._check(agent)
+            self._count(agent)
+            self.running.add(agent)
 
     def _check(self, agent: str) -> None:
         if agent not in self.spec.agents:
             raise UnknownAgentError(agent, self.spec.name, self.spec.agents)
 
+    def _count(self, agent: str) -> None:
+        if self.spec.agents[agent].max_iterations is not None:
+            self.runs[agent] = self.runs.get(agent, 0) + 1
+
     def start(self, agent: str) -> None:
-        """``agent`` begins executing; the arrivals it was waiting for are consumed."""
+        """``agent`` begins executing; the arrivals it was waiting for are consumed. An arrival from a
+        `next: one` predecessor was a choice among alternatives: starting this one withdraws it from
+        the others, which are no longer one step away."""
         self._check(agent)
         self.running.add(agent)
-        self.arrived.pop(agent, None)
+        self._count(agent)
+        got = self.arrived.pop(agent, None)
+        if got:
+            arrived = self.arrived
+            for chooser in self.spec._exclusive_after[agent]:
+                if chooser not in got:
+                    continue
+                for other in self.spec._successors[chooser]:
+                    others = arrived.get(other)
+                    if others is not None:
+                        others.discard(chooser)
+                        if not others:
+                            del arrived[other]
+
+    def exhausted(self, agent: str) -> bool:
+        """Whether ``agent`` has run its `max_iterations` in this instance (it cannot run again)."""
+        limit = self.spec.agents[agent].max_iterations
+        return limit is not None and self.runs.get(agent, 0) >= limit
 
     def finish(self, agent: str) -> None:
         """``agent`` completed. Also accepted for an agent not marked running, because a router that
@@ -336,7 +424,7 @@ class WorkflowState:
         self._check(agent)
         spec = self.spec.agents[agent]
         got = self.arrived.get(agent)
-        if not got:
+        if not got or self.exhausted(agent):
             return False
         return spec.join == "any" or all(u in got for u in spec.after)
 
@@ -346,6 +434,11 @@ class WorkflowState:
         caller's move, and so is reading a start agent in the list as a return to the entry (one
         pass of a loop over)."""
         self.finish(agent)
+        return [v for v in self.spec._successors[agent] if v not in self.running and self.ready(v)]
+
+    def choices(self, agent: str) -> list[str]:
+        """After a `next: one` agent finished: the successors it may hand over to (ready, not running,
+        not exhausted), in file order. The caller starts exactly one of them."""
         return [v for v in self.spec._successors[agent] if v not in self.running and self.ready(v)]
 
     def steps_to_execution(self) -> dict[str, float]:
@@ -361,34 +454,72 @@ class WorkflowState:
         an agent is never larger than an earlier one), so finite values are <= len(agents) and each
         agent is lowered at most len(agents) + 1 times. Typical DAGs settle in one pass.
 
+        Every alternative of a `next: one` agent is one step away after it finished, until one of
+        them starts; an agent that ran its `max_iterations` is at ∞.
+
         The values depend on the state alone, so each spec remembers them per state (up to
         `STEPS_MEMO` states); the caller gets its own copy.
         """
-        key = (frozenset(self.running), frozenset((v, frozenset(got)) for v, got in self.arrived.items() if got))
+        key = self._memo_key()
         memo = self.spec._steps_memo
         e = memo.get(key)
         if e is None:
-            e = self._steps_to_execution()
+            e = self._distances(None, weighted=False)[0]
             if len(memo) >= STEPS_MEMO:
                 memo.clear()
             memo[key] = e
         return dict(e)
 
-    def _steps_to_execution(self) -> dict[str, float]:
+    def expected_steps(self, transitions: Transitions | None = None) -> dict[str, float]:
+        """Like :meth:`steps_to_execution`, with the exclusive choices weighed: the step from a `next:
+        one` agent u to a successor v it picks with probability p counts 1/p (the expected number of
+        passes through u until it picks v, were the choice repeated), so the likelier alternative is
+        the nearer one and an agent that p = 0 leads to is at ∞ through u. ``transitions`` gives p
+        (a learned model's); an agent missing there uses its spec's weights. Without `next: one`
+        agents the values equal :meth:`steps_to_execution`."""
+        return self._distances(transitions)[0]
+
+    def reach_probability(self, transitions: Transitions | None = None) -> dict[str, float]:
+        """The probability that each agent runs by the path :meth:`expected_steps` measures (the
+        product of the choices along it; 1 for running agents and choice-free paths, 0 at ∞)."""
+        return self._distances(transitions)[1]
+
+    def _memo_key(self) -> tuple[frozenset[str], frozenset[tuple[str, frozenset[str]]], frozenset[str]]:
+        exhausted = frozenset(a for a in self.runs if self.exhausted(a)) if self.runs else frozenset()
+        return (frozenset(self.running), frozenset((v, frozenset(got)) for v, got in self.arrived.items() if got),
+                exhausted)
+
+    def _distances(self, transitions: Transitions | None,
+                   weighted: bool = True) -> tuple[dict[str, float], dict[str, float]]:
+        """(distance, reach probability) of every agent: the worklist below, where an edge from a
+        `next: one` agent costs 1/p under the choice probabilities (`transitions` over the spec's
+        priors), or, not `weighted`, every edge costs 1 (the graph meaning)."""
         spec = self.spec
         agents = spec.agents
         successors = spec._successors
         running = self.running
         arrived = self.arrived
         inf = math.inf
+        choice: dict[str, Mapping[str, float]] = {}
+        if weighted:
+            priors = spec._priors
+            choice = {u: (transitions or {}).get(u) or priors[u] for u in priors}
+
+        def edge(u: str, v: str) -> tuple[float, float]:
+            """(cost, probability) of the step u -> v."""
+            p = choice[u].get(v, 0.0) if u in choice else 1.0
+            return (1.0 / p, p) if p > 0 else (inf, 0.0)
 
         e: dict[str, float] = {}
+        q: dict[str, float] = {}
         work: deque[str] = deque()
         for name in agents:
             if name in running:
                 e[name] = 0
+                q[name] = 1.0
             else:
                 e[name] = inf
+                q[name] = 0.0
                 work.append(name)
         queued = set(work)
 
@@ -397,28 +528,35 @@ class WorkflowState:
             queued.discard(name)
             agent = agents[name]
             after = agent.after
-            if not after:
-                continue  # a start agent that is not running cannot be reached again: stays ∞
-            got = arrived.get(name)
-            if agent.join == "all":
-                if got:
+            if not after or (self.runs and self.exhausted(name)):
+                continue  # a start agent that is not running, or one that ran its limit: stays ∞
+            got = arrived.get(name) or ()
+            if not weighted:
+                # the graph meaning, in integers: an arrived predecessor counts as E = 0, and
+                # join any needs one arrival only (the branch is ready)
+                if agent.join == "all":
                     pending = [e[u] for u in after if u not in got]
                     value = max(pending) + 1 if pending else 1
                 else:
-                    value = max(e[u] for u in after) + 1
-            elif got:
-                # join any: one arrival is enough, the branch is ready (an arrived predecessor
-                # counts as E = 0 in the min, consistent with how join all treats arrivals).
-                value = 1
+                    value = 1 if got else min(e[u] for u in after) + 1
+                prob = 1.0
             else:
-                value = min(e[u] for u in after) + 1
+                legs = [((0.0, 1.0) if u in got else (e[u], q[u]), edge(u, name)) for u in after]
+                if agent.join == "all":
+                    # every predecessor must hand over: the farthest leg decides, the chances multiply
+                    value = max(dist + cost for (dist, _), (cost, _) in legs)
+                    prob = math.prod(reach * p for (_, reach), (_, p) in legs)
+                else:
+                    (dist, reach), (cost, p) = min(legs, key=lambda leg: leg[0][0] + leg[1][0])
+                    value, prob = dist + cost, reach * p
             if value < e[name]:
                 e[name] = value
+                q[name] = prob if value < inf else 0.0
                 for nxt in successors[name]:
                     if nxt not in running and nxt not in queued:
                         queued.add(nxt)
                         work.append(nxt)
-        return e
+        return e, q
 
     def copy(self) -> WorkflowState:
         """Independent state sharing the (immutable) spec; only the small sets are copied."""
@@ -426,26 +564,37 @@ class WorkflowState:
         new.spec = self.spec
         new.running = set(self.running)
         new.arrived = {k: set(v) for k, v in self.arrived.items()}
+        new.runs = dict(self.runs)
         return new
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly snapshot (for Redis), in spec order so it is stable across processes."""
         order = self.spec.agents
-        return {
+        out: dict[str, Any] = {
             "running": [a for a in order if a in self.running],
             "arrived": {v: [u for u in order[v].after if u in got] for v, got in self.arrived.items() if got},
         }
+        if self.runs:
+            out["runs"] = {a: self.runs[a] for a in order if a in self.runs}
+        return out
 
     @classmethod
     def from_dict(cls, spec: WorkflowSpec, data: Mapping[str, Any]) -> WorkflowState:
         """Inverse of :meth:`to_dict`; unknown agents raise :class:`UnknownAgentError`."""
-        state = cls(spec, running=data.get("running", ()))
+        state = cls(spec, running=())
+        for agent in data.get("running", ()):
+            state._check(agent)
+            state.running.add(agent)
         for v, preds in (data.get("arrived") or {}).items():
             state._check(v)
             for u in preds:
                 state._check(u)
             if preds:
                 state.arrived[v] = set(preds)
+        for agent, count in (data.get("runs") or {}).items():
+            state._check(agent)
+            if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+                state.runs[agent] = count
         return state
 
     def __repr__(self) -> str:
@@ -572,8 +721,20 @@ def _parse_agent(name: str, raw: object, base_dir: Path | None) -> AgentSpec:
         shown = repr(join) if isinstance(join, str) else _type_name(join)
         raise SpecError(f"{where}.join", f"must be one of {', '.join(JOINS)}, got {shown}")
 
+    next_ = raw.get("next", "all")
+    if not isinstance(next_, str) or next_ not in NEXTS:
+        shown = repr(next_) if isinstance(next_, str) else _type_name(next_)
+        raise SpecError(f"{where}.next", f"must be one of {', '.join(NEXTS)}, got {shown}")
+    weights_raw = raw.get("weights") or {}
+    if not isinstance(weights_raw, Mapping):
+        raise SpecError(f"{where}.weights", f"must be a mapping of successor to weight, got {_type_name(weights_raw)}")
+    for successor in weights_raw:
+        _check_name(f"{where}.weights", successor)
+    # the values' and max_iterations' checks are AgentSpec's own
+
     description = _optional_str(raw, "description", f"{where}.description")
-    return AgentSpec(name=name, prompt=prompt, after=after, join=join, description=description)
+    return AgentSpec(name=name, prompt=prompt, after=after, join=join, description=description, next=next_,
+                     weights=tuple(weights_raw.items()), max_iterations=raw.get("max_iterations"))
 
 
 def parse_spec(data: object, base_dir: Path | None = None, *, limits: SpecLimits | None = None) -> WorkflowSpec:
