@@ -31,7 +31,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,10 +137,10 @@ def recording(events: list[dict[str, Any]], scenario: str) -> Iterator[None]:
                        "fixed_len": req.fixed_len, "tokens": list(req.tokens), "output": list(req.output_tokens)})
         orig_submit(self, req)
 
-    def publish(self: Simulation, workflow: str, state: WorkflowState) -> None:
+    def publish(self: Simulation, workflow: str, steps: Mapping[str, float]) -> None:
         events.append({"kind": "steps", "scenario": scenario, "workflow": workflow,
-                       "steps": _encode_steps(state.steps_to_execution())})
-        orig_publish(self, workflow, state)
+                       "steps": _encode_steps(dict(steps))})
+        orig_publish(self, workflow, steps)
 
     def retire(self: Simulation, workflow: str) -> None:
         events.append({"kind": "retire", "scenario": scenario, "workflow": workflow})

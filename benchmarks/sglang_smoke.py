@@ -49,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the package is this checkout
     sys.path.insert(0, str(ROOT))
 
-from kvflow_ray.core.graph import WorkflowSpec, WorkflowState, load_spec  # noqa: E402
+from kvflow_ray.core.graph import WorkflowSpec, load_spec  # noqa: E402
+from kvflow_ray.core.predict import Forecaster  # noqa: E402
 from kvflow_ray.core.scheduler import ReplicaStats  # noqa: E402
 from kvflow_ray.engines.base import GenerateRequest, Hints  # noqa: E402
 from kvflow_ray.engines.sim.runner import summarise_run  # noqa: E402
@@ -211,16 +212,17 @@ class SmokeDriver:
         self._done: queue.Queue[tuple[WorkflowClient, str, int, bool, Any]] = queue.Queue()
         self._outstanding = 0
         self._t0 = time.perf_counter()
+        self.forecast = Forecaster()  # the step graph's steps (the plugin runs kvflow)
 
     @property
     def now(self) -> float:
         return time.perf_counter() - self._t0
 
-    def register_prompts(self, workflow: str, prompts: dict[str, tuple[int, ...]]) -> None:
+    def register_prompts(self, workflow: str, prompts: dict[str, tuple[int, ...]], salt: str = "") -> None:
         self.engine.apply_hints(Hints(prompts={(workflow, agent): tokens for agent, tokens in prompts.items()}))
 
-    def publish(self, workflow: str, state: WorkflowState) -> None:
-        self.engine.apply_hints(Hints(steps={workflow: state.steps_to_execution()}))
+    def publish(self, workflow: str, steps: Mapping[str, float]) -> None:
+        self.engine.apply_hints(Hints(steps={workflow: dict(steps)}))
 
     def retire(self, workflow: str) -> None:
         self.engine.apply_hints(Hints(retire=[workflow]))

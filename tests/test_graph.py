@@ -564,6 +564,7 @@ def test_cli_valid_json_default_state(tmp_path: Path) -> None:
         "valid": True,
         "name": "peer",
         "steps_to_execution": {"planner": 0, "executor": 1, "expresser": 2, "reviewer": 3, "summarizer": 2},
+        "expected_steps": {"planner": 0, "executor": 1, "expresser": 2, "reviewer": 3, "summarizer": 2},
     }
 
 

@@ -40,7 +40,7 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, single_iterations: i
     """The scenario flags, shared by `sim` and `bench cpu` (DESIGN.md §8); `fleet`: the fleet scenario's
     too (the simulator's alone: its arrivals follow the simulated clock)."""
     which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--scenario", choices=["single", "concurrent", "peer", *(["fleet"] if fleet else [])],
+    which.add_argument("--scenario", choices=["single", "concurrent", "peer", "dynamic", *(["fleet"] if fleet else [])],
                        help="a built-in scenario")
     which.add_argument("--workflow", metavar="FILE", help="run any workflow spec (YAML/JSON)")
     parser.add_argument("--agents", type=int, default=10, help="agents per workflow (single, concurrent)")
@@ -56,18 +56,27 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, single_iterations: i
     parser.add_argument("--tasks", type=int, default=64, help="concurrent workflow instances (concurrent)")
     parser.add_argument("--clients", type=int, default=None,
                         help="concurrent clients (peer: 64, workflow: 1); workflow instances (fleet: 256, llmd: 1024)")
+    parser.add_argument("--branches", type=int, default=4, help="dynamic: specialists that triage chooses one of")
+    parser.add_argument("--skew", type=float, default=1.5,
+                        help="dynamic: Zipf exponent of the specialists' odds (0: uniform)")
+    parser.add_argument("--loop-p", type=float, default=0.3,
+                        help="dynamic: probability that the reviewer sends the ticket back to triage")
+    parser.add_argument("--mix", choices=workload.DYNAMIC_MIXES, default="steady",
+                        help="dynamic: steady odds; drift (they reverse halfway); adversarial (they reverse "
+                             "after the warm-up)")
+    parser.add_argument("--apps", type=int, default=None,
+                        help="applications, each with its own prompts (fleet: per tenant, default 2; dynamic: 4)")
     if fleet:
+        parser.add_argument("--seed", type=int, default=0,
+                            help="seed of the fleet's and dynamic scenario's random draws and of routing "
+                                 "policies that draw at random")
         parser.add_argument("--rate", type=float, default=None,
                             help="fleet: workflow instances arriving per second, Poisson (default 2; llmd 10)")
         parser.add_argument("--tenants", type=int, default=8, help="fleet: tenants (each its own cache namespace)")
-        parser.add_argument("--apps", type=int, default=2,
-                            help="fleet: applications per tenant, each a workflow shape with its own prompts")
         parser.add_argument("--preset", choices=["llmd"], default=None,
                             help="fleet: llmd = llm-d's benchmark shape (150 system prompts of 6,000 tokens, "
                                  "1,200-token questions, 1,000 tokens out)")
-        parser.add_argument("--seed", type=int, default=0,
-                            help="seed of the fleet's random draws and of routing policies that draw at random")
-    parser.set_defaults(_single_iterations=single_iterations)
+    parser.set_defaults(_single_iterations=single_iterations, _scenario_seeded=fleet)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,9 +111,15 @@ def build_scenario(args: argparse.Namespace) -> workload.Scenario:
         if args.preset == "llmd":
             return workload.llmd(clients=pick(args.clients, 1024), rate=10.0 if rate is None else rate,
                                  output=pick(args.output, 1000), seed=args.seed)
-        return workload.fleet(tenants=args.tenants, apps=args.apps, clients=pick(args.clients, 256),
+        return workload.fleet(tenants=args.tenants, apps=pick(args.apps, 2), clients=pick(args.clients, 256),
                               rate=2.0 if rate is None else rate, dynamic=pick(args.dynamic, 256),
                               output=pick(args.output, 128), seed=args.seed)
+    if args.scenario == "dynamic":
+        return workload.dynamic(branches=args.branches, skew=args.skew, loop_p=args.loop_p,
+                                clients=pick(args.clients, 8), apps=pick(args.apps, 4), fixed=pick(args.fixed, 2048),
+                                dynamic=pick(args.dynamic, 64), output=pick(args.output, 64),
+                                iterations=pick(args.iterations, 12), mix=args.mix,
+                                seed=args.seed if args._scenario_seeded else 0)
     if args.workflow:
         spec = load_spec(args.workflow)
         return workload.from_spec(spec, clients=pick(args.clients, 1), fixed=pick(args.fixed, 1024),

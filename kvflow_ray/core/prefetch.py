@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from kvflow_ray.core.policies import NearMap, StepBook
+from kvflow_ray.core.predict import PREFETCH_THRESHOLD
 from kvflow_ray.core.radix import RadixNode, Tag
 from kvflow_ray.core.registry import PolicyContext, Registry
 
@@ -71,6 +72,22 @@ class StepsAheadPrefetch:
             yield tag, e
 
 
+class LikelyNextPrefetch(StepsAheadPrefetch):
+    """Predictive: agents whose expected steps (`WorkflowState.expected_steps`, a choice taken with
+    probability p costing 1/p) are at most `horizon / threshold`: the next agent when it is chosen
+    with probability >= `threshold`, never an unlikely alternative. Conservative room as every
+    prefetch: free device memory, or memory of nodes needed later than the agent (`plan_loads`)."""
+
+    name = "likely-next"
+
+    def __init__(self, threshold: float = PREFETCH_THRESHOLD, horizon: int = 1, max_inflight: int = 4) -> None:
+        if not 0 < threshold <= 1:
+            raise ValueError(f"likely-next prefetch needs 0 < threshold <= 1, got {threshold}")
+        super().__init__(horizon, max_inflight)
+        self.threshold = threshold
+        self.horizon = horizon / threshold
+
+
 PREFETCH: Registry[PrefetchPolicy] = Registry("prefetch")
 PREFETCH.register("none", lambda context: NoPrefetch())  # never prefetch (loads happen on demand)
 
@@ -79,6 +96,13 @@ PREFETCH.register("none", lambda context: NoPrefetch())  # never prefetch (loads
 def _steps_ahead(context: PolicyContext, *, horizon: int = 1, max_inflight: int = 4) -> PrefetchPolicy:
     """load the prompts of agents at most `horizon` steps away, nearest first (KVFlow)"""
     return StepsAheadPrefetch(horizon, max_inflight)
+
+
+@partial(PREFETCH.register, "likely-next")
+def _likely_next(context: PolicyContext, *, threshold: float = PREFETCH_THRESHOLD, horizon: int = 1,
+                 max_inflight: int = 4) -> PrefetchPolicy:
+    """load the prompts of agents likely (probability >= `threshold`) to run within `horizon` steps"""
+    return LikelyNextPrefetch(threshold, horizon, max_inflight)
 
 
 # ---------------------------------------------------------------------------------------------- planning

@@ -18,6 +18,7 @@ from typing import Protocol
 from kvflow_ray.core.admission import ADMISSION, AdmissionPolicy
 from kvflow_ray.core.cache import TieredCache
 from kvflow_ray.core.policies import EVICTION, FutureAccesses, StepBook
+from kvflow_ray.core.predict import PREDICTION
 from kvflow_ray.core.prefetch import (
     PREFETCH,
     PrefetchCandidates,
@@ -44,6 +45,8 @@ class PolicyConfig:
     admission: str  # fcfs | status-aware | any registered admission policy
     infinite: bool = False  # no device capacity limit (lower bound on latency)
     oracle: bool = False  # eviction reads the future access sequence (an offline bound: a reference run's trace)
+    # how the workflow layer ranks agents (`predict.PREDICTION`): graph | priors | learned | oracle
+    prediction: str = "graph"
 
 
 POLICIES: dict[str, PolicyConfig] = {
@@ -54,6 +57,13 @@ POLICIES: dict[str, PolicyConfig] = {
                                       admission="status-aware"),
     "belady": PolicyConfig("belady", "belady", host_tier=True, prefetch="none", admission="fcfs", oracle=True),
     "infinite": PolicyConfig("infinite", "lru", host_tier=False, prefetch="none", admission="fcfs", infinite=True),
+    # dynamic workflows: KVFlow's eviction over expected steps from the learned transition model,
+    # prefetch of likely next agents only, status-aware admission
+    "predictive": PolicyConfig("predictive", "kvflow", host_tier=True, prefetch="likely-next",
+                               admission="status-aware", prediction="learned"),
+    # the clairvoyant bound: Belady eviction over the recorded trace, prefetch of the true next agent
+    "oracle": PolicyConfig("oracle", "belady", host_tier=True, prefetch="steps-ahead", admission="status-aware",
+                           oracle=True, prediction="oracle"),
 }
 
 
@@ -137,6 +147,7 @@ def register_policy(config: PolicyConfig) -> PolicyConfig:
     EVICTION.get(config.eviction)
     PREFETCH.get(config.prefetch)
     ADMISSION.get(config.admission)
+    PREDICTION.get(config.prediction)
     POLICIES[config.name] = config
     return config
 
@@ -191,6 +202,9 @@ class ReplicaScheduler:
         self.admission: AdmissionPolicy = ADMISSION.create(policy.admission, context)
         self.prefetcher: PrefetchPolicy = PREFETCH.create(policy.prefetch, context,
                                                           {"horizon": horizon, "max_inflight": max_inflight})
+        # the book lists the agents the prefetcher may choose (a policy that looks further in expected
+        # steps widens it; set before any steps arrive)
+        book.near_horizon = max(book.near_horizon, getattr(self.prefetcher, "horizon", 0))
         self.waiting: list[CacheRequest] = []
         self.running: list[CacheRequest] = []
         self.prefetch_inflight = 0

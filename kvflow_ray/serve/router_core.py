@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow_ray.core.graph import UnknownAgentError, WorkflowSpec, WorkflowState, parse_spec
+from kvflow_ray.core.predict import Forecaster
 from kvflow_ray.core.routing import ROUTING, Fleet, RouteRequest, RoutingPolicy
 from kvflow_ray.engines.base import CacheEvent, Hints
 from kvflow_ray.serve.config import TenantLimits
@@ -120,7 +121,10 @@ def workflow_key(tenant: str, client_id: str) -> str:
 class RouterCore:
     def __init__(self, store: Store | BufferedStore, policy: RoutingPolicy | None = None,
                  prefetch_horizon: int = 1, limits: TenantLimits | None = None,
-                 template_ttl_s: float | None = None) -> None:
+                 template_ttl_s: float | None = None, prediction: str = "graph") -> None:
+        """`prediction`: how agents are ranked in the hints (`core.predict.PREDICTION`): `graph`
+        (steps-to-execution), `priors` or `learned` (expected steps; `learned` learns each tenant's
+        templates' choices from the calls it routes and keeps the models in the store)."""
         # a plain store (tests, tools): every write goes through at once
         self.store = store if isinstance(store, BufferedStore) else BufferedStore(store, sync=True)
         self.limits = limits or TenantLimits()
@@ -160,6 +164,7 @@ class RouterCore:
         self._routed: dict[tuple[str, str], list[tuple[str, str, RouteRequest]]] = {}
         self._finishing: set[tuple[str, str]] = set()
         self._write_tokens: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at)
+        self.forecast = Forecaster(prediction)
         self._load()
 
     def _load(self) -> None:
@@ -447,6 +452,7 @@ class RouterCore:
         deviation = not (agent in state.running or state.ready(agent) or (fresh and agent in spec.start_agents()))
         if deviation:
             self.deviations += 1
+        self._learn(tenant, spec, state, record, agent)
         state.start(agent)
         request = RouteRequest(tokens, cache_salt, prefix_hash, prefix_tokens,
                                self._holders(prefix_hash) if prefix_hash else {}, record.get("home"), max_new)
@@ -472,7 +478,7 @@ class RouterCore:
         self.decisions[decision.outcome] += 1
         key = workflow_key(tenant, client_id)
         route = Route(decision.replica, decision.outcome, key, spec.agents[agent].prompt, deviation,
-                      self._hints(key, state, spec, record))
+                      self._hints(tenant, key, state, spec, record))
         self._record_latency(time.perf_counter() - started)
         return route
 
@@ -502,7 +508,7 @@ class RouterCore:
         state.finish(agent)
         self._save_client(tenant, client_id, spec, state, record)
         self._touch_live(tenant, client_id, admit=False)
-        return self._hints(workflow_key(tenant, client_id), state, spec, record)
+        return self._hints(tenant, workflow_key(tenant, client_id), state, spec, record)
 
     def prefilled(self, tenant: str, client_id: str, agent: str, replica: str) -> None:
         """The call's first token came back (its prompt is computed): for policies that count
@@ -633,7 +639,41 @@ class RouterCore:
     def _holders(self, prefix_hash: str) -> dict[str, str]:
         return self._locations.get(prefix_hash, {})
 
-    def _hints(self, key: str, state: WorkflowState, spec: WorkflowSpec,
+    def _learn(self, tenant: str, spec: WorkflowSpec, state: WorkflowState, record: dict[str, Any],
+               agent: str) -> None:
+        """Before `agent` starts: the client's recent history moves on, and a `learned` forecast counts
+        the choice that led here in the template's model (loaded from the store on first use; written
+        back, coalesced by the store's write buffer, when it learned something)."""
+        if not spec.dynamic:
+            return
+        history = record.get("history") or []
+        if not self.forecast.learns:
+            record["history"] = [*history, agent][-self.forecast.book.history_len:]
+            return
+        key = (tenant, spec.name)
+        if key not in self.forecast.book.models:
+            try:
+                saved = self.store.get_model(tenant, spec.name)
+            except Exception:
+                saved = None
+            model = self.forecast.book.model(tenant, spec.name)
+            if isinstance(saved, dict):
+                model.load(saved)
+        record["history"] = self.forecast.started(tenant, spec.name, state, history, agent)
+        self.store.put_model(tenant, spec.name, self.forecast.book.model(tenant, spec.name).to_dict(),
+                             ttl_s=self.template_ttl_s)
+
+    def prediction_accuracy(self) -> dict[str, tuple[int, int]]:
+        """(hits, predictions) of the most likely next agent, one and two steps ahead, over every
+        learned model held (the `kvflow_prediction_accuracy` gauge)."""
+        hits_1 = total_1 = hits_2 = total_2 = 0
+        for model in self.forecast.book.models.values():
+            acc = model.accuracy
+            hits_1, total_1 = hits_1 + acc.hits_1, total_1 + acc.total_1
+            hits_2, total_2 = hits_2 + acc.hits_2, total_2 + acc.total_2
+        return {"1": (hits_1, total_1), "2": (hits_2, total_2)}
+
+    def _hints(self, tenant: str, key: str, state: WorkflowState, spec: WorkflowSpec,
                record: dict[str, Any]) -> list[tuple[str, Hints]]:
         """New steps-to-execution of one workflow instance for the replicas it concerns: those it ran
         on (their caches hold nodes tagged by it; tags are per instance, so no other replica ranks
@@ -642,7 +682,7 @@ class RouterCore:
         O(the replicas the workflow touches), not O(fleet). Every other told replica hears that an
         upcoming agent runs `elsewhere`: it ranks the agent's prompt by its steps but does not load
         it. A replica learns the agents' prompts the first time it hears of the instance."""
-        steps = state.steps_to_execution()
+        steps = self.forecast.steps(tenant, spec.name, state, record.get("history") or ())
         targets = self._prefetch_targets(steps, record)
         salt = str(record.get("salt", ""))
         told = self._told.setdefault(key, set())
@@ -675,8 +715,9 @@ class RouterCore:
             return targets
         prefixes = record.get("prefixes", {})
         home = record.get("home")
+        horizon = self.prefetch_horizon * self.forecast.predictor.horizon_scale
         for agent, e in steps.items():
-            if not 0 < e <= self.prefetch_horizon:
+            if not 0 < e <= horizon:
                 continue
             prefix_hash, tokens = prefixes.get(agent, (None, 0))
             if prefix_hash is None and home not in self.loads:

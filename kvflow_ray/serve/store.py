@@ -3,8 +3,9 @@ replica heartbeats (DESIGN.md §5). Redis is the source of truth in a deployment
 router loses nothing; without a Redis URL the embedded default keeps the same data in process.
 
 Both stores implement one contract (tests run it against both):
-- templates and client state are namespaced by tenant: `kvflow:{tenant}:template:{name}`,
-  `kvflow:{tenant}:client:{client_id}`; one tenant can never name another's keys;
+- templates, client state and learned transition models are namespaced by tenant:
+  `kvflow:{tenant}:template:{name}`, `kvflow:{tenant}:client:{client_id}`,
+  `kvflow:{tenant}:model:{template}`; one tenant can never name another's keys;
 - client state expires after `ttl_s` without a write (an idle workflow is forgotten);
 - prefix locations (`kvflow:loc:{prefix_hash}` -> {replica: tier}) and heartbeats
   (`kvflow:replica:{name}`) are per deployment: they describe replicas, which all tenants share.
@@ -36,7 +37,7 @@ def check_name(kind: str, value: str) -> str:
 
 Write = tuple[str, tuple[Any, ...]]  # a store write: (method name, positional args)
 WRITES = frozenset({"put_template", "delete_template", "put_client", "delete_client", "set_location",
-                    "drop_replica", "heartbeat", "set_marker"})
+                    "drop_replica", "heartbeat", "set_marker", "put_model"})
 
 
 class Store(Protocol):
@@ -57,6 +58,12 @@ class Store(Protocol):
         ...
 
     def put_client(self, tenant: str, client_id: str, state: dict[str, Any]) -> None: ...
+
+    def put_model(self, tenant: str, template: str, model: dict[str, Any], ttl_s: float | None = None) -> None:
+        """A template's learned transition model (`core.predict.TransitionModel.to_dict`)."""
+        ...
+
+    def get_model(self, tenant: str, template: str) -> dict[str, Any] | None: ...
 
     def get_client(self, tenant: str, client_id: str) -> dict[str, Any] | None: ...
 
@@ -109,6 +116,10 @@ def _template_key(tenant: str, name: str) -> str:
 
 def _templates_prefix(tenant: str) -> str:
     return _key(check_name("tenant", tenant), "template", "")
+
+
+def _model_key(tenant: str, template: str) -> str:
+    return _key(check_name("tenant", tenant), "model", check_name("workflow", template))
 
 
 def _client_key(tenant: str, client_id: str) -> str:
@@ -198,6 +209,15 @@ class MemoryStore:
         key = _client_key(tenant, client_id)
         with self._lock:
             self._set(key, json.dumps(state), self.ttl_s)
+
+    def put_model(self, tenant: str, template: str, model: dict[str, Any], ttl_s: float | None = None) -> None:
+        with self._lock:
+            self._set(_model_key(tenant, template), json.dumps(model), ttl_s)
+
+    def get_model(self, tenant: str, template: str) -> dict[str, Any] | None:
+        with self._lock:
+            raw = self._get(_model_key(tenant, template))
+        return None if raw is None else json.loads(raw)
 
     def get_client(self, tenant: str, client_id: str) -> dict[str, Any] | None:
         key = _client_key(tenant, client_id)
@@ -319,6 +339,14 @@ class RedisStore:
         key = _client_key(tenant, client_id)
         self._r.set(key, json.dumps(state), px=max(1, int(self.ttl_s * 1000)))
 
+    def put_model(self, tenant: str, template: str, model: dict[str, Any], ttl_s: float | None = None) -> None:
+        self._r.set(_model_key(tenant, template), json.dumps(model),
+                    px=None if ttl_s is None else max(1, int(ttl_s * 1000)))
+
+    def get_model(self, tenant: str, template: str) -> dict[str, Any] | None:
+        raw = self._r.get(_model_key(tenant, template))
+        return None if raw is None else json.loads(raw)
+
     def get_client(self, tenant: str, client_id: str) -> dict[str, Any] | None:
         raw = self._r.get(_client_key(tenant, client_id))
         return None if raw is None else json.loads(raw)
@@ -395,7 +423,7 @@ class StoreUnavailableError(RuntimeError):
 
 
 READS = frozenset({"get_template", "templates", "template_items", "get_client", "clients", "locations",
-                   "location_items", "replicas", "get_marker"})
+                   "location_items", "replicas", "get_marker", "get_model"})
 
 
 class BufferedStore:
@@ -453,6 +481,9 @@ class BufferedStore:
 
     def delete_client(self, tenant: str, client_id: str) -> None:
         self._queue(("client", tenant, client_id), "delete_client", (tenant, client_id))
+
+    def put_model(self, tenant: str, template: str, model: dict[str, Any], ttl_s: float | None = None) -> None:
+        self._queue(("model", tenant, template), "put_model", (tenant, template, model, ttl_s))
 
     def set_location(self, prefix_hash: str, replica: str, tier: str | None) -> None:
         _check_tier(tier)

@@ -11,18 +11,18 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, replace
 from typing import Any
 
-from kvflow_ray.core.graph import WorkflowState
+from kvflow_ray.core.predict import Forecaster
 from kvflow_ray.core.scheduler import engine_policies
 from kvflow_ray.engines.base import GenerateRequest, Hints
 from kvflow_ray.engines.cpu.config import CpuEngineConfig
 from kvflow_ray.engines.cpu.engine import CpuEngine, CpuRequest
 from kvflow_ray.engines.cpu.model import CpuModel
 from kvflow_ray.engines.sim.runner import summarise_run
-from kvflow_ray.engines.sim.simulator import IterationRecord, TokenSource, WorkflowClient
+from kvflow_ray.engines.sim.simulator import Branching, IterationRecord, TokenSource, WorkflowClient, own_branching
 from kvflow_ray.engines.sim.workload import Scenario
 
 
@@ -45,25 +45,29 @@ class EngineDriver:
         self.on_request = on_request
         self._t0 = time.perf_counter()
         self._prompts: dict[tuple[str, str], tuple[int, ...]] = {}
+        self._salts: dict[str, str] = {}  # workflow -> its requests' cache namespace
+        self.forecast = Forecaster(engine.scheduler.policy.prediction)
 
     @property
     def now(self) -> float:
         return time.perf_counter() - self._t0
 
-    def register_prompts(self, workflow: str, prompts: dict[str, tuple[int, ...]]) -> None:
+    def register_prompts(self, workflow: str, prompts: dict[str, tuple[int, ...]], salt: str = "") -> None:
         mapped = {(workflow, agent): to_vocab(tokens) for agent, tokens in prompts.items()}
         self._prompts.update(mapped)
-        self.engine.apply_hints(Hints(prompts=mapped))
+        self._salts[workflow] = salt
+        self.engine.apply_hints(Hints(prompts=mapped, salts={workflow: salt}))
 
-    def publish(self, workflow: str, state: WorkflowState) -> None:
-        self.engine.apply_hints(Hints(steps={workflow: state.steps_to_execution()}))
+    def publish(self, workflow: str, steps: Mapping[str, float]) -> None:
+        self.engine.apply_hints(Hints(steps={workflow: dict(steps)}))
 
     def call(self, client: WorkflowClient, agent: str) -> None:
         plan = client.plan
         prompt = self._prompts[(plan.key, agent)]
         tokens = prompt + to_vocab(self.tokens.fresh(plan.dynamic))
         request = GenerateRequest(tokens=tokens, max_tokens=max(plan.output, 1), ignore_eos=True,
-                                  workflow=plan.key, agent=agent, fixed_prefix_tokens=len(prompt))
+                                  workflow=plan.key, agent=agent, fixed_prefix_tokens=len(prompt),
+                                  cache_salt=self._salts.get(plan.key, ""))
 
         def done(req: CpuRequest) -> None:
             if req.error is not None:
@@ -81,8 +85,9 @@ class EngineDriver:
     def run(self, stall_timeout_s: float = 300.0) -> float:
         """Run every client to the end; returns the makespan in seconds."""
         self._t0 = time.perf_counter()
+        copies: dict[int, Branching] = {}
         for plan in self.scenario.plans:
-            WorkflowClient(self, plan).begin()  # type: ignore[arg-type]
+            WorkflowClient(self, plan, branching=own_branching(plan, copies)).begin()  # type: ignore[arg-type]
         last_progress, done = time.perf_counter(), self.engine.requests_done
         while self.engine.busy:
             self.engine.step(timeout=0.01)

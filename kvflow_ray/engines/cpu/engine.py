@@ -258,7 +258,7 @@ class CpuEngine(BackgroundEngine):
         def done() -> None:
             self.scheduler.load_done(nodes, prefetch, list(dst))
 
-        self._copy(self.h2d, CopyJob(self.host, src, self.device, torch.cat(dst), done))
+        self._copy(self.h2d, CopyJob(self.host, src, self.device, torch.cat(dst), done, speculative=prefetch))
 
     def write_back(self, nodes: list[RadixNode]) -> None:
         if not nodes:

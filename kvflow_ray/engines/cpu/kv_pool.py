@@ -9,6 +9,7 @@ to emulate a PCIe link.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -91,12 +92,14 @@ class CopyJob:
     dst: KVPool
     dst_slots: torch.Tensor
     on_done: Callable[[], None]  # run on the engine's thread (see CopyStream.completed)
+    speculative: bool = False  # a prefetch: every queued demand copy goes first
     started: float = 0.0
     finished: float = 0.0
 
 
 class CopyStream:
-    """A background thread that copies slots between pools in submission order. With `link_gbps`,
+    """A background thread that copies slots between pools, demand copies before speculative ones
+    (prefetches), each kind in submission order; a copy under way always ends. With `link_gbps`,
     each copy takes at least bytes / bandwidth (the thread sleeps out the rest), like a DMA engine
     on a link of that speed. Completions are handed back through `completed()`, so the cache's
     bookkeeping stays on the engine's thread."""
@@ -106,7 +109,9 @@ class CopyStream:
             raise ValueError(f"link_gbps must be positive (or unset for an unpaced copy), got {link_gbps}")
         self.name = name
         self.bytes_per_s = None if link_gbps is None else link_gbps * 1e9
-        self._jobs: queue.Queue[CopyJob | None] = queue.Queue()
+        # (0 demand | 1 speculative | 2 stop, submission number, job)
+        self._jobs: queue.PriorityQueue[tuple[int, int, CopyJob | None]] = queue.PriorityQueue()
+        self._submitted = itertools.count()
         self._done = done
         self.busy_s = 0.0
         self.bytes_copied = 0
@@ -114,15 +119,15 @@ class CopyStream:
         self._thread.start()
 
     def submit(self, job: CopyJob) -> None:
-        self._jobs.put(job)
+        self._jobs.put((int(job.speculative), next(self._submitted), job))
 
     def close(self) -> None:
-        self._jobs.put(None)
+        self._jobs.put((2, next(self._submitted), None))
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
+            _kind, _n, job = self._jobs.get()
             if job is None:
                 return
             job.started = time.perf_counter()

@@ -7,6 +7,7 @@ Every cache, eviction, prefetch and admission decision comes from `kvflow_ray.co
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -60,7 +61,10 @@ class SimReplica:
         self.policy = self.scheduler.policy
         self.busy = False
         self.kick_pending = False
-        self.h2d_free_at = 0.0
+        # the H2D stream's queued loads: demand first, then prefetches (each in issue order)
+        self.h2d_demand: deque[tuple[list[RadixNode], int, bool]] = deque()
+        self.h2d_prefetches: deque[tuple[list[RadixNode], int, bool]] = deque()
+        self.h2d_busy = False
         self.d2h_free_at = 0.0
         # A decode run: steps of the same decode batch (`next_batch` hands back the same object) cost
         # O(1) each. Its requests' `decoded` counts lag `run_lag` tokens behind until the run ends,
@@ -105,14 +109,26 @@ class SimReplica:
 
     # ------------------------------------------------------------------ copies (the Copier protocol)
     def load(self, nodes: list[RadixNode], tokens: int, prefetch: bool) -> None:
-        start = max(self.sim.now, self.h2d_free_at)
-        self.h2d_free_at = start + self.profile.h2d_time(tokens)
+        """One copy at a time on the H2D stream; a demand load goes ahead of every queued prefetch
+        (a speculative load never delays a request that is waiting now; one already copying ends)."""
+        (self.h2d_prefetches if prefetch else self.h2d_demand).append((nodes, tokens, prefetch))
+        if not self.h2d_busy:
+            self._next_load()
+
+    def _next_load(self) -> None:
+        queue = self.h2d_demand or self.h2d_prefetches
+        if not queue:
+            self.h2d_busy = False
+            return
+        nodes, tokens, prefetch = queue.popleft()
+        self.h2d_busy = True
 
         def done() -> None:
             self.scheduler.load_done(nodes, prefetch)
+            self._next_load()
             self.kick()
 
-        self.sim.at(self.h2d_free_at, done)
+        self.sim.at(self.sim.now + self.profile.h2d_time(tokens), done)
 
     def write_back(self, nodes: list[RadixNode]) -> None:
         for node in nodes:

@@ -67,10 +67,9 @@ def summarise(sim: Simulation) -> dict[str, Any]:
 
 def fleet_measures(sim: Simulation) -> dict[str, Any]:
     """What a routing comparison adds: time to first token, output throughput, how evenly the
-    replicas worked (max / mean compute time), prefetch outcomes, and the router's decisions."""
+    replicas worked (max / mean compute time), and the router's decisions."""
     ttfts = [t for r in sim.replicas for t in r.ttfts]
     busy = [r.busy_s for r in sim.replicas]
-    ledgers = [r.cache.prefetches for r in sim.replicas]
     assert sim.router is not None
     core = sim.router.core
     decisions = list(core.decision_seconds)
@@ -79,8 +78,6 @@ def fleet_measures(sim: Simulation) -> dict[str, Any]:
         "ttft_p90_s": _percentile(ttfts, 0.9),
         "output_tokens_per_s": sum(r.output_tokens for r in sim.replicas) / sim.now if sim.now else 0.0,
         "imbalance": max(busy) / statistics.fmean(busy) if any(busy) else 1.0,
-        "prefetch_used": sum(ledger.used for ledger in ledgers),
-        "prefetch_wasted": sum(ledger.wasted for ledger in ledgers),
         "routing": {"decisions": dict(core.decisions), "decision_p50_ms": _percentile(decisions, 0.5) * 1e3,
                     "decision_p99_ms": _percentile(decisions, 0.99) * 1e3},
     }
@@ -106,6 +103,9 @@ def summarise_run(iterations: Sequence[IterationRecord], stats: Sequence[Replica
         "makespan_s": makespan,
         "workflows_measured": len(measured),
         "prefetch_issued": sum(s.prefetch.issued for s in stats),
+        # a prefetch is used once a request's cached prefix includes it, wasted if it left the device first
+        "prefetch_used": sum(s.prefetch.used for s in stats),
+        "prefetch_wasted": sum(s.prefetch.wasted for s in stats),
         "device_kv_tokens": device_kv_tokens,
     }
 

@@ -12,12 +12,14 @@ replicas x workflows) and let unrelated workflows' pace drive a replica's write-
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvflow_ray.core.graph import WorkflowSpec, WorkflowState
 from kvflow_ray.core.policies import FutureAccesses, StepBook
+from kvflow_ray.core.predict import Forecaster
 from kvflow_ray.core.radix import Tag
 from kvflow_ray.core.scheduler import PolicyConfig
 from kvflow_ray.engines.events import CacheEventLog
@@ -39,6 +41,46 @@ class ClientPlan:
     warmup: int = 0
     start_at: float = 0.0
     salt: str = ""  # its requests' cache namespace (its tenant's, when routed as one of many tenants)
+    # the application's true choices at its `next: one` agents (None: the spec's weights)
+    branching: Branching | None = None
+
+
+@dataclass
+class Branching:
+    """How a simulated application really chooses at its `next: one` agents: per chooser, weights
+    over its successors (a chooser missing here follows the spec's weights); from the `switch_at`-th
+    workflow instance started under this object on (shared by the clients of a scenario), `later`
+    weights apply instead (a drifting mix)."""
+
+    weights: dict[str, dict[str, float]] = field(default_factory=dict)
+    later: dict[str, dict[str, float]] | None = None
+    switch_at: int = 0
+    instances: int = 0  # instances started so far
+
+    def odds(self, spec: WorkflowSpec, chooser: str) -> dict[str, float]:
+        table = self.later if self.later is not None and self.instances > self.switch_at else self.weights
+        return table.get(chooser) or spec.priors(chooser)
+
+
+def own_branching(plan: ClientPlan, copies: dict[int, Branching]) -> Branching:
+    """A run's own copy of the plan's `Branching` (one per original, shared by the run's clients as the
+    original is by the scenario's plans), so each run counts its instances from zero."""
+    if plan.branching is None:
+        return Branching()
+    key = id(plan.branching)
+    if key not in copies:
+        copies[key] = replace(plan.branching, instances=0)
+    return copies[key]
+
+
+class KnownChoices:
+    """The choices a client will make next, as a `predict.ChoiceModel` (the oracle's)."""
+
+    def __init__(self, upcoming: dict[str, str]) -> None:
+        self.upcoming = upcoming
+
+    def transitions(self, spec: WorkflowSpec, history: Sequence[str] = ()) -> dict[str, dict[str, float]]:
+        return {u: {v: 1.0} for u, v in self.upcoming.items()}
 
 
 @dataclass
@@ -90,6 +132,8 @@ class Simulation:
             for i in range(replicas)
         ]
         self.router = None if routing is None else SimRouter(self, routing, seed)
+        self.forecast = Forecaster(policy.prediction)
+        self._branchings: dict[int, Branching] = {}  # this run's copy of each scenario's Branching
         self._placement: dict[str, int] = {}
         self.trace: list[Tag] = []  # agent invocations in arrival order (the belady oracle's input)
         self.tokens = TokenSource()
@@ -130,11 +174,11 @@ class Simulation:
         else:
             self.replica_for(req.workflow).submit(req)
 
-    def publish(self, workflow: str, state: WorkflowState) -> None:
+    def publish(self, workflow: str, steps: Mapping[str, float]) -> None:
         if self.router is not None:  # the router derives steps from the calls it routes
             return
         replica = self.replica_for(workflow)
-        replica.book.set_steps(workflow, state.steps_to_execution())
+        replica.book.set_steps(workflow, steps)
         replica.on_hints()
 
     def retire(self, workflow: str) -> None:
@@ -143,10 +187,11 @@ class Simulation:
         else:
             self.replica_for(workflow).scheduler.retire([workflow])
 
-    def register_prompts(self, workflow: str, prompts: dict[str, tuple[int, ...]]) -> None:
+    def register_prompts(self, workflow: str, prompts: dict[str, tuple[int, ...]], salt: str = "") -> None:
         if self.router is not None:  # a replica learns them with its first hint of the workflow
             return
         book = self.replica_for(workflow).book
+        book.set_salt(workflow, salt)  # its requests' namespace, where prefetch must find the prompts
         for agent, tokens in prompts.items():
             book.register_prompt((workflow, agent), tokens)
 
@@ -154,7 +199,7 @@ class Simulation:
         self.submit(self.new_request(client, agent))
 
     def add_client(self, plan: ClientPlan) -> WorkflowClient:
-        client = WorkflowClient(self, plan)
+        client = WorkflowClient(self, plan, branching=own_branching(plan, self._branchings))
         if self.router is not None:
             self.router.add_client(plan)
         self.at(plan.start_at, client.begin)
@@ -180,13 +225,14 @@ class ClientHost(Protocol):
 
     measuring: bool
     iterations: list[IterationRecord]
+    forecast: Forecaster  # the steps it publishes: the policy's prediction (`core.predict`)
 
     @property
     def now(self) -> float: ...
 
-    def register_prompts(self, workflow: str, prompts: dict[str, tuple[int, ...]]) -> None: ...
+    def register_prompts(self, workflow: str, prompts: dict[str, tuple[int, ...]], salt: str = "") -> None: ...
 
-    def publish(self, workflow: str, state: WorkflowState) -> None: ...
+    def publish(self, workflow: str, steps: Mapping[str, float]) -> None: ...
 
     def call(self, client: WorkflowClient, agent: str) -> None:
         """Send one request for `agent`; its completion calls `client.on_done(agent)`."""
@@ -207,13 +253,19 @@ class WorkflowClient:
     state: WorkflowState = field(init=False)
     iteration: int = 0
     iteration_start: float = 0.0
+    branching: Branching = field(default_factory=Branching)  # the run's (see `own_branching`)
 
     def __post_init__(self) -> None:
         self.state = WorkflowState(self.plan.spec, running=[])
         self._entry = set(self.plan.spec.start_agents())
+        self.history: list[str] = []  # agents started in this instance, latest last (bounded)
+        # the next choice of each `next: one` agent, drawn ahead from the client's own generator, so
+        # that every policy sees the same choices and the oracle can know them
+        self.rng = random.Random(f"{self.plan.key}")
+        self.upcoming: dict[str, str] = {}
 
     def begin(self) -> None:
-        self.sim.register_prompts(self.plan.key, self.plan.prompts)
+        self.sim.register_prompts(self.plan.key, self.plan.prompts, self.plan.salt)
         self._start_iteration()
 
     def _start_iteration(self) -> None:
@@ -221,14 +273,44 @@ class WorkflowClient:
         if self.iteration >= self.plan.warmup:
             self.sim.measuring = True
         self.state = WorkflowState(self.plan.spec, running=[])
+        self.history = []
+        self.branching.instances += 1
         self._launch(sorted(self._entry))
 
     def _launch(self, agents: list[str]) -> None:
+        spec = self.plan.spec
         for agent in agents:
+            self.history = self.sim.forecast.started(self.plan.salt, spec.name, self.state, self.history, agent)
             self.state.start(agent)
-        self.sim.publish(self.plan.key, self.state)
+        self._publish()
         for agent in agents:
             self.sim.call(self, agent)
+
+    def _publish(self) -> None:
+        plan = self.plan
+        truth = KnownChoices(self._upcoming()) if plan.spec.dynamic else None
+        self.sim.publish(plan.key, self.sim.forecast.steps(plan.salt, plan.spec.name, self.state, self.history, truth))
+
+    def _upcoming(self) -> dict[str, str]:
+        for chooser in self.plan.spec._priors:
+            if chooser not in self.upcoming:
+                self.upcoming[chooser] = self._draw(self.branching.odds(self.plan.spec, chooser))
+        return self.upcoming
+
+    def _draw(self, odds: Mapping[str, float]) -> str:
+        names = list(odds)
+        return self.rng.choices(names, weights=[odds[v] for v in names])[0]
+
+    def _choose(self, chooser: str, ready: list[str]) -> list[str]:
+        """A `next: one` agent finished: exactly one of its ready successors runs (the drawn one)."""
+        if not ready:
+            return ready
+        picked = self._upcoming()[chooser]
+        del self.upcoming[chooser]
+        if picked not in ready:  # that successor cannot run now (max_iterations): another by weight
+            odds = self.branching.odds(self.plan.spec, chooser)
+            picked = self._draw({v: odds.get(v, 1.0) for v in ready})
+        return [picked]
 
     def _end_iteration(self) -> bool:
         """Record the iteration; True if another one follows."""
@@ -241,6 +323,8 @@ class WorkflowClient:
     def on_done(self, agent: str) -> None:
         state = self.state
         ready = state.finish_and_ready(agent)
+        if agent in self.plan.spec._priors:
+            ready = self._choose(agent, ready)
         loop_back = [v for v in ready if v in self._entry]
         if loop_back:  # back at the entry: one pass of the loop is done
             if self._end_iteration():
@@ -252,7 +336,7 @@ class WorkflowClient:
             self._launch(ready)
             return
         if state.running:
-            self.sim.publish(self.plan.key, state)
+            self._publish()
             return
         # drained: a DAG pass finished (or the loop's last pass)
         if not loop_back and self._end_iteration():

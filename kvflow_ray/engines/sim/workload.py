@@ -6,6 +6,8 @@
 - `peer`: the PEER loop (Plan -> Execute -> Express -> Review -> Plan) with short prompts that share a
   common preamble, many clients of the same template.
 - `workflow`: any spec file; prompts come from the spec (byte-level tokens) or `fixed` fresh tokens.
+- `dynamic`: support applications whose triage hands each ticket to one of K specialists (skewed
+  odds) and whose reviewer loops back at random; a drifting or adversarial mix on request.
 - `fleet`: many tenants' applications (a mix of workflow shapes, each with its own prompts sharing an
   application preamble), instances arriving as a Poisson process; `llmd` is llm-d's benchmark shape.
 """
@@ -17,7 +19,7 @@ import random
 from dataclasses import dataclass
 
 from kvflow_ray.core.graph import AgentSpec, WorkflowSpec
-from kvflow_ray.engines.sim.simulator import ClientPlan, TokenSource
+from kvflow_ray.engines.sim.simulator import Branching, ClientPlan, TokenSource
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,68 @@ def from_spec(spec: WorkflowSpec, clients: int = 1, fixed: int = 1024, dynamic: 
                         iterations=warmup + iterations, warmup=warmup) for c in range(clients)]
     return Scenario(spec.name, plans, dict(clients=clients, fixed=fixed, dynamic=dynamic, output=output,
                                            iterations=iterations, warmup=warmup))
+
+
+# ---------------------------------------------------------------------------------------------- dynamic
+def support_spec(branches: int) -> WorkflowSpec:
+    """intake -> triage -> exactly one of `branches` specialists -> reviewer -> triage again, or
+    finalize. The spec states the choices (`next: one`) but no odds: what the application really
+    does is for the router to learn."""
+    specialists = tuple(f"specialist{i}" for i in range(branches))
+    return WorkflowSpec("support", "intake", {
+        "intake": _agent("intake"),
+        "triage": AgentSpec("triage", None, ("intake", "reviewer"), "any", next="one"),
+        **{s: _agent(s, ("triage",)) for s in specialists},
+        "reviewer": AgentSpec("reviewer", None, specialists, "any", next="one"),
+        "finalize": _agent("finalize", ("reviewer",)),
+    })
+
+
+def dynamic(branches: int = 4, skew: float = 1.5, loop_p: float = 0.3, clients: int = 8, apps: int = 4,
+            fixed: int = 2048, dynamic: int = 64, output: int = 64, iterations: int = 12, warmup: int = 2,
+            mix: str = "steady", seed: int = 0) -> Scenario:
+    """`apps` support applications (`support_spec`), each a tenant with its own prompts (`fixed`
+    tokens per agent: together they overflow an A10G's device tier); `clients` tickets in flight at
+    once, spread over the applications, each client working through `iterations` tickets in turn.
+    Triage picks specialist i with odds 1 / (i + 1) ** `skew` (Zipf; 0: uniform, each application its
+    own order); the reviewer sends the work back with probability `loop_p`. `mix`: `steady`; `drift`
+    (the specialists' odds reverse once half the tickets of an application have started); or
+    `adversarial` (they reverse right after the warm-up, against everything learned)."""
+    _check_positive(branches=branches, clients=clients, apps=apps, fixed=fixed, iterations=iterations)
+    if not 0 <= loop_p < 1:
+        raise ValueError(f"--loop-p must be in [0, 1), got {loop_p}")
+    if skew < 0:
+        raise ValueError(f"--skew must be >= 0, got {skew}")
+    if mix not in DYNAMIC_MIXES:
+        raise ValueError(f"unknown mix {mix!r} (choose one of {', '.join(DYNAMIC_MIXES)})")
+    rng = random.Random(seed)
+    tokens = TokenSource(1)
+    spec = support_spec(branches)
+    applications = []
+    for a in range(apps):
+        order = list(range(branches))
+        rng.shuffle(order)
+        odds = {f"specialist{i}": 1.0 / (rank + 1) ** skew for rank, i in enumerate(order)}
+        flipped = {f"specialist{i}": 1.0 / (branches - rank) ** skew for rank, i in enumerate(order)}
+        weights = {"triage": odds, "reviewer": {"triage": loop_p, "finalize": 1.0 - loop_p}}
+        later = {**weights, "triage": flipped}
+        tickets = len(range(a, clients, apps))
+        switch_at = {"steady": 0, "drift": tickets * (warmup + iterations) // 2, "adversarial": tickets * warmup}[mix]
+        branching = Branching(weights, later if mix != "steady" else None, switch_at)
+        prompts = {agent: tokens.fresh(fixed) for agent in spec.agents}
+        applications.append((f"app{a}", prompts, branching))
+    plans = []
+    for c in range(clients):
+        tenant, prompts, branching = applications[c % apps]
+        plans.append(ClientPlan(key=f"{tenant}/ticket{c}", spec=spec, prompts=prompts, dynamic=dynamic,
+                                output=output, iterations=warmup + iterations, warmup=warmup, salt=tenant,
+                                branching=branching))
+    return Scenario("dynamic", plans, dict(branches=branches, skew=skew, loop_p=loop_p, clients=clients, apps=apps,
+                                           fixed=fixed, dynamic=dynamic, output=output, iterations=iterations,
+                                           warmup=warmup, mix=mix, seed=seed))
+
+
+DYNAMIC_MIXES = ("steady", "drift", "adversarial")
 
 
 # ---------------------------------------------------------------------------------------------- fleet
