@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from kvflow_ray.core.graph import SpecLimits
+from kvflow_ray.core.scheduler import POLICIES
 
 ENGINES = ("cpu", "sim", "sglang")
 # routing -> the Ray Serve request router that picks each engine call's replica (an import path, as
@@ -204,7 +205,9 @@ class AppConfig(BaseModel):
         return {"store_url": self.redis, "ttl_s": self.state_ttl_s, "balance_threshold": self.balance_threshold,
                 "prefetch_horizon": self.horizon, "limits": self.limits.model_dump(),
                 "template_ttl_s": self.template_idle_ttl_s, "store_grace_s": self.store_grace_s,
-                "store_max_pending": self.store_max_pending_writes, "route_policy": self.route_policy}
+                "store_max_pending": self.store_max_pending_writes, "route_policy": self.route_policy,
+                # the engines' policy says how the router ranks agents in its hints (`predictive`: learned)
+                "prediction": POLICIES[self.policy].prediction if self.policy in POLICIES else "graph"}
 
     def tokenizer_path(self) -> str | None:
         """Where the tokenizer of the served model lives; None: byte-level (engines without one: sim, the

@@ -124,6 +124,11 @@ class RouterMetrics:
         self.store_reconciles = Counter("kvflow_store_reconciles", "Times the router wrote its whole state back "
                                         "to the store: after an outage (reconnect) or when it lost data "
                                         "(data_loss)", ["reason"], registry=r)
+        self.prediction_accuracy = Gauge("kvflow_prediction_accuracy", "How often the learned transition models' "
+                                         "most likely next agent was the one that ran, one and two steps ahead "
+                                         "(dynamic workflows under the predictive policy)", ["steps"], registry=r)
+        self.predictions = Gauge("kvflow_predictions", "Next-agent predictions scored so far (the "
+                                 "accuracy's denominator)", ["steps"], registry=r)
         self._reconciles: dict[str, int] = {"reconnect": 0, "data_loss": 0}  # exported so far
         for reason in self._reconciles:
             self.store_reconciles.labels(reason)
@@ -143,6 +148,13 @@ class RouterMetrics:
         for reason, n in reconciles.items():  # the store's running totals, exported as a counter
             self.store_reconciles.labels(reason).inc(n - self._reconciles.get(reason, 0))
             self._reconciles[reason] = n
+
+    def set_prediction(self, scored: Mapping[str, tuple[int, int]]) -> None:
+        """`scored`: steps ahead -> (hits, predictions), as `RouterCore.prediction_accuracy` counts them."""
+        for steps, (hits, total) in scored.items():
+            self.predictions.labels(steps).set(total)
+            if total:
+                self.prediction_accuracy.labels(steps).set(hits / total)
 
     def set_active(self, per_tenant: Mapping[str, int]) -> None:
         self.active.clear()

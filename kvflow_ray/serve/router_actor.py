@@ -60,7 +60,8 @@ class WorkflowRouterActor:
     def __init__(self, store_url: str | None = None, ttl_s: float = 3600.0, balance_threshold: int = 2,
                  prefetch_horizon: int = 1, limits: dict[str, Any] | None = None,
                  template_ttl_s: float | None = None, store_grace_s: float = 30.0,
-                 store_max_pending: int = 100_000, route_policy: str = "prefix-affinity") -> None:
+                 store_max_pending: int = 100_000, route_policy: str = "prefix-affinity",
+                 prediction: str = "graph") -> None:
         self.instance = uuid.uuid4().hex  # changes on every (re)start
         inner = open_store(store_url, ttl_s)
         self.backend = "redis" if isinstance(inner, RedisStore) else "memory"
@@ -68,7 +69,7 @@ class WorkflowRouterActor:
         policy = ROUTING.create(route_policy, settings={"balance_threshold": balance_threshold})
         self.core = RouterCore(store, policy,
                                prefetch_horizon=prefetch_horizon, limits=TenantLimits(**(limits or {})),
-                               template_ttl_s=template_ttl_s)
+                               template_ttl_s=template_ttl_s, prediction=prediction)
         self.store = store
         self.metrics = RouterMetrics()
         self.expositions: dict[str, bytes] = {}  # replica -> its latest metrics
@@ -181,6 +182,7 @@ class WorkflowRouterActor:
         self.metrics.set_active(self.core.active_clients())
         self.metrics.set_health(len(self.core.loads), self.backend, self.store.up)
         self.metrics.set_store(self.store.pending, self.store.reconciles)
+        self.metrics.set_prediction(self.core.prediction_accuracy())
         live = [text for name, text in self.expositions.items() if name in self.core.loads]
         return merge_expositions([self.metrics.exposition(), *live])
 
