@@ -16,6 +16,7 @@ carries the task and the previous agent's output.
 from __future__ import annotations
 
 import math
+import random
 import sys
 import threading
 import time
@@ -162,33 +163,43 @@ class _Client:
 
     def go(self) -> None:
         """All iterations of this client, then `finish`."""
-        stages = iteration_stages(self.workflow)
+        rng = random.Random(f"kvflow-run:{self.index}")  # each client's own draws at `next: one` agents
         with self.run, ThreadPoolExecutor(max_workers=max(1, len(self.workflow.spec.agents))) as pool:
             for iteration in range(self.config.iterations):
                 started = time.perf_counter()
-                for stage in stages:
+                for stage in iteration_stages(self.workflow, rng):
                     list(pool.map(lambda a, it=iteration: self.call(a, it), stage))
                 with self.lock:
                     self.result.iterations.append(time.perf_counter() - started)
 
 
-def iteration_stages(workflow: Workflow) -> list[list[str]]:
+MAX_STAGES = 1000  # a walk of a dynamic workflow whose loops keep coming back is cut here
+
+
+def iteration_stages(workflow: Workflow, rng: random.Random | None = None) -> list[list[str]]:
     """One iteration's walk of the step graph, as stages of agents that become ready together (they
     run concurrently): the entry agents, then every successor that becomes ready once the whole
     stage has finished (in stage order), until the walk returns to the entry (a loop) or drains (a
-    DAG). The walk depends on the graph alone."""
+    DAG). A `next: one` agent hands over to one successor, drawn by the spec's weights from `rng`
+    (default: seeded 0), so a dynamic workflow's walk differs per draw; otherwise the walk depends on
+    the graph alone."""
     spec = workflow.spec
+    rng = rng or random.Random(0)
     entry = set(spec.start_agents())
     state = WorkflowState(spec, running=[])
     stages: list[list[str]] = []
     ready = sorted(entry)
-    while ready:
+    while ready and len(stages) < MAX_STAGES:
         stages.append(ready)
         for agent in ready:
             state.start(agent)
         following: list[str] = []
         for agent in ready:  # the stage's agents finish in stage order
-            following += [v for v in state.finish_and_ready(agent) if v not in following]
+            successors = state.finish_and_ready(agent)
+            odds = spec.priors(agent)
+            if odds and successors:
+                successors = rng.choices(successors, weights=[odds[v] for v in successors])
+            following += [v for v in successors if v not in following]
         ready = [v for v in following if v not in entry]  # back at the entry: the iteration is over
     return stages
 

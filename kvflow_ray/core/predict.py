@@ -31,9 +31,16 @@ from kvflow_ray.core.registry import PolicyContext, Registry
 # the narrow context of a choice: (chooser, agent before it, its pass number in the instance, capped)
 Context = tuple[str, str, int]
 MAX_PASS = 3
-# the least probability of running next at which an agent's prompt is prefetched: under expected steps
-# (a choice of probability p costs 1/p) that is E <= horizon / PREFETCH_THRESHOLD
-PREFETCH_THRESHOLD = 0.5
+# the least probability of running next at which an agent's prompt is prefetched
+PREFETCH_THRESHOLD = 0.6
+
+
+def likely_reach(horizon: float, threshold: float = PREFETCH_THRESHOLD) -> float:
+    """The expected steps within which an agent is prefetched: at most `horizon` steps away, the last
+    of them a choice taken with probability >= `threshold` (a choice of probability p costs 1/p).
+    With `threshold` > 0.5 the reach stays below horizon + 1, so on a workflow without choices the
+    same agents are prefetched as by steps-to-execution <= horizon."""
+    return horizon - 1 + 1 / threshold
 
 
 @dataclass
@@ -165,9 +172,8 @@ class Predictor(Protocol):
 
     name: str
     learns: bool  # it reads a `TransitionModel` that the driver updates on every agent start
-    # prefetch looks this many times further in its steps (expected steps put a likely next agent
-    # at up to 1 / PREFETCH_THRESHOLD)
-    horizon_scale: float
+    # its steps weigh choices by probability: prefetch reaches `likely_reach(horizon)` in them
+    weighted: bool
 
     def steps(self, state: WorkflowState, model: ChoiceModel | None, history: Sequence[str]) -> dict[str, float]:
         ...
@@ -176,7 +182,7 @@ class Predictor(Protocol):
 class GraphSteps:
     name = "graph"
     learns = False
-    horizon_scale = 1.0
+    weighted = False
 
     def steps(self, state: WorkflowState, model: ChoiceModel | None, history: Sequence[str]) -> dict[str, float]:
         return state.steps_to_execution()
@@ -185,7 +191,7 @@ class GraphSteps:
 class PriorSteps:
     name = "priors"
     learns = False
-    horizon_scale = 1.0 / PREFETCH_THRESHOLD
+    weighted = True
 
     def steps(self, state: WorkflowState, model: ChoiceModel | None, history: Sequence[str]) -> dict[str, float]:
         return state.expected_steps()
@@ -194,7 +200,7 @@ class PriorSteps:
 class LearnedSteps:
     name = "learned"
     learns = True
-    horizon_scale = 1.0 / PREFETCH_THRESHOLD
+    weighted = True
 
     def steps(self, state: WorkflowState, model: ChoiceModel | None, history: Sequence[str]) -> dict[str, float]:
         if model is None or not state.spec.dynamic:

@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from kvflow_ray.core.policies import NearMap, StepBook
-from kvflow_ray.core.predict import PREFETCH_THRESHOLD
+from kvflow_ray.core.predict import PREFETCH_THRESHOLD, likely_reach
 from kvflow_ray.core.radix import RadixNode, Tag
 from kvflow_ray.core.registry import PolicyContext, Registry
 
@@ -43,6 +43,9 @@ class PrefetchPolicy(Protocol):
     def choose(self, book: NearAgents) -> Iterable[tuple[Tag, float]]:
         """Agents to prefetch for, nearest first, with their steps-to-execution."""
         ...
+
+    # Optional: `room_beyond(steps) -> float`, the distance past which a load for an agent `steps`
+    # away may displace cached nodes (default `steps`: anything needed later than the agent).
 
 
 class NoPrefetch:
@@ -72,20 +75,32 @@ class StepsAheadPrefetch:
             yield tag, e
 
 
+NEVER_NEEDED = float("1e300")  # a distance only nodes without a live user are farther than
+
+
 class LikelyNextPrefetch(StepsAheadPrefetch):
-    """Predictive: agents whose expected steps (`WorkflowState.expected_steps`, a choice taken with
-    probability p costing 1/p) are at most `horizon / threshold`: the next agent when it is chosen
-    with probability >= `threshold`, never an unlikely alternative. Conservative room as every
+    """Predictive: agents within `likely_reach(horizon, threshold)` expected steps
+    (`WorkflowState.expected_steps`, a choice taken with probability p costing 1/p): the next agent
+    when it is chosen with probability >= `threshold`, never an unlikely alternative; on a workflow
+    without choices, exactly the agents KVFlow's steps-ahead prefetch loads. Conservative room as every
     prefetch: free device memory, or memory of nodes needed later than the agent (`plan_loads`)."""
 
     name = "likely-next"
 
     def __init__(self, threshold: float = PREFETCH_THRESHOLD, horizon: int = 1, max_inflight: int = 4) -> None:
-        if not 0 < threshold <= 1:
-            raise ValueError(f"likely-next prefetch needs 0 < threshold <= 1, got {threshold}")
+        if not 0.5 < threshold <= 1:
+            raise ValueError(f"likely-next prefetch needs 0.5 < threshold <= 1, got {threshold}")
         super().__init__(horizon, max_inflight)
         self.threshold = threshold
-        self.horizon = horizon / threshold
+        self.certain = horizon  # expected steps within which a load is as sure as KVFlow's
+        self.horizon = likely_reach(horizon, threshold)
+
+    def room_beyond(self, steps: float) -> float:
+        """A load for an agent at most `horizon` expected steps away (no uncertain choice on the way,
+        at horizon 1) may displace what is needed later, as KVFlow's does. A speculative one (further,
+        through a choice) follows PBKV's rule: it takes free memory or nodes no live agent will use
+        (retired prompts, dynamic suffixes), never live cache, so a wrong guess costs nothing."""
+        return steps if steps <= self.certain else NEVER_NEEDED
 
 
 PREFETCH: Registry[PrefetchPolicy] = Registry("prefetch")
@@ -137,6 +152,7 @@ def plan_loads(policy: PrefetchPolicy, book: NearAgents, inflight: int, target: 
     that can change."""
     started = 0
     park = getattr(book, "park", None)
+    room_beyond = getattr(policy, "room_beyond", None)
     for tag, steps in policy.choose(book):
         if inflight + started >= policy.max_inflight:
             break
@@ -145,7 +161,8 @@ def plan_loads(policy: PrefetchPolicy, book: NearAgents, inflight: int, target: 
             continue
         # the prompt is cached where its workflow's requests put it (their namespace)
         namespace = book.salt(tag[0])
-        outcome = target.load_prompt(tag, tokens, namespace, steps, reserved)
+        room = steps if room_beyond is None else room_beyond(steps)
+        outcome = target.load_prompt(tag, tokens, namespace, room, reserved)
         if outcome is Load.NO_ROOM:
             # a farther agent's budget is never larger (it may evict fewer nodes): stop here
             break

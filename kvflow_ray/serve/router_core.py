@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow_ray.core.graph import UnknownAgentError, WorkflowSpec, WorkflowState, parse_spec
-from kvflow_ray.core.predict import Forecaster
+from kvflow_ray.core.predict import Forecaster, likely_reach
 from kvflow_ray.core.routing import ROUTING, Fleet, RouteRequest, RoutingPolicy
 from kvflow_ray.engines.base import CacheEvent, Hints
 from kvflow_ray.serve.config import TenantLimits
@@ -715,7 +715,8 @@ class RouterCore:
             return targets
         prefixes = record.get("prefixes", {})
         home = record.get("home")
-        horizon = self.prefetch_horizon * self.forecast.predictor.horizon_scale
+        horizon = (likely_reach(self.prefetch_horizon) if self.forecast.predictor.weighted
+                   else self.prefetch_horizon)
         for agent, e in steps.items():
             if not 0 < e <= horizon:
                 continue

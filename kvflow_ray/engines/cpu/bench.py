@@ -101,13 +101,13 @@ class EngineDriver:
 
 
 @contextlib.contextmanager
-def policy_progress(label: str) -> Iterator[Callable[[str, int], Callable[[], None]]]:
+def policy_progress(label: str) -> Iterator[Callable[[str, int | None], Callable[[], None]]]:
     """Progress bars for `run_cpu_policies`: one per policy, counting finished requests (stderr)."""
     from tqdm import tqdm
 
     bars: list[Any] = []
 
-    def start(policy: str, total: int) -> Callable[[], None]:
+    def start(policy: str, total: int | None) -> Callable[[], None]:
         if bars:
             bars[-1].close()
         bar = tqdm(total=total, desc=f"{label} {policy}", unit="req", file=sys.stderr, disable=None)
@@ -121,14 +121,17 @@ def policy_progress(label: str) -> Iterator[Callable[[str, int], Callable[[], No
             bars[-1].close()
 
 
-def expected_requests(scenario: Scenario) -> int:
-    """Agent calls the scenario makes (for the progress bar): every agent once per pass."""
+def expected_requests(scenario: Scenario) -> int | None:
+    """Agent calls the scenario makes (for the progress bar): every agent once per pass; None when a
+    workflow chooses at run time (`next: one`: the count is not known ahead)."""
+    if any(plan.spec.dynamic for plan in scenario.plans):
+        return None
     return sum(plan.iterations * len(plan.spec.agents) for plan in scenario.plans)
 
 
 def run_cpu_policies(scenario: Scenario, config: CpuEngineConfig, policies: list[str], *,
                      model: CpuModel | None = None,
-                     progress: Callable[[str, int], Callable[[], None]] | None = None) -> dict[str, Any]:
+                     progress: Callable[[str, int | None], Callable[[], None]] | None = None) -> dict[str, Any]:
     """Every policy on the same scenario and the same model (built once), one after another."""
     unknown = [p for p in policies if p not in engine_policies()]
     if unknown:
