@@ -147,3 +147,22 @@ def test_validate_json_adds_expected_steps() -> None:
                              "--json"], capture_output=True, text=True, check=True)
     peer = json.loads(static.stdout)
     assert peer["expected_steps"] == peer["steps_to_execution"]
+
+
+def test_an_exhausted_chooser_leaves_its_loop() -> None:
+    """reviewer (max_iterations 2) almost always sends work back; at its limit only the exit remains."""
+    data = support({"billing": 1}, max_iterations=2)
+    data["agents"]["reviewer"]["weights"] = {"triage": 100, "done": 1}
+    spec = parse_spec(data)
+    state = WorkflowState(spec, running=[])
+    state.start("reviewer")
+    state.finish("reviewer")
+    assert state.choices("reviewer") == ["triage", "done"]
+    state.start("triage")
+    state.finish("triage")
+    state.start("billing")
+    state.finish("billing")
+    state.start("reviewer")
+    state.finish("reviewer")
+    assert state.exhausted("reviewer")
+    assert state.choices("reviewer") == ["done"]  # triage would lead back to the exhausted reviewer

@@ -255,3 +255,29 @@ def test_a_demand_copy_goes_ahead_of_queued_prefetches_on_the_cpu_copy_stream() 
         stream.close()
     assert order[0] == "first" and order[1] == "demand" and sorted(order[2:]) == ["p2", "p3"]
     assert math.isfinite(stream.busy_s)
+
+
+def test_kvflow_run_walks_one_alternative_per_choice() -> None:
+    """`kvflow-ray run`'s walk of a dynamic workflow: exactly one specialist per triage, drawn by the
+    spec's weights, loops ending at random; the same generator state gives the same walk."""
+    import random
+    from pathlib import Path
+
+    from kvflow_ray.client.loadgen import iteration_stages
+    from kvflow_ray.client.workflow import Workflow
+
+    workflow = Workflow.from_yaml(Path(__file__).resolve().parent.parent / "workflows" / "support_dynamic.yaml")
+    specialists = {"billing", "technical", "account"}
+    seen: dict[str, int] = {}
+    for seed in range(200):
+        stages = iteration_stages(workflow, random.Random(seed))
+        assert all(len(stage) == 1 for stage in stages)
+        walk = [stage[0] for stage in stages]
+        assert walk[:2] == ["intake", "triage"] and walk[-1] == "finalize"
+        assert walk.count("reviewer") <= 4  # max_iterations
+        for i, agent in enumerate(walk):
+            if agent == "triage":
+                assert walk[i + 1] in specialists
+                seen[walk[i + 1]] = seen.get(walk[i + 1], 0) + 1
+        assert iteration_stages(workflow, random.Random(seed)) == stages
+    assert seen["billing"] > seen["technical"] > seen["account"]  # weights 6 : 3 : 1

@@ -197,8 +197,9 @@ def iteration_stages(workflow: Workflow, rng: random.Random | None = None) -> li
         for agent in ready:  # the stage's agents finish in stage order
             successors = state.finish_and_ready(agent)
             odds = spec.priors(agent)
-            if odds and successors:
-                successors = rng.choices(successors, weights=[odds[v] for v in successors])
+            if odds:
+                allowed = state.choices(agent)
+                successors = rng.choices(allowed, weights=[odds[v] for v in allowed]) if allowed else []
             following += [v for v in successors if v not in following]
         ready = [v for v in following if v not in entry]  # back at the entry: the iteration is over
     return stages

@@ -247,6 +247,9 @@ class WorkflowSpec:
     _exclusive_after: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
     # agent -> successor -> prior probability, for the `next: one` agents
     _priors: dict[str, dict[str, float]] = field(init=False, repr=False, compare=False)
+    # agent -> the agents reachable from it (itself included), for agents with `max_iterations` in a
+    # spec that has any (an exhausted chooser leaves its loop through a successor outside it)
+    _reaches: dict[str, frozenset[str]] = field(init=False, repr=False, compare=False)
     # steps_to_execution by state (running agents, arrivals): a workflow cycles through few states,
     # and thousands of live instances share one spec
     _steps_memo: dict[tuple[frozenset[str], frozenset[tuple[str, frozenset[str]]]], dict[str, float]] = field(
@@ -285,6 +288,18 @@ class WorkflowSpec:
             total = sum(raw.values())
             priors[key] = {v: w / total for v, w in raw.items()}
         object.__setattr__(self, "_priors", priors)
+        reaches: dict[str, frozenset[str]] = {}
+        if any(agent.max_iterations is not None for agent in self.agents.values()):
+            for key in self.agents:
+                seen = {key}
+                todo = [key]
+                while todo:
+                    for nxt in succ[todo.pop()]:
+                        if nxt not in seen:
+                            seen.add(nxt)
+                            todo.append(nxt)
+                reaches[key] = frozenset(seen)
+        object.__setattr__(self, "_reaches", reaches)
         object.__setattr__(self, "_exclusive_after", {
             key: tuple(u for u in agent.after if u in priors) for key, agent in self.agents.items()})
 
@@ -438,8 +453,14 @@ class WorkflowState:
 
     def choices(self, agent: str) -> list[str]:
         """After a `next: one` agent finished: the successors it may hand over to (ready, not running,
-        not exhausted), in file order. The caller starts exactly one of them."""
-        return [v for v in self.spec._successors[agent] if v not in self.running and self.ready(v)]
+        not exhausted), in file order; the caller starts exactly one of them. An agent that has run its
+        `max_iterations` leaves its loop: only the successors it cannot come back through remain
+        (when there are any), so the walk goes on to the exit instead of stalling at the limit."""
+        ready = [v for v in self.spec._successors[agent] if v not in self.running and self.ready(v)]
+        if self.exhausted(agent):
+            exits = [v for v in ready if agent not in self.spec._reaches[v]]
+            return exits or ready
+        return ready
 
     def steps_to_execution(self) -> dict[str, float]:
         """E value of every agent, in spec order: 0 when running, ``math.inf`` when it cannot run

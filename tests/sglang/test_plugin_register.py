@@ -113,6 +113,25 @@ def test_the_strategy_takes_its_config_from_the_cli_json(sglang_plugin: None) ->
     assert isinstance(state().prefetcher, StepsAheadPrefetch)
 
 
+def test_the_predictive_policy_reaches_the_plugin(sglang_plugin: None) -> None:
+    """`policy: predictive` on the SGLang engine: kvflow's eviction over the router's expected steps,
+    likely-next prefetch (a speculative load takes free or retired memory only), in the book's reach."""
+    from sglang.srt.mem_cache.utils import get_eviction_strategy
+
+    from kvflow_ray.core.prefetch import NEVER_NEEDED, LikelyNextPrefetch
+    from kvflow_ray.core.scheduler import POLICIES
+    from kvflow_ray.engines.sglang.engine import PLUGIN_CONFIG, policy_server_args
+
+    args = policy_server_args(POLICIES["predictive"])
+    assert args[PLUGIN_CONFIG] == {"eviction": "kvflow", "prefetch": "likely-next", "admission": "status-aware"}
+    reset_state()
+    get_eviction_strategy("kvflow", {"eviction": "kvflow", "prefetch": "likely-next", "horizon": 2})
+    st = state()
+    assert isinstance(st.prefetcher, LikelyNextPrefetch)
+    assert st.book.near_horizon >= st.prefetcher.horizon > 2
+    assert st.prefetcher.room_beyond(2.0) == 2.0 and st.prefetcher.room_beyond(2.5) == NEVER_NEEDED
+
+
 @pytest.mark.parametrize(("config", "message"), [
     ({"horizn": 2}, r"unknown key\(s\) horizn \(accepted: eviction, prefetch, admission, horizon, max_inflight"),
     ({"eviction": "lfu"}, r"unknown eviction policy 'lfu' \(known: lru, kvflow, belady"),

@@ -99,8 +99,9 @@ def make_policies(book: StepBook, *, eviction: str = "kvflow", prefetch: str | b
     context = PolicyContext(book=book)
     built = [registry.create(name, context, settings, **{k: v for k, v in options.items() if k in takes[registry.kind]})
              for registry, name in chosen]
-    # agents up to the prefetch horizon must be in the book's near set, which planning scans
-    book.near_horizon = max(book.near_horizon, int(settings.get("horizon", 0)))
+    # agents up to the prefetch horizon (in the policy's own steps) must be in the book's near set,
+    # which planning scans
+    book.near_horizon = max(book.near_horizon, int(settings.get("horizon", 0)), getattr(built[1], "horizon", 0))
     return Policies(*built)
 
 

@@ -324,7 +324,7 @@ class WorkflowClient:
         state = self.state
         ready = state.finish_and_ready(agent)
         if agent in self.plan.spec._priors:
-            ready = self._choose(agent, ready)
+            ready = self._choose(agent, state.choices(agent))
         loop_back = [v for v in ready if v in self._entry]
         if loop_back:  # back at the entry: one pass of the loop is done
             if self._end_iteration():
