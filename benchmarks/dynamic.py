@@ -34,9 +34,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvflow_ray.core.scheduler import resolve_policy
 from kvflow_ray.engines.sim import workload
 from kvflow_ray.engines.sim.profile import load_profile
-from kvflow_ray.engines.sim.runner import run_policies, simulate
+from kvflow_ray.engines.sim.runner import run_policies, simulate, summarise
+from kvflow_ray.engines.sim.simulator import Simulation
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import paper_figures
@@ -121,8 +123,34 @@ def recovery(latencies: list[float], change: int, window: int = 25, within: floa
     return {"instances": None, "settled_s": settled}
 
 
+def learning_curve(scenario: workload.Scenario, profile: str,
+                   every_s: float = 1.0) -> tuple[Simulation, list[tuple[int, str | None]]]:
+    """Predictive on a one-application drifting scenario, probing the learned model every `every_s`
+    simulated seconds: (the finished run, [(instances started, the model's favourite specialist)])."""
+    plan = scenario.plans[0]
+    sim = Simulation(load_profile(profile), resolve_policy("predictive"))
+    for p in scenario.plans:
+        sim.add_client(p)
+    curve: list[tuple[int, str | None]] = []
+
+    def probe() -> None:
+        branching = sim.branching_of(plan)
+        model = sim.forecast.book.models.get((plan.salt, plan.spec.name))
+        if branching is not None:
+            odds = model.choice(plan.spec, "triage") if model is not None else {}
+            curve.append((branching.instances, max(odds, key=odds.__getitem__) if odds else None))
+        if sim.pending_events():
+            sim.at(sim.now + every_s, probe)
+
+    sim.at(every_s, probe)
+    sim.run()
+    return sim, curve
+
+
 def drift_rows(profiles: list[str], quick: bool, bar: tqdm) -> list[dict[str, Any]]:
-    """One application (one model to learn), 4 tickets in flight, many tickets each."""
+    """One application (one model to learn), 4 tickets in flight, many tickets each; the specialists'
+    odds reverse halfway. Latency recovery per policy, and how many instances the learned model takes
+    to name the new favourite specialist (for good: at every probe after)."""
     rows = []
     iterations = 30 if quick else 80
     for profile in profiles:
@@ -130,11 +158,21 @@ def drift_rows(profiles: list[str], quick: bool, bar: tqdm) -> list[dict[str, An
         scenario = workload.dynamic(branches=6, skew=2.0, loop_p=0.3, clients=4, apps=1, fixed=6144,
                                     iterations=iterations, mix="drift")
         plan = scenario.plans[0]
-        change = plan.branching.switch_at if plan.branching else 0
+        assert plan.branching is not None and plan.branching.later is not None
+        change = plan.branching.switch_at
+        later = plan.branching.later["triage"]
+        favourite = max(later, key=later.__getitem__)
         row: dict[str, Any] = {"profile": profile, "instances": len(scenario.plans) * (iterations + plan.warmup),
                                "change_at": change, "results": {}}
         for policy in ("hicache", "kvflow", "predictive"):
-            result, sim = simulate(scenario, load_profile(profile), policy)
+            if policy == "predictive":
+                sim, curve = learning_curve(scenario, profile)
+                result = summarise(sim)
+                after = [(n, fav) for n, fav in curve if n > change]
+                wrong = [n for n, fav in after if fav != favourite]
+                row["model_learns_new_favourite_after"] = (max(wrong) - change if wrong else 0) if after else None
+            else:
+                result, sim = simulate(scenario, load_profile(profile), policy)
             latencies = [it.latency for it in sorted(sim.iterations, key=lambda it: it.start)]
             row["results"][policy] = {"latency_s": result["latency_s"], **recovery(latencies, change)}
         rows.append(row)
@@ -206,7 +244,8 @@ def tables(report: dict[str, Any]) -> str:
                           f"{'-' if r['instances'] is None else r['instances']} instances)"
                           for p, r in row["results"].items())
         lines.append(f"drift {row['profile'][:8]} (change at instance {row['change_at']} of {row['instances']}): "
-                     f"{cells}")
+                     f"{cells}; the learned model names the new favourite for good "
+                     f"{row['model_learns_new_favourite_after']} instances after the change")
     if report["static"]:
         worst = max(report["static"], key=lambda r: r["ratio"])
         lines.append(f"static paper grids: predictive / kvflow latency at most {worst['ratio']:.4f} "

@@ -1,5 +1,5 @@
-"""Smoke tests: benchmarks/paper_figures.py (fig8, --quick) and benchmarks/soak.py (a tiny soak) run end to
-end and write their JSON and plots."""
+"""Smoke tests: benchmarks/paper_figures.py (fig8, --quick), benchmarks/soak.py (a tiny soak),
+benchmarks/scale.py and benchmarks/dynamic.py (--quick) run end to end and write their JSON and plots."""
 
 from __future__ import annotations
 
@@ -95,3 +95,23 @@ def test_scale_quick(tmp_path: Path) -> None:
     assert {row["params"]["policy"] for row in rows if row["bench"] == "simulator"} == {"lru", "kvflow"}
     assert all(value > 0 for row in rows for value in row["result"].values())
     assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_dynamic_quick(tmp_path: Path) -> None:
+    """benchmarks/dynamic.py --quick --no-cpu: every section runs and reports what the targets read."""
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dynamic.py"), "--quick", "--no-cpu",
+                           "--no-progress", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "prefetch used / issued" in proc.stdout and "static paper grids" in proc.stdout
+    report = json.loads((tmp_path / "dynamic.json").read_text())
+    assert report["grid"] and report["adversarial"] and report["drift"] and report["static"]
+    for row in report["grid"]:
+        assert set(row["results"]) == {"lru", "hicache", "kvflow", "predictive", "oracle"}
+        for result in row["results"].values():
+            assert result["prefetch_used"] + result["prefetch_wasted"] <= result["prefetch_issued"]
+    # on workflows without choices predictive is static kvflow: the same latency to the digit
+    assert all(row["ratio"] == pytest.approx(1.0, abs=1e-9) for row in report["static"])
+    assert report["drift"][0]["model_learns_new_favourite_after"] is not None
+    assert (tmp_path / "dynamic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

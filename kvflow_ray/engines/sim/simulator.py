@@ -146,6 +146,10 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self._events, (time, self._seq, fn))
 
+    def pending_events(self) -> int:
+        """Events scheduled and not yet run (a probe reschedules itself only while others remain)."""
+        return len(self._events)
+
     def run(self, max_events: int = 50_000_000) -> None:
         for _ in range(max_events):
             if not self._events:
@@ -204,6 +208,10 @@ class Simulation:
             self.router.add_client(plan)
         self.at(plan.start_at, client.begin)
         return client
+
+    def branching_of(self, plan: ClientPlan) -> Branching | None:
+        """This run's copy of the plan's `Branching` (its instance count), once a client of it exists."""
+        return None if plan.branching is None else self._branchings.get(id(plan.branching))
 
     def new_request(self, client: WorkflowClient, agent: str) -> SimRequest:
         self._rid += 1
