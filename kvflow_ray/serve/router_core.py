@@ -646,22 +646,18 @@ class RouterCore:
         back, coalesced by the store's write buffer, when it learned something)."""
         if not spec.dynamic:
             return
-        history = record.get("history") or []
-        if not self.forecast.learns:
-            record["history"] = [*history, agent][-self.forecast.book.history_len:]
-            return
-        key = (tenant, spec.name)
-        if key not in self.forecast.book.models:
+        learns = self.forecast.learns
+        if learns and (tenant, spec.name) not in self.forecast.book.models:
             try:
                 saved = self.store.get_model(tenant, spec.name)
-            except Exception:
+            except Exception:  # the model is an optimisation: a store error leaves it cold
                 saved = None
-            model = self.forecast.book.model(tenant, spec.name)
             if isinstance(saved, dict):
-                model.load(saved)
-        record["history"] = self.forecast.started(tenant, spec.name, state, history, agent)
-        self.store.put_model(tenant, spec.name, self.forecast.book.model(tenant, spec.name).to_dict(),
-                             ttl_s=self.template_ttl_s)
+                self.forecast.book.model(tenant, spec.name).load(saved)
+        record["history"] = self.forecast.started(tenant, spec.name, state, record.get("history") or [], agent)
+        if learns:
+            self.store.put_model(tenant, spec.name, self.forecast.book.model(tenant, spec.name).to_dict(),
+                                 ttl_s=self.template_ttl_s)
 
     def prediction_accuracy(self) -> dict[str, tuple[int, int]]:
         """(hits, predictions) of the most likely next agent, one and two steps ahead, over every
