@@ -422,13 +422,22 @@ def workflows() -> dict[str, Any]:
                    Target(or_zero(sum_by(["outcome"], rate(DECISIONS)), label="outcome"), "{{outcome}}"),
                    width=12, stacking="normal"),
     ]
+    prediction = [
+        timeseries("Next-agent prediction accuracy", "Dynamic workflows under the predictive policy: how often "
+                   "the router's learned transition models named the agent that ran next, one and two steps "
+                   "ahead (all tenants); '(none)' while no dynamic workflow has been scored. Falling accuracy "
+                   "means the applications changed how they choose; the models follow within tens of instances.",
+                   "percentunit", Target(or_zero(sum_by(["steps"], selector("kvflow_prediction_accuracy")),
+                                                 label="steps"), "{{steps}} step(s) ahead"),
+                   width=24, min=0, soft_max=1),
+    ]
     return dashboard(
         "kvflow-workflows", "kvflow workflows",
         "Per-tenant workflow view: live workflows and step-graph deviations by tenant (the router's tenant-labelled "
         "metrics), with the fleet's routing outcomes, device hit ratio and latency alongside (no tenant label).",
         [datasource_variable(), label_variable("replica", "Replica", "kvflow_queue_length"),
          label_variable("tenant", "Tenant", "kvflow_workflows_active")],
-        [headline, tenants, routing, latency],
+        [headline, tenants, routing, latency, prediction],
     )
 
 

@@ -5,6 +5,7 @@ engine keeps for an agent, and the load generator's walk of each example workflo
 from __future__ import annotations
 
 import argparse
+import inspect
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,12 @@ def test_app_config_rejects_what_it_cannot_run() -> None:
         AppConfig(state_ttl_s=600, template_idle_ttl_s=60)
     options = AppConfig(state_ttl_s=600, store_grace_s=5).router_options()  # what the router actor is made with
     assert options["ttl_s"] == 600 and options["store_grace_s"] == 5 and options["template_ttl_s"] >= 600
+    # every option is one get_router takes; the engines' policy says how the router ranks agents
+    from kvflow_ray.serve.router_actor import get_router
+
+    assert set(options) <= set(inspect.signature(get_router).parameters)
+    assert options["prediction"] == "graph"
+    assert AppConfig(policy="predictive").router_options()["prediction"] == "learned"
 
 
 def test_api_keys_can_come_from_an_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:

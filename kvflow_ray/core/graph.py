@@ -353,6 +353,15 @@ class WorkflowSpec:
         """Whether any agent chooses one successor at run time (`next: one`)."""
         return bool(self._priors)
 
+    @property
+    def choosers(self) -> tuple[str, ...]:
+        """The `next: one` agents, in file order."""
+        return tuple(self._priors)
+
+    def choosers_before(self, agent: str) -> tuple[str, ...]:
+        """The `next: one` agents among `agent`'s predecessors."""
+        return self._exclusive_after[agent]
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data that :func:`parse_spec` turns back into an equal spec (prompt files are inlined)."""
         out: dict[str, Any] = {"name": self.name}

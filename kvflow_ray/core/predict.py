@@ -107,7 +107,7 @@ class TransitionModel:
     def transitions(self, spec: WorkflowSpec, history: Sequence[str] = ()) -> dict[str, dict[str, float]]:
         """Every `next: one` agent's choice; the one that ran last gets its narrow context."""
         current = history[-1] if history else None
-        return {u: self.choice(spec, u, history if u == current else None) for u in spec._priors}
+        return {u: self.choice(spec, u, history if u == current else None) for u in spec.choosers}
 
     def score(self, spec: WorkflowSpec, history: Sequence[str], started: str) -> None:
         """Count whether `started` was the most likely agent one step after `history[-1]` and two
@@ -134,7 +134,7 @@ class TransitionModel:
             successors = spec.successors(agent)
             if len(successors) == 1:
                 agent = successors[0]
-            elif agent in spec._priors:
+            elif agent in spec.choosers:
                 odds = self.choice(spec, agent, history)
                 agent = max(odds, key=lambda v: odds[v])
             else:
@@ -253,7 +253,7 @@ class TransitionBook:
         if history:
             model.score(spec, history, agent)
         got = state.arrived.get(agent, ())
-        for chooser in spec._exclusive_after[agent]:
+        for chooser in spec.choosers_before(agent):
             if chooser in got:
                 model.observe(chooser, agent, history)
         return [*history, agent][-self.history_len:]

@@ -286,7 +286,8 @@ class WorkflowRouterActor:
 def get_router(store_url: str | None = None, *, create: bool = True, ttl_s: float = 3600.0,
                balance_threshold: int = 2, prefetch_horizon: int = 1, limits: dict[str, Any] | None = None,
                template_ttl_s: float | None = None, store_grace_s: float = 30.0,
-               store_max_pending: int = 100_000, route_policy: str = "prefix-affinity") -> Any:
+               store_max_pending: int = 100_000, route_policy: str = "prefix-affinity",
+               prediction: str = "graph") -> Any:
     """The deployment's router actor, created on first use (named, so every process finds the same
     one; the first creator's settings win)."""
     if not create:
@@ -295,7 +296,7 @@ def get_router(store_url: str | None = None, *, create: bool = True, ttl_s: floa
                                        lifetime="detached").remote(store_url, ttl_s, balance_threshold,
                                                                    prefetch_horizon, limits, template_ttl_s,
                                                                    store_grace_s, store_max_pending,
-                                                                   route_policy)
+                                                                   route_policy, prediction)
 
 
 def stop_router() -> None:

@@ -300,7 +300,7 @@ class WorkflowClient:
         self.sim.publish(plan.key, self.sim.forecast.steps(plan.salt, plan.spec.name, self.state, self.history, truth))
 
     def _upcoming(self) -> dict[str, str]:
-        for chooser in self.plan.spec._priors:
+        for chooser in self.plan.spec.choosers:
             if chooser not in self.upcoming:
                 self.upcoming[chooser] = self._draw(self.branching.odds(self.plan.spec, chooser))
         return self.upcoming
@@ -331,7 +331,7 @@ class WorkflowClient:
     def on_done(self, agent: str) -> None:
         state = self.state
         ready = state.finish_and_ready(agent)
-        if agent in self.plan.spec._priors:
+        if agent in self.plan.spec.choosers:
             ready = self._choose(agent, state.choices(agent))
         loop_back = [v for v in ready if v in self._entry]
         if loop_back:  # back at the entry: one pass of the loop is done
