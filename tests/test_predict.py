@@ -281,3 +281,21 @@ def test_kvflow_run_walks_one_alternative_per_choice() -> None:
                 seen[walk[i + 1]] = seen.get(walk[i + 1], 0) + 1
         assert iteration_stages(workflow, random.Random(seed)) == stages
     assert seen["billing"] > seen["technical"] > seen["account"]  # weights 6 : 3 : 1
+
+
+def test_only_the_oracle_reads_the_true_choices() -> None:
+    """The simulator hands every predictor the draws its clients will make; a learned (or graph, or
+    priors) predictor must rank by what it knows, never by them."""
+    from kvflow_ray.engines.sim.simulator import KnownChoices
+
+    spec = parse_spec(SUPPORT)
+    state = WorkflowState(spec)
+    state.finish("intake")
+    state.start("triage")
+    truth = KnownChoices({"triage": "technical", "reviewer": "done"})
+    for name in ("graph", "priors", "learned"):
+        forecast = Forecaster(name)
+        assert forecast.steps("t", "support", state, ["intake", "triage"], truth) == \
+            forecast.steps("t", "support", state, ["intake", "triage"])
+    oracle = Forecaster("oracle").steps("t", "support", state, ["intake", "triage"], truth)
+    assert oracle["technical"] == 1.0 and oracle["billing"] == math.inf

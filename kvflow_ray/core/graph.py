@@ -506,7 +506,9 @@ class WorkflowState:
         passes through u until it picks v, were the choice repeated), so the likelier alternative is
         the nearer one and an agent that p = 0 leads to is at ∞ through u. ``transitions`` gives p
         (a learned model's); an agent missing there uses its spec's weights. Without `next: one`
-        agents the values equal :meth:`steps_to_execution`."""
+        agents the values equal :meth:`steps_to_execution` (and are those, remembered per state)."""
+        if not self.spec.dynamic:
+            return self.steps_to_execution()
         return self._distances(transitions)[0]
 
     def reach_probability(self, transitions: Transitions | None = None) -> dict[str, float]:

@@ -174,6 +174,7 @@ class Predictor(Protocol):
     learns: bool  # it reads a `TransitionModel` that the driver updates on every agent start
     # its steps weigh choices by probability: prefetch reaches `likely_reach(horizon)` in them
     weighted: bool
+    reads_truth: bool  # it ranks by the true next choices, which only a simulator knows (a bound)
 
     def steps(self, state: WorkflowState, model: ChoiceModel | None, history: Sequence[str]) -> dict[str, float]:
         ...
@@ -183,6 +184,7 @@ class GraphSteps:
     name = "graph"
     learns = False
     weighted = False
+    reads_truth = False
 
     def steps(self, state: WorkflowState, model: ChoiceModel | None, history: Sequence[str]) -> dict[str, float]:
         return state.steps_to_execution()
@@ -192,6 +194,7 @@ class PriorSteps:
     name = "priors"
     learns = False
     weighted = True
+    reads_truth = False
 
     def steps(self, state: WorkflowState, model: ChoiceModel | None, history: Sequence[str]) -> dict[str, float]:
         return state.expected_steps()
@@ -201,6 +204,7 @@ class LearnedSteps:
     name = "learned"
     learns = True
     weighted = True
+    reads_truth = False
 
     def steps(self, state: WorkflowState, model: ChoiceModel | None, history: Sequence[str]) -> dict[str, float]:
         if model is None or not state.spec.dynamic:
@@ -264,6 +268,7 @@ class OracleSteps(LearnedSteps):
 
     name = "oracle"
     learns = False
+    reads_truth = True
 
 
 PREDICTION.register("oracle", lambda context: OracleSteps())
@@ -287,7 +292,11 @@ class Forecaster:
 
     def steps(self, tenant: str, template: str, state: WorkflowState, history: Sequence[str],
               truth: ChoiceModel | None = None) -> dict[str, float]:
-        model: ChoiceModel | None = truth
-        if model is None and self.learns:
+        """The steps `state`'s agents are ranked by. `truth`: the true next choices, read only by a
+        predictor that is a bound (`oracle`); every other one ignores it."""
+        model: ChoiceModel | None = None
+        if self.predictor.reads_truth:
+            model = truth
+        elif self.learns and state.spec.dynamic:
             model = self.book.model(tenant, template)
         return self.predictor.steps(state, model, history)
