@@ -26,7 +26,8 @@ def test_run_starts_the_embedded_default_and_reports(free_port: Callable[[], int
         [sys.executable, "-m", "kvflow_ray.cli", "run", str(ROOT / "workflows" / "peer.yaml"), "--clients", "3",
          "--iterations", "2", "--max-tokens", "4", "--port", str(free_port()), "--json"],
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # a failed call exits 1 with the report on stdout: show its first error, not only the server log
+    assert done.returncode == 0, done.stdout[-2000:] + "\n" + done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["calls"] == 3 * 2 * 4 and report["errors"] == 0
     assert report["latency_s"]["p50"] > 0 and report["latency_s"]["p99"] >= report["latency_s"]["p50"]

@@ -82,8 +82,8 @@ class LikelyNextPrefetch(StepsAheadPrefetch):
     """Predictive: agents within `likely_reach(horizon, threshold)` expected steps
     (`WorkflowState.expected_steps`, a choice taken with probability p costing 1/p): the next agent
     when it is chosen with probability >= `threshold`, never an unlikely alternative; on a workflow
-    without choices, exactly the agents KVFlow's steps-ahead prefetch loads. Conservative room as every
-    prefetch: free device memory, or memory of nodes needed later than the agent (`plan_loads`)."""
+    without choices, exactly the agents KVFlow's steps-ahead prefetch loads. What a load may displace
+    is `room_beyond`'s rule."""
 
     name = "likely-next"
 
