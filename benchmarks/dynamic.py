@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
-import platform
 import statistics
 import sys
 import time
@@ -40,10 +38,10 @@ from kvflow_ray.engines.sim.profile import load_profile
 from kvflow_ray.engines.sim.runner import run_policies, simulate, summarise
 from kvflow_ray.engines.sim.simulator import Simulation
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import paper_figures
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, wherever it is run from
+import paper_figures  # the README's paper grids, as that benchmark builds them
+import results_file
 
-RESULTS = Path(__file__).parent / "results"
 PROFILES = ["a10g-llama3.1-8b", "h100-qwen2.5-32b"]
 POLICIES = ["lru", "hicache", "kvflow", "predictive", "oracle"]
 CPU_POLICIES = ["lru", "hicache", "kvflow", "predictive"]
@@ -283,11 +281,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a reduced grid, A10G only, quick static grids (a smoke run)")
+    results_file.add_output_arguments(ap, "dynamic", "a reduced grid, A10G only, quick static grids (a smoke run)")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU engine runs (about 4 minutes)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="write dynamic.json and dynamic.png here (default: benchmarks/results, not with --quick)")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = ap.parse_args(argv)
     profiles = PROFILES[:1] if args.quick else PROFILES
     grid = QUICK_GRID if args.quick else GRID
@@ -295,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         len(paper_figures.build_configs(["fig6"], quick=True, tiny=False))
     runs = (len(profiles) * math.prod(map(len, grid.values())) + len(profiles) * (1 if args.quick else 3)
             + len(profiles) + static_configs)
-    out = args.out if args.out is not None else (None if args.quick else RESULTS)
+    out = results_file.output_dir(args)
     started = time.perf_counter()
     with tqdm(total=runs, disable=args.no_progress, file=sys.stderr, unit="config") as bar:
         rows = grid_rows(profiles, grid, bar)
@@ -305,15 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     cpu = [] if args.no_cpu else cpu_rows(args.quick)
     report = {"generated_by": "python benchmarks/dynamic.py" + (" --quick" if args.quick else "")
               + (" --no-cpu" if args.no_cpu else ""),
-              "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
-              "wall_s": time.perf_counter() - started, "grid": rows, "summary": summary(rows),
-              "adversarial": adversarial, "drift": drift, "static": static, "cpu": cpu}
+              "machine": results_file.machine(), "wall_s": time.perf_counter() - started, "grid": rows,
+              "summary": summary(rows), "adversarial": adversarial, "drift": drift, "static": static, "cpu": cpu}
     print(tables(report))
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "dynamic.json").write_text(json.dumps(report, indent=1) + "\n")
-        plot(report, out / "dynamic.png")
-        print(f"wrote {out / 'dynamic.json'} and {out / 'dynamic.png'}", file=sys.stderr)
+        results_file.write(out, "dynamic", report, lambda path: plot(report, path))
     return 0
 
 

@@ -24,20 +24,18 @@ benchmarks/results; --quick writes nowhere unless --out is given).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import results_file
 from tqdm import tqdm
 
 from kvflow_ray.engines.sim import workload
 from kvflow_ray.engines.sim.profile import load_profile
 from kvflow_ray.engines.sim.runner import simulate
 
-RESULTS = Path(__file__).parent / "results"
 PROFILE = "a10g-llama3.1-8b"
 BASELINES = ["ray-prefix", "sglang-cache-aware", "dynamo-kv", "llmd-precise", "pow2", "round-robin"]
 ROUTERS = ["workflow", *BASELINES]
@@ -210,14 +208,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="8 replicas, two rates, 64 instances, no tuning (a smoke run)")
     ap.add_argument("--replicas", default="8,32", help="comma-separated replica counts for the sweep")
     ap.add_argument("--clients", type=int, default=256, help="workflow instances per run, per 8 replicas")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-tune", action="store_true", help="skip the threshold sweep of the baselines")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="write fleet.json and fleet.png here (default: benchmarks/results, not with --quick)")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    results_file.add_output_arguments(ap, "fleet", "8 replicas, two rates, 64 instances, no tuning (a smoke run)")
     args = ap.parse_args(argv)
     replica_counts = [8] if args.quick else [int(r) for r in args.replicas.split(",")]
     rates = [2.0, 8.0] if args.quick else RATES
@@ -227,21 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     runs = len(replica_counts) * len(rates) * (len(ROUTERS) * len(POLICIES) + len(BOUND_ROUTERS))
     if tuning:
         runs += len(instances) * (1 + sum(map(len, TUNING.values())) + len(BOUND_ROUTERS))
-    out = args.out if args.out is not None else (None if args.quick else RESULTS)
+    out = results_file.output_dir(args)
     started = time.perf_counter()
     with tqdm(total=runs, disable=args.no_progress, file=sys.stderr, unit="run") as bar:
         rows = sweep(replica_counts, rates, clients, args.seed, bar)
         tuned = tune(instances, 8.0, args.seed, bar) if tuning else []
     report = {"generated_by": "python benchmarks/fleet.py" + (" --quick" if args.quick else ""),
-              "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
-              "profile": PROFILE, "wall_s": time.perf_counter() - started, "sweep": rows,
-              "comparison": comparison(rows), "tune": tuned, "tuned": tuned_comparison(tuned) if tuned else []}
+              "machine": results_file.machine(), "profile": PROFILE, "wall_s": time.perf_counter() - started,
+              "sweep": rows, "comparison": comparison(rows), "tune": tuned,
+              "tuned": tuned_comparison(tuned) if tuned else []}
     print(tables(report))
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "fleet.json").write_text(json.dumps(report, indent=1) + "\n")
-        plot(rows, out / "fleet.png")
-        print(f"wrote {out / 'fleet.json'} and {out / 'fleet.png'}", file=sys.stderr)
+        results_file.write(out, "fleet", report, lambda path: plot(rows, path))
     return 0
 
 

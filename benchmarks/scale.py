@@ -24,8 +24,6 @@ and a log-log plot (cost vs size) in DIR (default benchmarks/results; --quick wr
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
 import statistics
 import sys
@@ -34,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import results_file
 from tqdm import tqdm
 
 from kvflow_ray.core.cache import TieredCache
@@ -46,7 +45,6 @@ from kvflow_ray.engines.sim.runner import simulate
 from kvflow_ray.serve.router_core import RouterCore
 from kvflow_ray.serve.store import BufferedStore, MemoryStore
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PAGE = 16  # tokens per leaf
 
 
@@ -258,12 +256,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small sizes only (a smoke run, about 20 s)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="write scale.json and scale.png here (default: benchmarks/results, not with --quick)")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    results_file.add_output_arguments(ap, "scale", "small sizes only (a smoke run, about 20 s)")
     args = ap.parse_args(argv)
-    out = args.out if args.out is not None else (None if args.quick else RESULTS)
+    out = results_file.output_dir(args)
     runs = grid(args.quick)
     rows = []
     with tqdm(total=len(runs), disable=args.no_progress, file=sys.stderr, unit="run") as bar:
@@ -273,14 +268,9 @@ def main(argv: list[str] | None = None) -> int:
             bar.update()
     print(table(rows))
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
         report = {"generated_by": "python benchmarks/scale.py" + (" --quick" if args.quick else ""),
-                  "machine": {"python": platform.python_version(),
-                              "processor": platform.processor() or platform.machine()},
-                  "rows": rows}
-        (out / "scale.json").write_text(json.dumps(report, indent=1) + "\n")
-        plot(rows, out / "scale.png")
-        print(f"wrote {out / 'scale.json'} and {out / 'scale.png'}", file=sys.stderr)
+                  "machine": results_file.machine(), "rows": rows}
+        results_file.write(out, "scale", report, lambda path: plot(rows, path))
     return 0
 
 
