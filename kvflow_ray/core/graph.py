@@ -458,6 +458,10 @@ class WorkflowState:
         caller's move, and so is reading a start agent in the list as a return to the entry (one
         pass of a loop over)."""
         self.finish(agent)
+        return self._ready_after(agent)
+
+    def _ready_after(self, agent: str) -> list[str]:
+        """The successors of ``agent`` that may start now and are not running, in file order."""
         return [v for v in self.spec._successors[agent] if v not in self.running and self.ready(v)]
 
     def choices(self, agent: str) -> list[str]:
@@ -465,7 +469,7 @@ class WorkflowState:
         not exhausted), in file order; the caller starts exactly one of them. An agent that has run its
         `max_iterations` leaves its loop: only the successors it cannot come back through remain
         (when there are any), so the walk goes on to the exit instead of stalling at the limit."""
-        ready = [v for v in self.spec._successors[agent] if v not in self.running and self.ready(v)]
+        ready = self._ready_after(agent)
         if self.exhausted(agent):
             exits = [v for v in ready if agent not in self.spec._reaches[v]]
             return exits or ready

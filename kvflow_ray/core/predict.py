@@ -191,26 +191,23 @@ class GraphSteps:
 
 
 class PriorSteps:
+    """Expected steps under the choice model the forecast hands it; without one, the spec's weights."""
+
     name = "priors"
     learns = False
     weighted = True
     reads_truth = False
 
     def steps(self, state: WorkflowState, model: ChoiceModel | None, history: Sequence[str]) -> dict[str, float]:
-        return state.expected_steps()
+        transitions: Transitions | None = None if model is None else model.transitions(state.spec, history)
+        return state.expected_steps(transitions)
 
 
-class LearnedSteps:
+class LearnedSteps(PriorSteps):
+    """The same, under the transition model the forecast learns from the agents it sees start."""
+
     name = "learned"
     learns = True
-    weighted = True
-    reads_truth = False
-
-    def steps(self, state: WorkflowState, model: ChoiceModel | None, history: Sequence[str]) -> dict[str, float]:
-        if model is None or not state.spec.dynamic:
-            return state.expected_steps()
-        transitions: Transitions = model.transitions(state.spec, history)
-        return state.expected_steps(transitions)
 
 
 PREDICTION: Registry[Predictor] = Registry("prediction")
@@ -263,11 +260,10 @@ class TransitionBook:
         return [*history, agent][-self.history_len:]
 
 
-class OracleSteps(LearnedSteps):
+class OracleSteps(PriorSteps):
     """expected steps under the true next choices (a simulator's recorded ones): the bound"""
 
     name = "oracle"
-    learns = False
     reads_truth = True
 
 
@@ -285,10 +281,11 @@ class Forecaster:
         self.learns = self.predictor.learns
 
     def started(self, tenant: str, template: str, state: WorkflowState, history: list[str], agent: str) -> list[str]:
-        """Before `state.start(agent)`: the new history (and, when learning, the model updated)."""
+        """Before `state.start(agent)`: when learning a dynamic workflow, the model updated and the new
+        history; otherwise `history` as it is (only a learned model reads it)."""
         if self.learns and state.spec.dynamic:
             return self.book.started(tenant, template, state, history, agent)
-        return [*history, agent][-self.book.history_len:]
+        return history
 
     def steps(self, tenant: str, template: str, state: WorkflowState, history: Sequence[str],
               truth: ChoiceModel | None = None) -> dict[str, float]:

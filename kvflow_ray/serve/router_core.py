@@ -641,13 +641,12 @@ class RouterCore:
 
     def _learn(self, tenant: str, spec: WorkflowSpec, state: WorkflowState, record: dict[str, Any],
                agent: str) -> None:
-        """Before `agent` starts: the client's recent history moves on, and a `learned` forecast counts
-        the choice that led here in the template's model (loaded from the store on first use; written
-        back, coalesced by the store's write buffer, when it learned something)."""
-        if not spec.dynamic:
+        """Before `agent` starts, under a `learned` forecast of a dynamic workflow: the client's recent
+        history moves on and the choice that led here is counted in the template's model (loaded from
+        the store on first use; written back, coalesced by the store's write buffer)."""
+        if not (spec.dynamic and self.forecast.learns):
             return
-        learns = self.forecast.learns
-        if learns and (tenant, spec.name) not in self.forecast.book.models:
+        if (tenant, spec.name) not in self.forecast.book.models:
             try:
                 saved = self.store.get_model(tenant, spec.name)
             except Exception:  # the model is an optimisation: a store error leaves it cold
@@ -655,9 +654,8 @@ class RouterCore:
             if isinstance(saved, dict):
                 self.forecast.book.model(tenant, spec.name).load(saved)
         record["history"] = self.forecast.started(tenant, spec.name, state, record.get("history") or [], agent)
-        if learns:
-            self.store.put_model(tenant, spec.name, self.forecast.book.model(tenant, spec.name).to_dict(),
-                                 ttl_s=self.template_ttl_s)
+        self.store.put_model(tenant, spec.name, self.forecast.book.model(tenant, spec.name).to_dict(),
+                             ttl_s=self.template_ttl_s)
 
     def prediction_accuracy(self) -> dict[str, tuple[int, int]]:
         """(hits, predictions) of the most likely next agent, one and two steps ahead, over every
