@@ -2,7 +2,10 @@
 
 Policies: lru (device only, a miss recomputes), hicache (LRU + host tier, load on demand),
 kvflow (workflow-aware eviction + prefetch + status-aware admission), kvflow-noprefetch (ablation),
-belady (offline optimum eviction over the known access order), infinite (no capacity limit).
+belady (offline optimum eviction over the known access order), infinite (no capacity limit),
+predictive and oracle (dynamic workflows), lpm (SGLang's longest-prefix-match order), queue-aware
+(PEEK's order over the waiting queue: pioneers first, clusters together, an oldest-first lane;
+eviction protects what queued requests need) and kvflow-qa (kvflow with queue-aware admission).
 
 Examples:
   kvflow-ray sim --scenario single --agents 10 --fixed 8192 --dynamic 32 --output 32 \\
@@ -10,6 +13,8 @@ Examples:
   kvflow-ray sim --scenario concurrent --fixed 1024 --tasks 64 --profile h100-qwen2.5-32b \\
       --policies lru,hicache,kvflow --json
   kvflow-ray sim --workflow workflows/peer.yaml --clients 32 --profile a10g-llama3.1-8b
+  kvflow-ray sim --scenario burst --prompts 16 --policies hicache,lpm,queue-aware --seed 1
+  kvflow-ray sim --scenario fanout --workers 16 --policies kvflow,kvflow-qa
   kvflow-ray sim --scenario concurrent --tasks 128 --replicas 8 --policies lru,kvflow \
       --routing workflow,ray-prefix,sglang-cache-aware,dynamo-kv,llmd-precise,pow2,round-robin
 
@@ -40,8 +45,8 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, single_iterations: i
     """The scenario flags, shared by `sim` and `bench cpu` (DESIGN.md §8); `fleet`: the fleet scenario's
     too (the simulator's alone: its arrivals follow the simulated clock)."""
     which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--scenario", choices=["single", "concurrent", "peer", "dynamic", *(["fleet"] if fleet else [])],
-                       help="a built-in scenario")
+    scenarios = ["single", "concurrent", "peer", "dynamic", "burst", "fanout", *(["fleet"] if fleet else [])]
+    which.add_argument("--scenario", choices=scenarios, help="a built-in scenario")
     which.add_argument("--workflow", metavar="FILE", help="run any workflow spec (YAML/JSON)")
     parser.add_argument("--agents", type=int, default=10, help="agents per workflow (single, concurrent)")
     parser.add_argument("--fixed", type=int, default=None,
@@ -57,19 +62,29 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, single_iterations: i
     parser.add_argument("--clients", type=int, default=None,
                         help="concurrent clients (peer: 64, workflow: 1); workflow instances (fleet: 256, llmd: 1024)")
     parser.add_argument("--branches", type=int, default=4, help="dynamic: specialists that triage chooses one of")
-    parser.add_argument("--skew", type=float, default=1.5,
-                        help="dynamic: Zipf exponent of the specialists' odds (0: uniform)")
+    parser.add_argument("--skew", type=float, default=None,
+                        help="Zipf exponent of the odds, 0: uniform (dynamic: of the specialists, default 1.5; "
+                             "burst: of the system prompts, default 0)")
     parser.add_argument("--loop-p", type=float, default=0.3,
                         help="dynamic: probability that the reviewer sends the ticket back to triage")
     parser.add_argument("--mix", choices=workload.DYNAMIC_MIXES, default="steady",
                         help="dynamic: steady odds; drift (they reverse halfway); adversarial (they reverse "
                              "after the warm-up)")
     parser.add_argument("--apps", type=int, default=None,
-                        help="applications, each with its own prompts (fleet: per tenant, default 2; dynamic: 4)")
+                        help="applications, each with its own prompts (fleet: per tenant, default 2; dynamic: 4; "
+                             "fanout: one per instance)")
+    parser.add_argument("--requests", type=int, default=256, help="burst: calls arriving together")
+    parser.add_argument("--prompts", type=int, default=16,
+                        help="burst: system prompts the calls share (>= --requests: none shared, the control)")
+    parser.add_argument("--system", type=int, default=4096, help="burst: tokens per system prompt")
+    parser.add_argument("--window", type=float, default=None,
+                        help="seconds within which the calls (burst, default 1) or instances (fanout, default 2) "
+                             "arrive")
+    parser.add_argument("--workers", type=int, default=16, help="fanout: workers the planner starts at once")
     if fleet:
         parser.add_argument("--seed", type=int, default=0,
-                            help="seed of the fleet's and dynamic scenario's random draws and of routing "
-                                 "policies that draw at random")
+                            help="seed of the fleet, dynamic, burst and fanout scenarios' random draws and of "
+                                 "routing policies that draw at random")
         parser.add_argument("--rate", type=float, default=None,
                             help="fleet: workflow instances arriving per second, Poisson (default 2; llmd 10)")
         parser.add_argument("--tenants", type=int, default=8, help="fleet: tenants (each its own cache namespace)")
@@ -114,12 +129,23 @@ def build_scenario(args: argparse.Namespace) -> workload.Scenario:
         return workload.fleet(tenants=args.tenants, apps=pick(args.apps, 2), clients=pick(args.clients, 256),
                               rate=2.0 if rate is None else rate, dynamic=pick(args.dynamic, 256),
                               output=pick(args.output, 128), seed=args.seed)
+    seed = args.seed if args._scenario_seeded else 0
+    if args.scenario == "burst":
+        return workload.burst(requests=args.requests, prompts=args.prompts, system=args.system,
+                              question=pick(args.dynamic, 128), output=pick(args.output, 64),
+                              window=1.0 if args.window is None else args.window,
+                              skew=0.0 if args.skew is None else args.skew, seed=seed)
+    if args.scenario == "fanout":
+        return workload.fanout(workers=args.workers, clients=pick(args.clients, 8), apps=args.apps,
+                               fixed=pick(args.fixed, 2048), dynamic=pick(args.dynamic, 128),
+                               output=pick(args.output, 64), iterations=pick(args.iterations, 2),
+                               window=2.0 if args.window is None else args.window, seed=seed)
     if args.scenario == "dynamic":
-        return workload.dynamic(branches=args.branches, skew=args.skew, loop_p=args.loop_p,
+        return workload.dynamic(branches=args.branches, skew=1.5 if args.skew is None else args.skew,
+                                loop_p=args.loop_p,
                                 clients=pick(args.clients, 8), apps=pick(args.apps, 4), fixed=pick(args.fixed, 2048),
                                 dynamic=pick(args.dynamic, 64), output=pick(args.output, 64),
-                                iterations=pick(args.iterations, 12), mix=args.mix,
-                                seed=args.seed if args._scenario_seeded else 0)
+                                iterations=pick(args.iterations, 12), mix=args.mix, seed=seed)
     if args.workflow:
         spec = load_spec(args.workflow)
         return workload.from_spec(spec, clients=pick(args.clients, 1), fixed=pick(args.fixed, 1024),
@@ -189,12 +215,13 @@ def format_table(out: dict) -> str:
     width = max(18, *(len(name) + 2 for name in results))
     lines = [f"scenario {out['scenario']} on {out['profile']} {out['params']}",
              f"{'policy':<{width}}{'latency s':>11}{'p99 s':>9}{'vs lru':>8}{'gpu hit':>9}{'cpu hit':>9}"
-             f"{'recomputed':>12}{'loaded':>10}{'stall s':>9}"]
+             f"{'recomputed':>12}{'loaded':>10}{'stall s':>9}{'ttft p50':>10}{'ttft p99':>10}{'max wait':>10}"]
     for name, r in results.items():
         _policy, at, routing = name.partition("@")
         base = results.get(f"lru@{routing}" if at else "lru") or base  # lru under the same routing
         speedup = base["latency_s"] / r["latency_s"] if r["latency_s"] else float("nan")
         lines.append(f"{name:<{width}}{r['latency_s']:>11.3f}{r['p99_latency_s']:>9.3f}{speedup:>7.2f}x"
                      f"{r['gpu_hit_ratio']:>9.3f}{r['cpu_hit_ratio']:>9.3f}{r['recomputed_tokens']:>12}"
-                     f"{r['loaded_tokens']:>10}{r['prefetch_stall_s']:>9.3f}")
+                     f"{r['loaded_tokens']:>10}{r['prefetch_stall_s']:>9.3f}{r['ttft_p50_s']:>10.3f}"
+                     f"{r['ttft_p99_s']:>10.3f}{r['max_wait_s']:>10.3f}")
     return "\n".join(lines)

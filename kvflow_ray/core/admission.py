@@ -3,22 +3,38 @@ request whose prefix is still loading from the host tier does meanwhile.
 
 A policy owns all of that, so the scheduler (`core.scheduler`) and the SGLang plugin's prefill adder
 act on the same object: `order` ranks the waiting requests (given those whose cached prefix is
-usable now), `loads_while_queued` says whether a
-queued request's host -> device load starts at once (status-aware) or only once it is admitted, and
-`batch_waits_for_loads` whether a prefill batch waits for a member's load (FCFS) or runs without it.
+usable now), `loads_while_queued` says whether a queued request's host -> device load starts at once
+(status-aware) or only once it is admitted, and `batch_waits_for_loads` whether a prefill batch waits
+for a member's load (FCFS) or runs without it. Its driver tells it when a request arrives, is
+admitted, and is done with its prefill (or cancelled), so a policy that looks at what the queue
+shares keeps its view current at the cost of the request that changed.
 
-`status-aware` (KVFlow) holds back a request whose prefix is still loading while other requests
-are ready, so compute never idles behind a copy it could have overlapped.
+- `fcfs`: arrival order; a batch waits for its members' loads (SGLang's default).
+- `status-aware` (KVFlow): holds back a request whose prefix is still loading while other requests
+  are ready, so compute never idles behind a copy it could have overlapped.
+- `lpm`: SGLang's longest-prefix-match order, rebuilt from `python/sglang/srt/managers/
+  schedule_policy.py` (0.5.x) with its defaults: the longest device-cached prefix first; a request
+  with at most `check` (32) cached tokens whose first `deprioritize` (32) tokens match an earlier
+  such request's goes to the end (SGLang's in-batch prefix check); above `fcfs_above` (128) waiting
+  requests the queue keeps its current order (SGLang falls back to FCFS, a no-op sort).
+- `queue-aware`: PEEK's cLPM scheduler (github xiexbing/peek, `python/peek/online/lpm_integration.py`,
+  preset `peek-online`) over the pending tree (`core.pending`), composed with status-aware loading.
+  Details in `QueueAwareAdmission`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, TypeVar
+import math
+import time
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from functools import partial
+from typing import Any, Protocol, TypeVar
 
-from kvflow_ray.core.registry import Registry
+from kvflow_ray.core.pending import PendingNode, PendingTree
+from kvflow_ray.core.radix import RadixTree
+from kvflow_ray.core.registry import PolicyContext, Registry
 
-R = TypeVar("R")
+R = TypeVar("R", bound=Hashable)
 
 
 class AdmissionPolicy(Protocol):
@@ -26,28 +42,258 @@ class AdmissionPolicy(Protocol):
     loads_while_queued: bool  # start a queued request's host -> device load before it is admitted
     batch_waits_for_loads: bool  # a prefill whose KV is loading holds its batch back (else it is passed over)
 
-    def order(self, waiting: Sequence[R], ready: Sequence[R]) -> list[R]:
-        """The requests to try to admit now, in order. `ready`: the waiting requests whose cached
-        prefix is usable now (none of it loading or on the host only), in arrival order."""
+    def arrived(self, req: Any, namespace: str, tokens: Sequence[int]) -> None:
+        """`req` joined the waiting queue with prompt `tokens` in cache namespace `namespace`."""
+        ...
+
+    def admitted(self, req: Any) -> None:
+        """`req` left the waiting queue for the running set (its prefill starts)."""
+        ...
+
+    def done(self, req: Any) -> None:
+        """`req`'s prompt has KV now, or it was cancelled: the policy forgets it (idempotent)."""
+        ...
+
+    def order(self, waiting: Sequence[R], ready: Sequence[R]) -> Iterable[R]:
+        """The requests to try to admit now, in order (the driver admits a prefix of it). `waiting`:
+        the queue in arrival order; `ready`: those whose cached prefix is usable now (none of it
+        loading or on the host only), in arrival order. The driver changes the queue while it
+        consumes the order: a policy never hands back the list it was given."""
         ...
 
 
-class FCFSAdmission:
-    name = "fcfs"
+class ArrivalAdmission:
+    """A policy that needs nothing but the queue it is given: the driver's reports are no-ops."""
+
+    name = "arrival"
     loads_while_queued = False
     batch_waits_for_loads = True
 
-    def order(self, waiting: Sequence[R], ready: Sequence[R]) -> list[R]:
+    def arrived(self, req: Any, namespace: str, tokens: Sequence[int]) -> None:
+        pass
+
+    def admitted(self, req: Any) -> None:
+        pass
+
+    def done(self, req: Any) -> None:
+        pass
+
+    def order(self, waiting: Sequence[R], ready: Sequence[R]) -> Iterable[R]:
         return list(waiting)
 
 
-class StatusAwareAdmission:
+class FCFSAdmission(ArrivalAdmission):
+    name = "fcfs"
+
+
+class StatusAwareAdmission(ArrivalAdmission):
     name = "status-aware"
     loads_while_queued = True
     batch_waits_for_loads = False
 
-    def order(self, waiting: Sequence[R], ready: Sequence[R]) -> list[R]:
+    def order(self, waiting: Sequence[R], ready: Sequence[R]) -> Iterable[R]:
         return list(ready) if ready else list(waiting)
+
+
+class QueueTracking(ArrivalAdmission):
+    """A policy with a view of the whole queue: the pending tree of the tracked requests, with their
+    cached prefixes from the paired walk against the replica's cache tree (`tree`; an engine without
+    one reports each request's cached prefix through `pending.set_cached` before `order`)."""
+
+    def __init__(self, tree: RadixTree | None, clock: Callable[[], float] | None) -> None:
+        self.tree = tree
+        self.clock = clock or time.monotonic
+        self.pending: PendingTree[Any] = PendingTree()
+        self.keys: dict[Any, tuple[str, tuple[int, ...]]] = {}
+        self.arrival: dict[Any, float] = {}
+
+    def arrived(self, req: Any, namespace: str, tokens: Sequence[int]) -> None:
+        tokens = tuple(tokens)
+        self.pending.add(req, namespace, tokens)
+        self.keys[req] = (namespace, tokens)
+        self.arrival[req] = self.clock()
+
+    def done(self, req: Any) -> None:
+        self.pending.discard(req)
+        self.keys.pop(req, None)
+        self.arrival.pop(req, None)
+
+    def walk(self) -> None:
+        if self.tree is not None:
+            self.pending.walk(self.tree)
+
+
+class LongestPrefixAdmission(QueueTracking):
+    """SGLang's `--schedule-policy lpm` (see the module docstring for its source and defaults)."""
+
+    name = "lpm"
+    loads_while_queued = False
+    batch_waits_for_loads = True
+
+    def __init__(self, tree: RadixTree | None, clock: Callable[[], float] | None, *, check: int = 32,
+                 deprioritize: int = 32, fcfs_above: int = 128) -> None:
+        super().__init__(tree, clock)
+        self.check, self.deprioritize, self.fcfs_above = check, deprioritize, fcfs_above
+        self.queue: dict[Any, None] = {}  # the waiting queue in its current order (SGLang sorts it in place)
+
+    def arrived(self, req: Any, namespace: str, tokens: Sequence[int]) -> None:
+        super().arrived(req, namespace, tokens)
+        self.queue[req] = None
+
+    def admitted(self, req: Any) -> None:
+        self.queue.pop(req, None)
+
+    def done(self, req: Any) -> None:
+        super().done(req)
+        self.queue.pop(req, None)
+
+    def order(self, waiting: Sequence[R], ready: Sequence[R]) -> Iterable[R]:
+        if len(self.queue) > self.fcfs_above:
+            return list(self.queue)
+        self.walk()
+        pending, claimed = self.pending, set()
+        deprioritized: set[Any] = set()
+        for req in self.queue:
+            leaf = pending.leaf(req)
+            if leaf is not None and leaf.ready <= self.check:
+                namespace, tokens = self.keys[req]
+                if len(tokens) >= self.deprioritize:
+                    claim = (namespace, tokens[:self.deprioritize])
+                    if claim in claimed:
+                        deprioritized.add(req)
+                    else:
+                        claimed.add(claim)
+
+        def key(req: Any) -> float:
+            leaf = pending.leaf(req)
+            return math.inf if req in deprioritized else -(leaf.ready if leaf is not None else 0)
+
+        ordered = sorted(self.queue, key=key)
+        self.queue = dict.fromkeys(ordered)
+        return ordered
+
+
+class QueueAwareAdmission(QueueTracking):
+    """PEEK's cLPM with group-major order and a dynamic oldest-first lane, composed with status-aware
+    loading (requests whose prefix is loading wait while others are ready; queued loads start at once).
+
+    Each pass ranks the candidates (the ready ones, else all waiting) in sections: 0 warm (more than
+    `check` tokens cached), 1 the rest. A request is *cold* when the prefix it shares with other
+    tracked requests (its pending-tree cluster) runs `check` or more tokens past what is cached: the
+    first such request of a cluster is its pioneer; the others are *deferred* (left out of the order)
+    while the pioneer is ranked ahead of them or its prefill runs, and hit the prefix it computed once
+    it is done. (PEEK only moves them to the end, relying on SGLang's per-pass prefill token budget to
+    keep them out of the pioneer's batch; a scheduler that admits whatever fits in memory needs them
+    held back.)
+
+    Two lanes, interleaved by stride scheduling: lane A keeps clusters together (buckets of a cluster,
+    or a lone request, by section, then cluster depth x size, then oldest member; within a bucket the
+    longest cached prefix first, then arrival); lane B is oldest first (by section, then arrival). Lane
+    B's share b follows the share of lone requests and the age of the oldest (over `age_budget_s`):
+    raw = 0.15 + 0.5 x lone share + 0.3 x age pressure, clamped to [`oldest_floor`, `oldest_ceiling`],
+    smoothed b = 0.7 b + 0.3 raw (PEEK's defaults: floor 0.10, ceiling 0.60, budget 2 s). The floor
+    bounds how long the oldest request can be passed over."""
+
+    name = "queue-aware"
+    loads_while_queued = True
+    batch_waits_for_loads = False
+
+    def __init__(self, tree: RadixTree | None, clock: Callable[[], float] | None, *, check: int = 32,
+                 oldest_floor: float = 0.10, oldest_ceiling: float = 0.60, age_budget_s: float = 2.0) -> None:
+        super().__init__(tree, clock)
+        if not 0 < oldest_floor <= oldest_ceiling < 1:
+            raise ValueError("queue-aware admission needs 0 < oldest_floor <= oldest_ceiling < 1")
+        if age_budget_s <= 0:
+            raise ValueError("queue-aware admission needs age_budget_s > 0")
+        self.check, self.floor, self.ceiling, self.age_budget = check, oldest_floor, oldest_ceiling, age_budget_s
+        self.oldest_share = 0.3  # b, smoothed across passes
+
+    def admitted(self, req: Any) -> None:
+        self.pending.admitted(req)
+
+    def order(self, waiting: Sequence[R], ready: Sequence[R]) -> Iterator[R]:
+        self.walk()
+        check, leaves = self.check, self.pending.leaves
+        claimed: set[PendingNode] = set()
+        buckets: dict[object, list[tuple[int, Any]]] = {}  # a cluster (or a lone request) -> its members
+        bucket_rank: list[tuple[int, int, int, object]] = []
+        sections: tuple[list[Any], list[Any]] = ([], [])
+        lone, oldest_lone = 0, None
+        # candidates come in arrival order: a bucket's first member is its oldest
+        for index, req in enumerate(ready if ready else waiting):
+            leaf = leaves.get(req)
+            if leaf is None:
+                continue
+            cached = leaf.cached
+            cluster: PendingNode | None = leaf
+            while cluster is not None and cluster.count < 2:
+                cluster = cluster.parent
+            if cluster is not None and cluster.parent is None:
+                cluster = None  # the root: it shares nothing
+            if cluster is not None and cluster.depth - cached >= check:
+                # cold: the pioneer of the uncached shared prefix, unless another request computes it
+                # now or is ranked ahead to (then this one waits, and hits what that one computed)
+                cold: list[PendingNode] = []
+                node, blocked = cluster, False
+                while node.parent is not None and node.depth - cached >= check and not blocked:
+                    blocked = bool(node.inflight) or node in claimed
+                    cold.append(node)
+                    node = node.parent
+                if blocked:
+                    continue
+                claimed.update(cold)
+            section = 0 if cached > check else 1
+            sections[section].append(req)
+            group: object = req if cluster is None else cluster
+            members = buckets.get(group)
+            if members is None:
+                buckets[group] = members = []
+                if cluster is None:
+                    lone += 1
+                    oldest_lone = oldest_lone or req
+                    bucket_rank.append((section, 0, index, group))
+                else:
+                    bucket_rank.append((section, -cluster.depth * cluster.count, index, group))
+            elif cluster is None:
+                lone += 1
+            members.append((-cached, req))
+        total = len(sections[0]) + len(sections[1])
+        if not total:
+            return iter(())
+        age = (self.clock() - self.arrival[oldest_lone]) / self.age_budget if oldest_lone is not None else 0.0
+        raw = min(max(0.15 + 0.5 * lone / total + 0.3 * min(1.0, age), self.floor), self.ceiling)
+        self.oldest_share = 0.7 * self.oldest_share + 0.3 * raw
+        bucket_rank.sort(key=lambda rank: rank[:3])
+        lane_a = (req for *_rank, group in bucket_rank
+                  for _neg, req in sorted(buckets[group], key=lambda member: member[0]))
+        lane_b = (req for section in sections for req in section)
+        return _stride(lane_a, lane_b, 1 - self.oldest_share, total)
+
+
+def _stride(lane_a: Iterator[Any], lane_b: Iterator[Any], share_a: float, total: int) -> Iterator[Any]:
+    """Interleave two orders of the same requests by stride scheduling: lane A gets `share_a` of the
+    picks (ties go to A), each request once."""
+    stride_a, stride_b = 1 / share_a, 1 / (1 - share_a)
+    clock_a, clock_b = stride_a, stride_b
+    picked: set[int] = set()
+    while len(picked) < total:
+        use_a = clock_a <= clock_b
+        lane = lane_a if use_a else lane_b
+        for req in lane:
+            if id(req) not in picked:
+                picked.add(id(req))
+                yield req
+                break
+        else:  # that lane is spent: the other holds the rest
+            if use_a:
+                clock_a = math.inf
+            else:
+                clock_b = math.inf
+            continue
+        if use_a:
+            clock_a += stride_a
+        else:
+            clock_b += stride_b
 
 
 ADMISSION: Registry[AdmissionPolicy] = Registry("admission")
@@ -55,3 +301,20 @@ ADMISSION: Registry[AdmissionPolicy] = Registry("admission")
 ADMISSION.register("fcfs", lambda context: FCFSAdmission())
 # ready requests first, queued loads start at once (KVFlow)
 ADMISSION.register("status-aware", lambda context: StatusAwareAdmission())
+
+
+@partial(ADMISSION.register, "lpm")
+def _lpm(context: PolicyContext, *, check: int = 32, deprioritize: int = 32,
+         fcfs_above: int = 128) -> AdmissionPolicy:
+    """SGLang's longest-prefix-match order with its in-batch prefix check"""
+    return LongestPrefixAdmission(context.tree, context.clock, check=check, deprioritize=deprioritize,
+                                  fcfs_above=fcfs_above)
+
+
+@partial(ADMISSION.register, "queue-aware")
+def _queue_aware(context: PolicyContext, *, check: int = 32, oldest_floor: float = 0.10,
+                 oldest_ceiling: float = 0.60, age_budget_s: float = 2.0) -> AdmissionPolicy:
+    """PEEK's cluster-aware order over the pending tree: pioneers first, clusters together, an
+    oldest-first lane with a floor; status-aware loading"""
+    return QueueAwareAdmission(context.tree, context.clock, check=check, oldest_floor=oldest_floor,
+                               oldest_ceiling=oldest_ceiling, age_budget_s=age_budget_s)

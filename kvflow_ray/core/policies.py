@@ -315,6 +315,42 @@ def _belady(context: PolicyContext) -> EvictionPolicy:
     return BeladyPolicy(context.future)
 
 
+class DemandFirst:
+    """Queued demand first, then the base policy: a node that queued requests' cached prefixes reach
+    (`RadixNode.demand`, left by the queue-aware admission's paired walk, `core.pending`) goes after
+    every node none reaches, the least demanded first. PEEK's eviction hook (github xiexbing/peek,
+    `python/peek/online/eviction.py`) weighs demand by depth and looks up through the node's
+    ancestors; here a node's own demand ranks it: a leaf only a finished request used goes before the
+    prompt a queued request is about to hit, whatever sits above it."""
+
+    def __init__(self, base: EvictionPolicy) -> None:
+        self.base = base
+        self.name = f"demand-{base.name}"
+        self.incremental = getattr(base, "incremental", False)  # demand changes mark nodes dirty
+        self.book = getattr(base, "book", None)
+
+    def priority(self, node: RadixNode) -> tuple[float, ...]:
+        return (node.demand, *self.base.priority(node))
+
+    def __getattr__(self, name: str) -> object:
+        """What else the base offers (a distance policy's `node_distance`), with keys that match."""
+        if name == "needed_by" and hasattr(self.base, "needed_by"):
+            return lambda steps: (0, *self.base.needed_by(steps))  # type: ignore[attr-defined]
+        if name in ("node_distance", "tags_distance", "distance", "version"):
+            return getattr(self.base, name)
+        raise AttributeError(name)
+
+
+# queued demand first, then least recently used (PEEK's eviction over SGLang's LRU)
+EVICTION.register("demand-lru", lambda context: DemandFirst(LRUPolicy()))
+
+
+@partial(EVICTION.register, "demand-kvflow")
+def _demand_kvflow(context: PolicyContext) -> EvictionPolicy:
+    """queued demand first, then farthest steps-to-execution, then LRU"""
+    return DemandFirst(_kvflow(context))
+
+
 def make_eviction_policy(name: str, book: StepBook | None = None,
                          future: FutureAccesses | None = None) -> EvictionPolicy:
     return EVICTION.create(name, PolicyContext(book=book, future=future))

@@ -75,6 +75,9 @@ class RadixNode:
     # on a child of the root: bumped by every change of structure or tier in its subtree, so a look-up
     # that starts here can be reused while it stays the same
     subtree_version: int = 0
+    # queued requests whose cached prefix reaches this node (`pending.PendingTree.walk`): what a
+    # demand-aware eviction policy protects
+    demand: int = 0
     # what a router's indexes call this node's sequence (its hash, its block hashes, its length),
     # computed at its first cache event (a node's sequence and namespace never change: a split gives
     # the upper part to a new node)

@@ -11,6 +11,7 @@ policies this calls, never in an engine.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -64,6 +65,13 @@ POLICIES: dict[str, PolicyConfig] = {
     # the clairvoyant bound: Belady eviction over the recorded trace, prefetch of the true next agent
     "oracle": PolicyConfig("oracle", "belady", host_tier=True, prefetch="steps-ahead", admission="status-aware",
                            oracle=True, prediction="oracle"),
+    # queue-aware prefix scheduling: SGLang's longest-prefix-match order (its `--schedule-policy lpm`,
+    # with HiCache), PEEK's queue-aware order and demand-protecting eviction, and that with KVFlow's
+    "lpm": PolicyConfig("lpm", "lru", host_tier=True, prefetch="none", admission="lpm"),
+    "queue-aware": PolicyConfig("queue-aware", "demand-lru", host_tier=True, prefetch="none",
+                                admission="queue-aware"),
+    "kvflow-qa": PolicyConfig("kvflow-qa", "demand-kvflow", host_tier=True, prefetch="steps-ahead",
+                              admission="queue-aware"),
 }
 
 
@@ -107,10 +115,15 @@ class CacheRequest:
     miss: int = 0
     stall: float = 0.0  # time from arrival until the KV it had to load was on the device
     started: bool = False
+    admitted_at: float = -1.0  # when it left the waiting queue (its wait: admitted_at - arrival)
+    first_token_at: float = -1.0  # when its prompt had KV and its first output token existed
 
     @property
     def prefilling(self) -> bool:
         return self.prefill_pos < len(self.tokens)
+
+
+SAMPLES = 100_000
 
 
 @dataclass
@@ -122,6 +135,11 @@ class ReplicaStats:
     stall_s: float = 0.0
     requests: int = 0
     prefetch: PrefetchLedger = field(default_factory=PrefetchLedger)  # the cache's ledger
+    # measured requests' time to first token and time in the waiting queue (the latest `SAMPLES` of
+    # each, so a long-running engine stays bounded), and the longest wait of all
+    ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    waits: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    max_wait_s: float = 0.0
 
 
 class Copier(Protocol):
@@ -198,7 +216,7 @@ class ReplicaScheduler:
         self.measuring = measuring
         self.events = events
         self.max_running = max_running
-        context = PolicyContext(book=book)
+        context = PolicyContext(book=book, tree=cache.tree, clock=clock)
         self.admission: AdmissionPolicy = ADMISSION.create(policy.admission, context)
         self.prefetcher: PrefetchPolicy = PREFETCH.create(policy.prefetch, context,
                                                           {"horizon": horizon, "max_inflight": max_inflight})
@@ -262,12 +280,14 @@ class ReplicaScheduler:
         req.seq = self._arrivals
         self.waiting.append(req)
         self.queue.add(req)
+        self.admission.arrived(req, req.cache_salt, req.tokens)
         self.waiting_need += self._queued_need(req)
 
     def cancel(self, req: CacheRequest) -> None:
         """Drop a request (client gone, engine error): its locks and memory go back."""
         self._changes += 1
         self._decode_batch = None
+        self.admission.done(req)
         if req in self.waiting:
             self.waiting.remove(req)
             self.queue.discard(req)
@@ -524,6 +544,8 @@ class ReplicaScheduler:
             self.queue.discard(req)
             self.waiting_need -= self._queued_need(req)
             self.running.append(req)
+            self.admission.admitted(req)
+            req.admitted_at = self.clock()
             admitted.append(req)
         return admitted
 
@@ -581,6 +603,8 @@ class ReplicaScheduler:
         req.prefill_pos += n
         if req.prefilling:
             return False
+        self.admission.done(req)
+        req.first_token_at = self.clock()
         computed = len(req.tokens) - min(req.matched, len(req.tokens) - 1)
         if adopted is None and self.events is not None:
             adopted = []
@@ -623,6 +647,10 @@ class ReplicaScheduler:
             self.stats.cpu_tokens += req.cpu_hit
             self.stats.miss_tokens += req.miss
             self.stats.stall_s += req.stall
+            wait = req.admitted_at - req.arrival
+            self.stats.waits.append(wait)
+            self.stats.max_wait_s = max(self.stats.max_wait_s, wait)
+            self.stats.ttfts.append(req.first_token_at - req.arrival)
         if free_slots is not None:
             free_slots()
         self.plan_prefetch()

@@ -49,7 +49,6 @@ class CpuRequest(CacheRequest):
     own: torch.Tensor | None = None  # its private slots (uncached prompt part + output budget)
     base: int = 0  # first position computed by this request (own[i] holds position base + i)
     submitted_at: float = 0.0
-    first_token_at: float = 0.0
     result: GenerateResult | None = None
     error: BaseException | None = None
     finish_reason: str = "length"
@@ -316,7 +315,6 @@ class CpuEngine(BackgroundEngine):
         prompt_len = len(req.tokens)
         adopted: list[tuple[int, int]] = []
         token = self._sample(req, logits)
-        req.first_token_at = time.perf_counter()
         finished = self.scheduler.prefill_done(req, n, req.ctx[:prompt_len], adopted)
         assert req.own is not None
         # positions the tree now covers: freed where it already had them; the rest (an uncovered tail,

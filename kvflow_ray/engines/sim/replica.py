@@ -37,7 +37,6 @@ class SimRequest(CacheRequest):
     output_tokens: tuple[int, ...] = ()
     on_done: Callable[[SimRequest], None] | None = None
     on_prefilled: Callable[[SimRequest], None] | None = None  # its first output token is out
-    first_token_at: float = -1.0  # simulated time the prompt finished (its first output token)
 
 
 class SimReplica:
@@ -74,10 +73,8 @@ class SimReplica:
         self.run_lag = 0
         self.run_context = 0
         self.run_left = 0
-        # what a fleet comparison reads: compute time spent, and the measured requests' time to first
-        # token and output tokens
+        # what a fleet comparison reads: compute time spent, and the measured requests' output tokens
         self.busy_s = 0.0
-        self.ttfts: list[float] = []
         self.output_tokens = 0
 
     @property
@@ -194,7 +191,6 @@ class SimReplica:
             finished = self.scheduler.prefill_done(req, n)
             if not req.prefilling:
                 assert isinstance(req, SimRequest)
-                req.first_token_at = self.sim.now
                 if req.on_prefilled is not None:
                     req.on_prefilled(req)
             if finished or self._output_done(req, 0):
@@ -214,7 +210,6 @@ class SimReplica:
     def _finish(self, req: CacheRequest) -> None:
         assert isinstance(req, SimRequest)
         if req.measured:
-            self.ttfts.append(req.first_token_at - req.arrival)
             self.output_tokens += len(req.output_tokens)
         self.scheduler.finish(req, req.tokens + req.output_tokens)  # simulated memory: no slots to hand back
         assert req.on_done is not None

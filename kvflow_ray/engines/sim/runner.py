@@ -68,13 +68,12 @@ def summarise(sim: Simulation) -> dict[str, Any]:
 def fleet_measures(sim: Simulation) -> dict[str, Any]:
     """What a routing comparison adds: time to first token, output throughput, how evenly the
     replicas worked (max / mean compute time), and the router's decisions."""
-    ttfts = [t for r in sim.replicas for t in r.ttfts]
+    ttfts = [t for r in sim.replicas for t in r.stats.ttfts]
     busy = [r.busy_s for r in sim.replicas]
     assert sim.router is not None
     core = sim.router.core
     decisions = list(core.decision_seconds)
     return {
-        "ttft_p50_s": _percentile(ttfts, 0.5),
         "ttft_p90_s": _percentile(ttfts, 0.9),
         "output_tokens_per_s": sum(r.output_tokens for r in sim.replicas) / sim.now if sim.now else 0.0,
         "imbalance": max(busy) / statistics.fmean(busy) if any(busy) else 1.0,
@@ -91,6 +90,7 @@ def summarise_run(iterations: Sequence[IterationRecord], stats: Sequence[Replica
     cpu = sum(s.cpu_tokens for s in stats)
     miss = sum(s.miss_tokens for s in stats)
     total = gpu + cpu + miss
+    ttfts = [t for s in stats for t in s.ttfts]
     return {
         "latency_s": statistics.fmean(measured) if measured else 0.0,
         "p99_latency_s": _percentile(measured, 0.99),
@@ -107,6 +107,11 @@ def summarise_run(iterations: Sequence[IterationRecord], stats: Sequence[Replica
         "prefetch_used": sum(s.prefetch.used for s in stats),
         "prefetch_wasted": sum(s.prefetch.wasted for s in stats),
         "device_kv_tokens": device_kv_tokens,
+        # every measured request's time to first token, and its time in the waiting queue
+        "ttft_p50_s": _percentile(ttfts, 0.5),
+        "ttft_p99_s": _percentile(ttfts, 0.99),
+        "wait_p99_s": _percentile([w for s in stats for w in s.waits], 0.99),
+        "max_wait_s": max((s.max_wait_s for s in stats), default=0.0),
     }
 
 

@@ -10,6 +10,9 @@
   odds) and whose reviewer loops back at random; a drifting or adversarial mix on request.
 - `fleet`: many tenants' applications (a mix of workflow shapes, each with its own prompts sharing an
   application preamble), instances arriving as a Poisson process; `llmd` is llm-d's benchmark shape.
+- `burst`: many single calls over a few long system prompts arriving together (`prompts` equal to
+  `requests`: every call its own prompt, the no-sharing control).
+- `fanout`: a planner whose barrier starts N workers with one prompt, then an aggregator.
 """
 
 from __future__ import annotations
@@ -233,6 +236,62 @@ def llmd(clients: int = 1024, rate: float = 10.0, groups: int = 150, system: int
                                 iterations=1, start_at=at))
     return Scenario("llmd", plans, dict(clients=clients, rate=rate, groups=groups, system=system, question=question,
                                         output=output, seed=seed))
+
+
+# ---------------------------------------------------------------------------------------------- queue-aware
+def burst(requests: int = 256, prompts: int = 16, system: int = 4096, question: int = 128, output: int = 64,
+          window: float = 1.0, skew: float = 0.0, seed: int = 0) -> Scenario:
+    """`requests` single calls arriving uniformly at random within `window` seconds, each a system
+    prompt (`system` tokens, one of `prompts`, picked with Zipf odds 1 / (i + 1) ** `skew`) plus a
+    fresh `question`. Shared-prompt chat under a burst: PEEK's setting. With `prompts` >= `requests`
+    every call has its own prompt (nothing to share: the control)."""
+    _check_positive(requests=requests, prompts=prompts, system=system)
+    if window < 0 or skew < 0:
+        raise ValueError("--window and --skew must be >= 0")
+    rng = random.Random(seed)
+    tokens = TokenSource(1)
+    spec = WorkflowSpec("chat", "user", {"user": _agent("user")})
+    systems = [{"user": tokens.fresh(system)} for _ in range(prompts)]
+    odds = [1.0 / (i + 1) ** skew for i in range(prompts)]
+    plans = []
+    for c in range(requests):
+        g = c if prompts >= requests else rng.choices(range(prompts), weights=odds)[0]
+        plans.append(ClientPlan(key=f"burst/p{g}-{c}", spec=spec, prompts=systems[g], dynamic=question,
+                                output=output, iterations=1, start_at=rng.uniform(0.0, window)))
+    return Scenario("burst", plans, dict(requests=requests, prompts=prompts, system=system, question=question,
+                                         output=output, window=window, skew=skew, seed=seed))
+
+
+def fanout_spec(workers: int) -> WorkflowSpec:
+    """planner -> `workers` workers (one prompt between them) -> aggregator (`join: all`)."""
+    names = [f"worker{i}" for i in range(workers)]
+    return WorkflowSpec("fanout", "planner", {
+        "planner": _agent("planner"), **{w: _agent(w, ("planner",)) for w in names},
+        "aggregator": _agent("aggregator", tuple(names))})
+
+
+def fanout(workers: int = 16, clients: int = 8, apps: int | None = None, fixed: int = 2048, dynamic: int = 128,
+           output: int = 64, iterations: int = 2, warmup: int = 0, window: float = 2.0, seed: int = 0) -> Scenario:
+    """`clients` instances of `fanout_spec`, starting uniformly within `window` seconds, each of one of
+    `apps` applications (default: one per instance) with its own prompts of `fixed` tokens; an
+    application's workers all send its one worker prompt (plus a fresh task of `dynamic` tokens), at
+    once, when the planner is done."""
+    apps = clients if apps is None else apps
+    _check_positive(workers=workers, clients=clients, apps=apps, fixed=fixed, iterations=iterations)
+    rng = random.Random(seed)
+    tokens = TokenSource(1)
+    spec = fanout_spec(workers)
+    applications = []
+    for _ in range(apps):
+        worker = tokens.fresh(fixed)
+        applications.append({"planner": tokens.fresh(fixed), "aggregator": tokens.fresh(fixed),
+                             **{f"worker{i}": worker for i in range(workers)}})
+    plans = [ClientPlan(key=f"fanout/{c}", spec=spec, prompts=applications[c % apps], dynamic=dynamic, output=output,
+                        iterations=warmup + iterations, warmup=warmup, start_at=rng.uniform(0.0, window))
+             for c in range(clients)]
+    return Scenario("fanout", plans, dict(workers=workers, clients=clients, apps=apps, fixed=fixed, dynamic=dynamic,
+                                          output=output, iterations=iterations, warmup=warmup, window=window,
+                                          seed=seed))
 
 
 def _check_positive(**values: int) -> None:
