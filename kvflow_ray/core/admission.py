@@ -184,12 +184,17 @@ class QueueAwareAdmission(QueueTracking):
     while the pioneer is ranked ahead of them or its prefill runs, and hit the prefix it computed once
     it is done. (PEEK only moves them to the end, relying on SGLang's per-pass prefill token budget to
     keep them out of the pioneer's batch; a scheduler that admits whatever fits in memory needs them
-    held back.)
+    held back.) For the same reason the pioneers computing at once share at most `pioneer_tokens`
+    uncached tokens (one pioneer always may): more fill the device with cold prefills and keep out
+    the warm requests that need only their suffix. The default, 4,096, is the best of 4,096, 8,192,
+    16,384 and no bound on the burst sweep (`benchmarks/queue_aware.py` reports that ablation).
 
     Two lanes, interleaved by stride scheduling: lane A keeps clusters together (buckets of a cluster,
     or a lone request, by section, then cluster depth x size, then oldest member; within a bucket the
-    longest cached prefix first, then arrival); lane B is oldest first (by section, then arrival). Lane
-    B's share b follows the share of lone requests and the age of the oldest (over `age_budget_s`):
+    longest cached prefix first, then arrival); lane B is strict arrival order (PEEK ranks it by
+    section first, so warm requests can pass a cold oldest one for as long as warm ones keep coming:
+    on a fleet burst that waited 2.5-2.9x FCFS's p99 wait). Lane B's share b follows
+    the share of lone requests and the age of the oldest (over `age_budget_s`):
     raw = 0.15 + 0.5 x lone share + 0.3 x age pressure, clamped to [`oldest_floor`, `oldest_ceiling`],
     smoothed b = 0.7 b + 0.3 raw (PEEK's defaults: floor 0.10, ceiling 0.60, budget 2 s). The floor
     bounds how long the oldest request can be passed over."""
@@ -199,8 +204,17 @@ class QueueAwareAdmission(QueueTracking):
     batch_waits_for_loads = False
 
     def __init__(self, tree: RadixTree | None, clock: Callable[[], float] | None, *, check: int = 32,
-                 oldest_floor: float = 0.10, oldest_ceiling: float = 0.60, age_budget_s: float = 2.0) -> None:
+                 oldest_floor: float = 0.10, oldest_ceiling: float = 0.60, age_budget_s: float = 2.0,
+                 pioneer_tokens: int = 4096) -> None:
         super().__init__(tree, clock)
+        if pioneer_tokens < 1:
+            raise ValueError("queue-aware admission needs pioneer_tokens >= 1")
+        self.pioneer_tokens = pioneer_tokens
+        # pioneers admitted whose prefill runs: the shared tokens each computes for its cluster
+        self.pioneers: dict[Any, int] = {}
+        self.pioneering = 0  # their sum
+        self._ranked_pioneers: dict[Any, int] = {}  # the latest order's pioneers
+
         if not 0 < oldest_floor <= oldest_ceiling < 1:
             raise ValueError("queue-aware admission needs 0 < oldest_floor <= oldest_ceiling < 1")
         if age_budget_s <= 0:
@@ -210,14 +224,24 @@ class QueueAwareAdmission(QueueTracking):
 
     def admitted(self, req: Any) -> None:
         self.pending.admitted(req)
+        shared = self._ranked_pioneers.get(req)
+        if shared is not None:
+            self.pioneers[req] = shared
+            self.pioneering += shared
+
+    def done(self, req: Any) -> None:
+        super().done(req)
+        self.pioneering -= self.pioneers.pop(req, 0)
 
     def order(self, waiting: Sequence[R], ready: Sequence[R]) -> Iterator[R]:
         self.walk()
         check, leaves = self.check, self.pending.leaves
         claimed: set[PendingNode] = set()
+        pioneers = self._ranked_pioneers = {}
+        pioneering = self.pioneering
         buckets: dict[object, list[tuple[int, Any]]] = {}  # a cluster (or a lone request) -> its members
         bucket_rank: list[tuple[int, int, int, object]] = []
-        sections: tuple[list[Any], list[Any]] = ([], [])
+        arrivals: list[Any] = []
         lone, oldest_lone = 0, None
         # candidates come in arrival order: a bucket's first member is its oldest
         for index, req in enumerate(ready if ready else waiting):
@@ -239,11 +263,16 @@ class QueueAwareAdmission(QueueTracking):
                     blocked = bool(node.inflight) or node in claimed
                     cold.append(node)
                     node = node.parent
-                if blocked:
+                shared = cluster.depth - cached
+                # the pioneers computing at once are bounded (one always may): the memory they take
+                # would otherwise keep warm requests, which only need their suffix, from running
+                if blocked or (pioneering and pioneering + shared > self.pioneer_tokens):
                     continue
                 claimed.update(cold)
+                pioneers[req] = shared
+                pioneering += shared
             section = 0 if cached > check else 1
-            sections[section].append(req)
+            arrivals.append(req)
             group: object = req if cluster is None else cluster
             members = buckets.get(group)
             if members is None:
@@ -257,7 +286,7 @@ class QueueAwareAdmission(QueueTracking):
             elif cluster is None:
                 lone += 1
             members.append((-cached, req))
-        total = len(sections[0]) + len(sections[1])
+        total = len(arrivals)
         if not total:
             return iter(())
         age = (self.clock() - self.arrival[oldest_lone]) / self.age_budget if oldest_lone is not None else 0.0
@@ -266,34 +295,26 @@ class QueueAwareAdmission(QueueTracking):
         bucket_rank.sort(key=lambda rank: rank[:3])
         lane_a = (req for *_rank, group in bucket_rank
                   for _neg, req in sorted(buckets[group], key=lambda member: member[0]))
-        lane_b = (req for section in sections for req in section)
-        return _stride(lane_a, lane_b, 1 - self.oldest_share, total)
+        return self._interleave(lane_a, iter(arrivals), total)
 
-
-def _stride(lane_a: Iterator[Any], lane_b: Iterator[Any], share_a: float, total: int) -> Iterator[Any]:
-    """Interleave two orders of the same requests by stride scheduling: lane A gets `share_a` of the
-    picks (ties go to A), each request once."""
-    stride_a, stride_b = 1 / share_a, 1 / (1 - share_a)
-    clock_a, clock_b = stride_a, stride_b
-    picked: set[int] = set()
-    while len(picked) < total:
-        use_a = clock_a <= clock_b
-        lane = lane_a if use_a else lane_b
-        for req in lane:
-            if id(req) not in picked:
-                picked.add(id(req))
-                yield req
-                break
-        else:  # that lane is spent: the other holds the rest
-            if use_a:
-                clock_a = math.inf
-            else:
-                clock_b = math.inf
-            continue
-        if use_a:
-            clock_a += stride_a
-        else:
-            clock_b += stride_b
+    def _interleave(self, lane_a: Iterator[Any], lane_b: Iterator[Any], total: int) -> Iterator[Any]:
+        """The two lanes by stride scheduling, each request once: the next pick comes from the lane
+        whose clock is lower (ties: A); each clock starts at its lane's stride and advances by it."""
+        b = self.oldest_share
+        strides = (1 / (1 - b), 1 / b)
+        clocks = list(strides)
+        lanes = (lane_a, lane_b)
+        picked: set[int] = set()
+        while len(picked) < total:
+            lane = 0 if clocks[0] <= clocks[1] else 1
+            for req in lanes[lane]:
+                if id(req) not in picked:
+                    picked.add(id(req))
+                    clocks[lane] += strides[lane]
+                    yield req
+                    break
+            else:  # that lane is spent: the other holds the rest
+                clocks[lane] = math.inf
 
 
 ADMISSION: Registry[AdmissionPolicy] = Registry("admission")
@@ -312,9 +333,10 @@ def _lpm(context: PolicyContext, *, check: int = 32, deprioritize: int = 32,
 
 
 @partial(ADMISSION.register, "queue-aware")
-def _queue_aware(context: PolicyContext, *, check: int = 32, oldest_floor: float = 0.10,
-                 oldest_ceiling: float = 0.60, age_budget_s: float = 2.0) -> AdmissionPolicy:
+def _queue_aware(context: PolicyContext, *, check: int = 32, oldest_floor: float = 0.10, oldest_ceiling: float = 0.60,
+                 age_budget_s: float = 2.0, pioneer_tokens: int = 4096) -> AdmissionPolicy:
     """PEEK's cluster-aware order over the pending tree: pioneers first, clusters together, an
     oldest-first lane with a floor; status-aware loading"""
     return QueueAwareAdmission(context.tree, context.clock, check=check, oldest_floor=oldest_floor,
-                               oldest_ceiling=oldest_ceiling, age_budget_s=age_budget_s)
+                               oldest_ceiling=oldest_ceiling, age_budget_s=age_budget_s,
+                               pioneer_tokens=pioneer_tokens)
