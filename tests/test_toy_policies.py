@@ -14,7 +14,7 @@ import pytest
 from toy_policies import MostRecentlyUsed, NearestOnly
 
 from kvflow_ray.cli import main
-from kvflow_ray.core.admission import ADMISSION, AdmissionPolicy
+from kvflow_ray.core.admission import ADMISSION, AdmissionPolicy, ArrivalAdmission
 from kvflow_ray.core.policies import EVICTION, EvictionPolicy
 from kvflow_ray.core.prefetch import PREFETCH, PrefetchPolicy
 from kvflow_ray.core.registry import PolicyContext
@@ -23,8 +23,9 @@ from kvflow_ray.core.scheduler import POLICIES, PolicyConfig, register_policy
 R = TypeVar("R")
 
 
-class NewestFirst:
-    """Admit the newest request first; loads only once admitted; a batch waits for its loads."""
+class NewestFirst(ArrivalAdmission):
+    """Admit the newest request first; loads only once admitted; a batch waits for its loads (it
+    needs no reports of arrivals and admissions: `ArrivalAdmission` ignores them)."""
 
     name = "toy-newest-first"
     loads_while_queued = False

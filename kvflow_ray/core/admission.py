@@ -13,9 +13,12 @@ shares keeps its view current at the cost of the request that changed.
 - `status-aware` (KVFlow): holds back a request whose prefix is still loading while other requests
   are ready, so compute never idles behind a copy it could have overlapped.
 - `lpm`: SGLang's longest-prefix-match order, rebuilt from `python/sglang/srt/managers/
-  schedule_policy.py` (0.5.x) with its defaults: the longest device-cached prefix first; a request
-  with at most `check` (32) cached tokens whose first `deprioritize` (32) tokens match an earlier
-  such request's goes to the end (SGLang's in-batch prefix check); above `fcfs_above` (128) waiting
+  schedule_policy.py` (0.5.23: `calc_priority`, `_compute_prefix_matches`, `_sort_by_longest_prefix`)
+  with its defaults: the longest cached prefix first (device and host tokens, at most the prompt
+  less one: `num_matched_prefix_tokens`); a request with at most `check` (32,
+  IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD) device-cached tokens whose first `deprioritize` (32,
+  IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD) tokens match an earlier such request's goes to the
+  end (the in-batch prefix check); above `fcfs_above` (128, WAITING_QUEUE_PREFIX_MATCH_MAX) waiting
   requests the queue keeps its current order (SGLang falls back to FCFS, a no-op sort).
 - `queue-aware`: PEEK's cLPM scheduler (github xiexbing/peek, `python/peek/online/lpm_integration.py`,
   preset `peek-online`) over the pending tree (`core.pending`), composed with status-aware loading.
@@ -154,8 +157,7 @@ class LongestPrefixAdmission(QueueTracking):
         pending, claimed = self.pending, set()
         deprioritized: set[Any] = set()
         for req in self.queue:
-            leaf = pending.leaf(req)
-            if leaf is not None and leaf.ready <= self.check:
+            if pending.leaves[req].ready <= self.check:
                 namespace, tokens = self.keys[req]
                 if len(tokens) >= self.deprioritize:
                     claim = (namespace, tokens[:self.deprioritize])
@@ -165,8 +167,9 @@ class LongestPrefixAdmission(QueueTracking):
                         claimed.add(claim)
 
         def key(req: Any) -> float:
-            leaf = pending.leaf(req)
-            return math.inf if req in deprioritized else -(leaf.ready if leaf is not None else 0)
+            if req in deprioritized:
+                return math.inf
+            return -min(pending.leaves[req].cached, len(self.keys[req][1]) - 1)
 
         ordered = sorted(self.queue, key=key)
         self.queue = dict.fromkeys(ordered)
