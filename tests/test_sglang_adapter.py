@@ -249,6 +249,14 @@ def test_server_args_per_policy() -> None:
     assert tuned["radix_eviction_policy"] == "kvflow" and tuned["enable_hierarchical_cache"] is True
     assert tuned["radix_eviction_policy_config"] == {"eviction": "kvflow", "prefetch": "none",
                                                      "admission": "status-aware", "horizon": 2}
+    # SGLang's own longest-prefix-match order runs stock SGLang; PEEK's runs through the plugin
+    lpm = build_server_args("/models/m", "lpm")
+    assert lpm["radix_eviction_policy"] == "lru" and lpm["schedule_policy"] == "lpm"
+    assert "radix_eviction_policy_config" not in lpm and lpm["enable_hierarchical_cache"] is True
+    qa = build_server_args("/models/m", "queue-aware")
+    assert qa["radix_eviction_policy"] == "kvflow" and "schedule_policy" not in qa
+    assert qa["radix_eviction_policy_config"] == {"eviction": "demand-lru", "prefetch": "none",
+                                                  "admission": "queue-aware"}
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -23,7 +23,7 @@ from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.sampling.sampling_params import SamplingParams
 from toy_policies import MostRecentlyUsed, NearestOnly
 
-from kvflow_ray.core.admission import ADMISSION, AdmissionPolicy
+from kvflow_ray.core.admission import ADMISSION, AdmissionPolicy, ArrivalAdmission
 from kvflow_ray.core.policies import EVICTION, EvictionPolicy
 from kvflow_ray.core.prefetch import PREFETCH, Load, PrefetchPolicy
 from kvflow_ray.core.radix import Tag
@@ -34,7 +34,7 @@ from kvflow_ray.engines.sglang.state import monotonic, path_to_root, reset_state
 R = TypeVar("R")
 
 
-class ShortestFirst:
+class ShortestFirst(ArrivalAdmission):
     """Admit the shortest prompt first; loads only once admitted; a batch waits for its loads."""
 
     name = "toy-shortest-first"

@@ -63,24 +63,28 @@ STATS_FILE = "stats.json"
 EVENTS_FILE = "events.jsonl"
 # ServerArgs the adapter sets from its own parameters; passing them as extra args would silently
 # contradict the policy or the model the engine reports.
-RESERVED_SERVER_ARGS = ("model_path", "radix_eviction_policy", "enable_hierarchical_cache")
+RESERVED_SERVER_ARGS = ("model_path", "radix_eviction_policy", "enable_hierarchical_cache", "schedule_policy")
 HOST_TIER_ARGS = ("hicache_ratio", "hicache_size")
 PLUGIN_CONFIG = "radix_eviction_policy_config"  # the plugin's policies and their options (state.make_policies)
 # Core policies SGLang 0.5.23 implements itself, under its own name: a combination of only these runs
 # on SGLang as shipped (no plugin, no hints), so it measures stock SGLang. Anything else runs through
 # the plugin's strategy, which builds the named core policies.
-SGLANG_OWN = {"eviction": {"lru": "lru"}, "prefetch": ("none",), "admission": ("fcfs",)}
+SGLANG_OWN = {"eviction": {"lru": "lru"}, "prefetch": ("none",), "admission": {"fcfs": "fcfs", "lpm": "lpm"}}
 
 
 # ---------------------------------------------------------------------------------------------- pure parts
 def policy_server_args(config: PolicyConfig) -> dict[str, Any]:
-    """How a policy combination maps onto SGLang server args: SGLang's own eviction when every part is
-    one SGLang has (`SGLANG_OWN`), else the kvflow plugin's strategy with the parts as its config;
+    """How a policy combination maps onto SGLang server args: SGLang's own eviction and schedule policy
+    (`lpm`: `--schedule-policy lpm`) when every part is one SGLang has (`SGLANG_OWN`), else the kvflow
+    plugin's strategy with the parts as its config;
     HiCache when the combination has a host tier. Every policy runs on the Python tree core
     (`protocol.TREE_CORE_ENV`), so a comparison measures the policy, not Rust vs Python tree code."""
     own = SGLANG_OWN["eviction"].get(config.eviction)
-    if own is not None and config.prefetch in SGLANG_OWN["prefetch"] and config.admission in SGLANG_OWN["admission"]:
+    own_order = SGLANG_OWN["admission"].get(config.admission)
+    if own is not None and config.prefetch in SGLANG_OWN["prefetch"] and own_order is not None:
         args: dict[str, Any] = {"radix_eviction_policy": own}
+        if own_order != "fcfs":  # SGLang's default
+            args["schedule_policy"] = own_order
     else:
         args = {"radix_eviction_policy": protocol.PLUGIN_NAME,
                 PLUGIN_CONFIG: {"eviction": config.eviction, "prefetch": config.prefetch,

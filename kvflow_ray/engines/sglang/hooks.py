@@ -18,6 +18,7 @@ from typing import Any
 
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+from sglang.srt.mem_cache.common import match_kv_cache
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -166,9 +167,11 @@ class KVFlowPrefillAdder(PrefillAdder):
         device, host = req.prefix_len, getattr(req, "host_hit_length", 0)
         before = len(self.can_run_list)
         result = super().add_one_req(req, has_chunked_req, truncation_align_size)
-        if len(self.can_run_list) > before and last is not None:
-            stall = st.admitted(req.rid, last, len(req.origin_input_ids), device, host, now)
-            _observe_stall(stall)
+        if len(self.can_run_list) > before:
+            st.joined_batch(req)
+            if last is not None:
+                stall = st.admitted(req.rid, last, len(req.origin_input_ids), device, host, now)
+                _observe_stall(stall)
         return result
 
 
@@ -181,11 +184,25 @@ def after_calc_priority(result: Any, policy: Any, waiting_queue: list[Any], *arg
     """AFTER `SchedulePolicy.calc_priority(waiting_queue, running_batch, processed_tokens)`, which the
     scheduler runs on its waiting queue before each prefill pass: the admission policy orders the
     queue (in place: the scheduler keeps the list object). Requests the policy leaves out of its
-    order stay queued, behind the ones it chose, in SGLang's order."""
+    order stay queued, behind the ones it chose, in SGLang's order.
+
+    The policy hears of every request that joined or left the queue. One that keeps a view of the
+    queue's prefixes (`queue-aware`, `lpm`: `pending`) gets each waiting request's cached prefix as
+    SGLang's own cache-aware policies match it (`match_kv_cache`: device and host tokens), and the
+    nodes those prefixes end at carry the queue's demand for the eviction policy."""
     cache = policy.tree_cache
-    if len(waiting_queue) < 2 or not uses_kvflow(cache):
+    if not uses_kvflow(cache):
         return
     st = state()
+    st.sync_queue(waiting_queue)
+    pending = getattr(st.admission, "pending", None)
+    if pending is not None:
+        for req in waiting_queue:
+            match_kv_cache(req, cache)
+            pending.set_cached(req, req.num_matched_prefix_tokens, req.prefix_len)
+        st.mark_demand(_node(cache, req.last_node) for req in waiting_queue if req.last_node is not None)
+    if len(waiting_queue) < 2:
+        return
 
     def is_loading(req: Any) -> bool:
         if req.last_node is None:
@@ -195,7 +212,7 @@ def after_calc_priority(result: Any, policy: Any, waiting_queue: list[Any], *arg
         except KeyError:  # the node left the tree since the request's last match: nothing loads there
             return False
 
-    ordered = st.admission.order(waiting_queue, [req for req in waiting_queue if not is_loading(req)])
+    ordered = list(st.admission.order(waiting_queue, [req for req in waiting_queue if not is_loading(req)]))
     chosen = {id(req) for req in ordered}
     waiting_queue[:] = [*ordered, *(req for req in waiting_queue if id(req) not in chosen)]
 
@@ -215,6 +232,7 @@ def before_next_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     if not uses_kvflow(cache):
         return
     st = state()
+    st.settle_prefills()
     ongoing = getattr(cache, "ongoing_load_back", None)
 
     def is_attached(node: Any) -> bool:

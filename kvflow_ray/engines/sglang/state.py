@@ -10,8 +10,8 @@ an `EngineSnapshot` reports them. `StepBook` holds steps-to-execution, fixed pro
 Nothing here imports sglang or torch; it works on any tree node with `parent`, `id`, `key`, `evicted`
 and `last_access_time`.
 
-Plugin data lives on SGLang's tree nodes as two attributes (`TAGS_ATTR`, `PRIO_ATTR`), copied onto
-the new parent when SGLang splits a node.
+Plugin data lives on SGLang's tree nodes as attributes (`TAGS_ATTR`, `PRIO_ATTR`, copied onto the new
+parent when SGLang splits a node; `DEMAND_ATTR`, set on the tails of queued requests' cached prefixes).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ logger = logging.getLogger("kvflow_ray.sglang")
 
 TAGS_ATTR = "kvflow_tags"  # frozenset of (client id, agent): whose fixed prompt the node lies in
 PRIO_ATTR = "kvflow_prio"  # a distance policy's (version, distance), cached between hint updates
+DEMAND_ATTR = "kvflow_demand"  # queued requests whose cached prefix ends at the node (`RadixNode.demand`)
 
 Tag = protocol.Tag
 
@@ -52,6 +53,13 @@ def node_namespace(node: Any) -> str:
     key = getattr(node, "key", None)
     salt = getattr(key, "cache_salt", None) or ""
     extra = getattr(key, "extra_key", None)
+    return salt if extra is None else json.dumps(["sglang-extra-key", extra, salt])
+
+
+def request_namespace(req: Any) -> str:
+    """A waiting SGLang request's cache namespace, as `node_namespace` names its tree nodes."""
+    salt = getattr(req, "cache_salt", None) or ""
+    extra = getattr(req, "extra_key", None)
     return salt if extra is None else json.dumps(["sglang-extra-key", extra, salt])
 
 
@@ -96,7 +104,7 @@ def make_policies(book: StepBook, *, eviction: str = "kvflow", prefetch: str | b
         raise ValueError(f"kvflow --radix-eviction-policy-config: unknown key(s) {', '.join(unknown)} "
                          f"(accepted: {accepted}; policies: eviction {', '.join(EVICTION.names())}; "
                          f"prefetch {', '.join(PREFETCH.names())}; admission {', '.join(ADMISSION.names())})")
-    context = PolicyContext(book=book)
+    context = PolicyContext(book=book, clock=monotonic)
     built = [registry.create(name, context, settings, **{k: v for k, v in options.items() if k in takes[registry.kind]})
              for registry, name in chosen]
     # agents up to the prefetch horizon (in the policy's own steps) must be in the book's near set,
@@ -122,6 +130,10 @@ class NodeView:
     @property
     def tags(self) -> frozenset[Tag]:
         return node_tags(self.node)
+
+    @property
+    def demand(self) -> int:
+        return getattr(self.node, DEMAND_ATTR, 0)
 
     @property
     def prio_cache(self) -> tuple[int, float]:
@@ -186,6 +198,11 @@ class PluginState:
         # the unified tree; the ledger keys by id)
         self.prefetched: dict[int, Any] = {}
         self.held_since: dict[str, float] = {}  # request id -> first time the gate held it back
+        # what the admission policy has been told: requests queued, and admitted with their prefill
+        # not done (by request id), and the nodes carrying queued demand
+        self.queued: dict[str, Any] = {}
+        self.prefilling: dict[str, Any] = {}
+        self.demand_nodes: list[Any] = []
         self.boundaries: dict[int, Boundary] = {}
         self.counters = Counters()
         self.events: list[dict[str, Any]] = []  # cache events not yet written out
@@ -287,6 +304,44 @@ class PluginState:
         pt["miss"] += max(prompt - device - host, 0)
         self.counters.ledger.use(path_to_root(last_node))
         return stall
+
+    def sync_queue(self, waiting_queue: Sequence[Any]) -> None:
+        """Tell the admission policy of requests that joined the waiting queue since the last pass, and
+        of those that left it without being admitted (aborted)."""
+        admission, queued = self.admission, self.queued
+        present = {req.rid for req in waiting_queue}
+        for rid in [rid for rid in queued if rid not in present]:
+            admission.done(queued.pop(rid))
+        for req in waiting_queue:
+            if req.rid not in queued:
+                queued[req.rid] = req
+                admission.arrived(req, request_namespace(req), req.origin_input_ids)
+
+    def mark_demand(self, tails: Iterable[Any]) -> None:
+        """The queue's demand, for a demand-aware eviction policy: each node a queued request's cached
+        prefix ends at counts that request (SGLang evicts leaves, so the nodes above are kept anyway)."""
+        for node in self.demand_nodes:
+            setattr(node, DEMAND_ATTR, 0)
+        self.demand_nodes = []
+        for node in tails:
+            if node is not None and node.parent is not None:
+                if not getattr(node, DEMAND_ATTR, 0):
+                    self.demand_nodes.append(node)
+                setattr(node, DEMAND_ATTR, getattr(node, DEMAND_ATTR, 0) + 1)
+
+    def joined_batch(self, req: Any) -> None:
+        """`req` left the waiting queue for a prefill batch."""
+        if self.queued.pop(req.rid, None) is not None:
+            self.admission.admitted(req)
+            self.prefilling[req.rid] = req
+
+    def settle_prefills(self) -> None:
+        """Requests whose prompt has KV now (an output token exists, or they ended): the admission
+        policy forgets them."""
+        for rid, req in list(self.prefilling.items()):
+            if req.output_ids or req.finished():
+                del self.prefilling[rid]
+                self.admission.done(req)
 
     # ------------------------------------------------------------------ prefetch
     def loading_started(self, tag: Tag, anchor: Any, nodes: list[Any], tokens: int, now: float) -> None:
