@@ -247,10 +247,11 @@ class PendingTree(Generic[R]):
                 stack.append((child, cnode, off, matching and i == len(key), ready_end))
 
     def check(self, tree: RadixTree) -> None:
-        """The walk against matching every tracked request's prompt on its own (tests)."""
+        """The walk against matching every tracked request's prompt on its own, as an admission does
+        (splitting a node matched in part; tests)."""
         self.walk(tree)
         for req, leaf in self.leaves.items():
             tokens = tuple(t for node in reversed(list(leaf.path())) for t in node.key)
-            match = tree.match_prefix(tokens, split=False, namespace=leaf.namespace)
+            match = tree.match_prefix(tokens, namespace=leaf.namespace)
             assert leaf.cached == match.length, (req, leaf.cached, match.length)
             assert leaf.ready == match.gpu_length(), (req, leaf.ready, match.gpu_length())
