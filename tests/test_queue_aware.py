@@ -297,3 +297,19 @@ def test_cli_runs_the_burst_and_fanout_scenarios_with_the_new_fields() -> None:
 def test_cli_refuses_bad_queue_scenarios_with_a_message(args: list[str], message: str) -> None:
     proc = run_cli(*args)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_queue_aware_ranks_the_oldest_window_of_the_queue_and_moves_it_up() -> None:
+    policy = queue_aware(RadixTree(), window=2)
+    waiting = ["a", "b", "c", "d"]
+    for name in waiting:
+        policy.arrived(name, "", fresh(40))
+    assert len(policy.pending) == 2 and list(policy.overflow) == ["c", "d"]
+    assert list(policy.order(waiting, waiting)) == ["a", "b"]
+    policy.admitted("a")  # in flight (still in the tree); the window takes the next oldest
+    assert list(policy.order(waiting[1:], waiting[1:])) == ["b", "c"]
+    policy.done("d")  # cancelled while outside the window
+    policy.done("b")
+    assert list(policy.order(["c"], ["c"])) == ["c"] and not policy.overflow
+    policy.done("a")
+    assert len(policy.pending) == 1 and policy.queued == 1

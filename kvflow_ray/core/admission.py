@@ -99,27 +99,62 @@ class StatusAwareAdmission(ArrivalAdmission):
 
 
 class QueueTracking(ArrivalAdmission):
-    """A policy with a view of the whole queue: the pending tree of the tracked requests, with their
-    cached prefixes from the paired walk against the replica's cache tree (`tree`; an engine without
-    one reports each request's cached prefix through `pending.set_cached` before `order`)."""
+    """A policy with a view of the queue: the pending tree of the oldest `window` waiting requests
+    (and, for a policy that keeps them, those admitted whose prefill runs), with their cached
+    prefixes from the paired walk against the replica's cache tree (`tree`; an engine without one
+    reports each request's cached prefix through `pending.set_cached` before `order`). Younger
+    requests wait outside the tree until older ones leave, so what a decision costs is bounded by the
+    window, however long the queue grows."""
 
-    def __init__(self, tree: RadixTree | None, clock: Callable[[], float] | None) -> None:
+    def __init__(self, tree: RadixTree | None, clock: Callable[[], float] | None, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"the queue window must be at least 1 request, got {window}")
         self.tree = tree
         self.clock = clock or time.monotonic
+        self.window = window
         self.pending: PendingTree[Any] = PendingTree()
+        self.queued = 0  # requests in the pending tree still waiting
+        self.overflow: dict[Any, None] = {}  # waiting beyond the window, oldest first
         self.keys: dict[Any, tuple[str, tuple[int, ...]]] = {}
         self.arrival: dict[Any, float] = {}
 
     def arrived(self, req: Any, namespace: str, tokens: Sequence[int]) -> None:
-        tokens = tuple(tokens)
-        self.pending.add(req, namespace, tokens)
-        self.keys[req] = (namespace, tokens)
+        self.keys[req] = (namespace, tuple(tokens))
         self.arrival[req] = self.clock()
+        if self.queued < self.window:
+            self._track(req)
+        else:
+            self.overflow[req] = None
+
+    def admitted(self, req: Any) -> None:
+        if self.overflow.pop(req, None) is None and req in self.pending and not self.pending.inflight(req):
+            self.running(req)
+            self._left_queue()
+
+    def running(self, req: Any) -> None:
+        """An admitted request from the window: by default it leaves the pending tree."""
+        self.pending.discard(req)
 
     def done(self, req: Any) -> None:
-        self.pending.discard(req)
+        if self.overflow.pop(req, None) is None and req in self.pending:
+            queued = not self.pending.inflight(req)
+            self.pending.discard(req)
+            if queued:
+                self._left_queue()
         self.keys.pop(req, None)
         self.arrival.pop(req, None)
+
+    def _track(self, req: Any) -> None:
+        namespace, tokens = self.keys[req]
+        self.pending.add(req, namespace, tokens)
+        self.queued += 1
+
+    def _left_queue(self) -> None:
+        self.queued -= 1
+        while self.overflow and self.queued < self.window:
+            req = next(iter(self.overflow))
+            del self.overflow[req]
+            self._track(req)
 
     def walk(self) -> None:
         if self.tree is not None:
@@ -135,7 +170,7 @@ class LongestPrefixAdmission(QueueTracking):
 
     def __init__(self, tree: RadixTree | None, clock: Callable[[], float] | None, *, check: int = 32,
                  deprioritize: int = 32, fcfs_above: int = 128) -> None:
-        super().__init__(tree, clock)
+        super().__init__(tree, clock, window=fcfs_above)  # above it, the order reads no prefixes
         self.check, self.deprioritize, self.fcfs_above = check, deprioritize, fcfs_above
         self.queue: dict[Any, None] = {}  # the waiting queue in its current order (SGLang sorts it in place)
 
@@ -144,6 +179,7 @@ class LongestPrefixAdmission(QueueTracking):
         self.queue[req] = None
 
     def admitted(self, req: Any) -> None:
+        super().admitted(req)
         self.queue.pop(req, None)
 
     def done(self, req: Any) -> None:
@@ -200,7 +236,11 @@ class QueueAwareAdmission(QueueTracking):
     the share of lone requests and the age of the oldest (over `age_budget_s`):
     raw = 0.15 + 0.5 x lone share + 0.3 x age pressure, clamped to [`oldest_floor`, `oldest_ceiling`],
     smoothed b = 0.7 b + 0.3 raw (PEEK's defaults: floor 0.10, ceiling 0.60, budget 2 s). The floor
-    bounds how long the oldest request can be passed over."""
+    bounds how long the oldest request can be passed over.
+
+    The order covers the oldest `window` (1,024) waiting requests (`QueueTracking`): a decision costs
+    at most that many, however long the queue (PEEK ranks the whole queue each pass; SGLang's lpm
+    stops ranking above 128)."""
 
     name = "queue-aware"
     loads_while_queued = True
@@ -208,8 +248,8 @@ class QueueAwareAdmission(QueueTracking):
 
     def __init__(self, tree: RadixTree | None, clock: Callable[[], float] | None, *, check: int = 32,
                  oldest_floor: float = 0.10, oldest_ceiling: float = 0.60, age_budget_s: float = 2.0,
-                 pioneer_tokens: int = 4096) -> None:
-        super().__init__(tree, clock)
+                 pioneer_tokens: int = 4096, window: int = 1024) -> None:
+        super().__init__(tree, clock, window)
         if pioneer_tokens < 1:
             raise ValueError("queue-aware admission needs pioneer_tokens >= 1")
         self.pioneer_tokens = pioneer_tokens
@@ -225,8 +265,13 @@ class QueueAwareAdmission(QueueTracking):
         self.check, self.floor, self.ceiling, self.age_budget = check, oldest_floor, oldest_ceiling, age_budget_s
         self.oldest_share = 0.3  # b, smoothed across passes
 
-    def admitted(self, req: Any) -> None:
+    def running(self, req: Any) -> None:
+        """It stays in the pending tree, in flight, until its prefill is done: its cluster's other
+        requests wait for the prefix it computes."""
         self.pending.admitted(req)
+
+    def admitted(self, req: Any) -> None:
+        super().admitted(req)
         shared = self._ranked_pioneers.get(req)
         if shared is not None:
             self.pioneers[req] = shared
@@ -250,6 +295,8 @@ class QueueAwareAdmission(QueueTracking):
         for index, req in enumerate(ready if ready else waiting):
             leaf = leaves.get(req)
             if leaf is None:
+                if req in self.overflow:
+                    break  # the window is the oldest waiting requests: the rest are younger still
                 continue
             cached = leaf.cached
             cluster: PendingNode | None = leaf
@@ -337,9 +384,9 @@ def _lpm(context: PolicyContext, *, check: int = 32, deprioritize: int = 32,
 
 @partial(ADMISSION.register, "queue-aware")
 def _queue_aware(context: PolicyContext, *, check: int = 32, oldest_floor: float = 0.10, oldest_ceiling: float = 0.60,
-                 age_budget_s: float = 2.0, pioneer_tokens: int = 4096) -> AdmissionPolicy:
+                 age_budget_s: float = 2.0, pioneer_tokens: int = 4096, window: int = 1024) -> AdmissionPolicy:
     """PEEK's cluster-aware order over the pending tree: pioneers first, clusters together, an
     oldest-first lane with a floor; status-aware loading"""
     return QueueAwareAdmission(context.tree, context.clock, check=check, oldest_floor=oldest_floor,
                                oldest_ceiling=oldest_ceiling, age_budget_s=age_budget_s,
-                               pioneer_tokens=pioneer_tokens)
+                               pioneer_tokens=pioneer_tokens, window=window)

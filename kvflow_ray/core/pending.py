@@ -141,6 +141,9 @@ class PendingTree(Generic[R]):
         for node in leaf.path():
             node.inflight += 1
 
+    def inflight(self, req: R) -> bool:
+        return req in self._inflight
+
     def discard(self, req: R) -> None:
         """Stop tracking `req` (its prefill is done, or it was cancelled)."""
         leaf = self.leaves.pop(req, None)

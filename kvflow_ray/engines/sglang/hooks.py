@@ -197,10 +197,11 @@ def after_calc_priority(result: Any, policy: Any, waiting_queue: list[Any], *arg
     st.sync_queue(waiting_queue)
     pending = getattr(st.admission, "pending", None)
     if pending is not None:
-        for req in waiting_queue:
+        tracked = [req for req in waiting_queue if req in pending]  # the policy's window of the queue
+        for req in tracked:
             match_kv_cache(req, cache)
             pending.set_cached(req, req.num_matched_prefix_tokens, req.prefix_len)
-        st.mark_demand(_node(cache, req.last_node) for req in waiting_queue if req.last_node is not None)
+        st.mark_demand(_node(cache, req.last_node) for req in tracked if req.last_node is not None)
     if len(waiting_queue) < 2:
         return
 
@@ -212,7 +213,9 @@ def after_calc_priority(result: Any, policy: Any, waiting_queue: list[Any], *arg
         except KeyError:  # the node left the tree since the request's last match: nothing loads there
             return False
 
-    ordered = list(st.admission.order(waiting_queue, [req for req in waiting_queue if not is_loading(req)]))
+    # a policy that tracks the queue reads it in arrival order; the others rank SGLang's own order
+    queue = list(st.queued.values()) if pending is not None else waiting_queue
+    ordered = list(st.admission.order(queue, [req for req in queue if not is_loading(req)]))
     chosen = {id(req) for req in ordered}
     waiting_queue[:] = [*ordered, *(req for req in waiting_queue if id(req) not in chosen)]
 
