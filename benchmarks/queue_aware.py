@@ -4,7 +4,8 @@ queue-aware order with demand-first eviction (`queue-aware`), and KVFlow with qu
 (`kvflow-qa`, against `kvflow`), on the simulator (A10G and H100 profiles) and the CPU engine.
 
 1. burst: 256 calls within a second over 8/16/32 system prompts of 4,096 tokens (the working set at
-   0.8x, 1.7x and 3.3x the device pool); the knee is the smallest one that overflows the pool.
+   0.8x, 1.7x and 3.3x the device pool); the knee is the smallest one that overflows the pool. With
+   more than 128 waiting, SGLang's lpm falls back to FCFS: 128 calls at the knee show it ranking.
 2. fanout: instances whose planner starts 16 workers with one prompt at once, then an aggregator.
 3. fleet burst: 64 instances of 16 tenants' applications (the fleet scenario) starting within a second.
 4. control: 128 calls that share nothing.
@@ -46,12 +47,14 @@ import results_file
 
 PROFILES = ["a10g-llama3.1-8b", "h100-qwen2.5-32b"]
 FCFS = "hicache"
+QA = "queue-aware"
 # the same eviction and host tier as FCFS, with status-aware admission: the admission order alone differs
 register_policy(PolicyConfig("status-aware", "lru", host_tier=True, prefetch="none", admission="status-aware"))
 POLICIES = [FCFS, "status-aware", "lpm", "queue-aware", "kvflow", "kvflow-qa"]
 KEYS = ["latency_s", "ttft_p50_s", "ttft_p99_s", "wait_p99_s", "max_wait_s", "gpu_hit_ratio", "cpu_hit_ratio",
         "recomputed_tokens", "makespan_s"]
 BURST_PROMPTS = [8, 16, 32]
+LPM_RANKS = 128  # waiting requests up to which SGLang's lpm ranks the queue (above: FCFS)
 PIONEER_BUDGETS = [4096, 8192, 16384, None]
 CONTROL_WITHIN = 0.03  # the no-sharing control: every metric within this of FCFS
 STARVATION_LIMIT = 2.0  # longest wait against FCFS's p99 wait
@@ -60,7 +63,8 @@ STARVATION_LIMIT = 2.0  # longest wait against FCFS's p99 wait
 def workloads(quick: bool) -> list[tuple[str, dict[str, Any], workload.Scenario]]:
     rows: list[tuple[str, dict[str, Any], workload.Scenario]] = []
     for prompts in [16] if quick else BURST_PROMPTS:
-        rows.append(("burst", {"prompts": prompts}, workload.burst(prompts=prompts)))
+        rows.append(("burst", {"prompts": prompts, "requests": 256}, workload.burst(prompts=prompts)))
+    rows.append(("burst", {"prompts": 16, "requests": LPM_RANKS}, workload.burst(requests=LPM_RANKS, prompts=16)))
     rows.append(("fanout", {"workers": 16}, workload.fanout(workers=16)))
     rows.append(("fleet burst", {"clients": 64}, workload.fleet(tenants=8, apps=2, clients=64, rate=64.0)))
     rows.append(("control", {"prompts": 128}, workload.burst(requests=128, prompts=128, system=1024)))
@@ -99,14 +103,18 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     knees = []
     for profile in {row["profile"] for row in rows}:
         bursts = [r for r in rows if r["profile"] == profile and r["workload"] == "burst"]
-        over = [r for r in bursts if r["working_set_per_pool"] > 1]
+        over = [r for r in bursts if r["working_set_per_pool"] > 1 and r["requests"] > LPM_RANKS]
         if over:
             knee = min(over, key=lambda r: r["working_set_per_pool"])
             res = knee["results"]
+            ranked = next(r["results"] for r in bursts
+                          if r["requests"] == LPM_RANKS and r["prompts"] == knee["prompts"])
             knees.append({"profile": profile, "prompts": knee["prompts"],
                           "working_set_per_pool": knee["working_set_per_pool"],
                           "ttft_p50_vs_fcfs": res[FCFS]["ttft_p50_s"] / res["queue-aware"]["ttft_p50_s"],
-                          "ttft_p50_vs_lpm": res["lpm"]["ttft_p50_s"] / res["queue-aware"]["ttft_p50_s"]})
+                          "ttft_p50_vs_lpm": res["lpm"]["ttft_p50_s"] / res["queue-aware"]["ttft_p50_s"],
+                          "lpm_ranking_ttft_p50_vs_lpm": ranked["lpm"]["ttft_p50_s"] / ranked[QA]["ttft_p50_s"],
+                          "lpm_ranking_ttft_p50_vs_fcfs": ranked[FCFS]["ttft_p50_s"] / ranked[QA]["ttft_p50_s"]})
     fanout = [{"profile": r["profile"],
                "kvflow_qa_vs_kvflow": r["results"]["kvflow"]["latency_s"] / r["results"]["kvflow-qa"]["latency_s"]}
               for r in rows if r["workload"] == "fanout"]
@@ -200,7 +208,7 @@ def tables(report: dict[str, Any]) -> str:
     for row in report["sim"]:
         extra = (f" (working set {row['working_set_per_pool']:.1f}x the pool)" if "working_set_per_pool" in row
                  else "")
-        params = ", ".join(f"{k} {row[k]}" for k in ("prompts", "workers", "clients") if k in row)
+        params = ", ".join(f"{k} {row[k]}" for k in ("requests", "prompts", "workers", "clients") if k in row)
         lines.append(f"{row['profile']} {row['workload']} ({params}){extra}")
         for p, r in row["results"].items():
             lines.append(f"  {p:>13} ttft {r['ttft_p50_s']:7.2f} / {r['ttft_p99_s']:7.2f}  "
@@ -210,7 +218,9 @@ def tables(report: dict[str, Any]) -> str:
     for k in s["knee"]:
         lines.append(f"knee {k['profile']} ({k['prompts']} prompts, working set {k['working_set_per_pool']:.1f}x the "
                      f"pool): queue-aware TTFT p50 {k['ttft_p50_vs_fcfs']:.2f}x over FCFS, {k['ttft_p50_vs_lpm']:.2f}x "
-                     "over lpm")
+                     f"over lpm (256 waiting: lpm is FCFS); with {LPM_RANKS} (lpm ranking): "
+                     f"{k['lpm_ranking_ttft_p50_vs_fcfs']:.2f}x over FCFS, "
+                     f"{k['lpm_ranking_ttft_p50_vs_lpm']:.2f}x over lpm")
     for f in s["fanout"]:
         lines.append(f"fanout {f['profile']}: kvflow-qa {f['kvflow_qa_vs_kvflow']:.2f}x over kvflow (workflow latency)")
     worst = max(s["starvation"], key=lambda x: x["max_wait_vs_fcfs_p99_wait"])
@@ -269,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     out = results_file.output_dir(args)
     started = time.perf_counter()
     bursts = 1 if args.quick else len(BURST_PROMPTS)
-    runs = len(profiles) * (bursts + 3) + len(PIONEER_BUDGETS) * len(profiles) * bursts
+    runs = len(profiles) * (bursts + 4) + len(PIONEER_BUDGETS) * len(profiles) * bursts
     with tqdm(total=runs, disable=args.no_progress, file=sys.stderr, unit="run") as bar:
         sim = sim_rows(profiles, args.quick, bar)
         ablation = ablation_rows(profiles, args.quick, bar)
