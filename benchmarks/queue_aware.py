@@ -12,7 +12,9 @@ queue-aware order with demand-first eviction (`queue-aware`), and KVFlow with qu
    Every workload reports TTFT p50/p99, hit ratio, throughput, mean workflow latency and the longest
    wait of any request in the queue (starvation: against FCFS's p99 wait).
 5. cost: one admission decision (the order and its first pick) over queues of 100, 1,000 and 10,000.
-6. ablation: queue-aware's bound on the pioneers computing at once (`pioneer_tokens`).
+6. ablations: queue-aware's bound on the pioneers computing at once (`pioneer_tokens`) on the bursts;
+   queue-aware without status-aware's queued loads (a load starts only once its request is
+   admitted) on the fleet burst.
 7. cpu: a burst and a fan-out on the CPU engine (real compute, wall clock).
 
 Run: python benchmarks/queue_aware.py [--quick] [--no-cpu] [--out DIR]. Progress on stderr, tables
@@ -152,6 +154,27 @@ def ablation_rows(profiles: list[str], quick: bool, bar: tqdm) -> list[dict[str,
     return rows
 
 
+class QueueAwareLoadsWhenAdmitted(QueueAwareAdmission):
+    """queue-aware whose queued requests do not start their host -> device loads (nor lock and
+    reserve memory for them) before they are admitted."""
+
+    loads_while_queued = False
+
+
+def queued_loads_rows(profiles: list[str], bar: tqdm) -> list[dict[str, Any]]:
+    name = "queue-aware@loads-when-admitted"
+    ADMISSION.register(name, lambda context: QueueAwareLoadsWhenAdmitted(context.tree, context.clock))
+    register_policy(PolicyConfig(name, "demand-lru", host_tier=True, prefetch="none", admission=name))
+    rows = []
+    for profile in profiles:
+        bar.set_description(f"ablation {profile[:4]} fleet burst {name}")
+        scenario = workload.fleet(tenants=8, apps=2, clients=64, rate=64.0)
+        out = run_policies(scenario, load_profile(profile), [FCFS, "lpm", QA, name])["results"]
+        rows.append({"profile": profile, "results": {p: measure(scenario, out[p]) for p in out}})
+        bar.update()
+    return rows
+
+
 def cost_rows(quick: bool) -> list[dict[str, Any]]:
     """One admission decision: the policy's order over the queue and the scheduler's first pick, on a
     cache holding half of 50 shared prompts; p50/p99 over repeated decisions (each after one arrival)."""
@@ -238,6 +261,11 @@ def tables(report: dict[str, Any]) -> str:
     for budget, values in by_budget.items():
         lines.append(f"ablation pioneer_tokens {budget or 'unbounded'}: burst TTFT p50 geomean "
                      f"{math.exp(statistics.fmean(math.log(v) for v in values)):.2f} s")
+    for row in report["queued_loads_ablation"]:
+        r = row["results"]
+        lines.append(f"ablation fleet burst {row['profile']}: TTFT p50 / latency / longest wait (s): " + ", ".join(
+            f"{p} {x['ttft_p50_s']:.1f} / {x['latency_s']:.1f} / {x['max_wait_s']:.0f}" for p, x in r.items())
+            + f"; FCFS p99 wait {r[FCFS]['wait_p99_s']:.0f}")
     for row in report["cpu"]:
         lines.append(f"cpu {row['workload']}: " + ", ".join(
             f"{p} ttft p50 {r['ttft_p50_s']:.2f} s / latency {r['latency_s']:.2f} s"
@@ -279,16 +307,18 @@ def main(argv: list[str] | None = None) -> int:
     out = results_file.output_dir(args)
     started = time.perf_counter()
     bursts = 1 if args.quick else len(BURST_PROMPTS)
-    runs = len(profiles) * (bursts + 4) + len(PIONEER_BUDGETS) * len(profiles) * bursts
+    runs = len(profiles) * (bursts + 5) + len(PIONEER_BUDGETS) * len(profiles) * bursts
     with tqdm(total=runs, disable=args.no_progress, file=sys.stderr, unit="run") as bar:
         sim = sim_rows(profiles, args.quick, bar)
         ablation = ablation_rows(profiles, args.quick, bar)
+        queued_loads = queued_loads_rows(profiles, bar)
     cost = cost_rows(args.quick)
     cpu = [] if args.no_cpu else cpu_rows(args.quick)
     report = {"generated_by": "python benchmarks/queue_aware.py" + (" --quick" if args.quick else "")
               + (" --no-cpu" if args.no_cpu else ""),
               "machine": results_file.machine(), "wall_s": time.perf_counter() - started, "sim": sim,
-              "summary": ratios(sim), "ablation": ablation, "cost": cost, "cpu": cpu}
+              "summary": ratios(sim), "ablation": ablation, "queued_loads_ablation": queued_loads, "cost": cost,
+              "cpu": cpu}
     print(tables(report))
     if out is not None:
         results_file.write(out, "queue_aware", report, lambda path: plot(report, path))

@@ -115,3 +115,27 @@ def test_dynamic_quick(tmp_path: Path) -> None:
     assert all(row["ratio"] == pytest.approx(1.0, abs=1e-9) for row in report["static"])
     assert report["drift"][0]["model_learns_new_favourite_after"] is not None
     assert (tmp_path / "dynamic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_queue_aware_quick(tmp_path: Path) -> None:
+    """benchmarks/queue_aware.py --quick --no-cpu: every workload, the targets' ratios, the ablations
+    and the decision cost are reported."""
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "queue_aware.py"), "--quick", "--no-cpu",
+                           "--no-progress", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "knee" in proc.stdout and "starvation" in proc.stdout and "cost queue-aware" in proc.stdout
+    report = json.loads((tmp_path / "queue_aware.json").read_text())
+    assert {row["workload"] for row in report["sim"]} == {"burst", "fanout", "fleet burst", "control"}
+    for row in report["sim"]:
+        assert set(row["results"]) == {"hicache", "status-aware", "lpm", "queue-aware", "kvflow", "kvflow-qa"}
+        for result in row["results"].values():
+            assert result["ttft_p50_s"] <= result["ttft_p99_s"] and result["wait_p99_s"] <= result["max_wait_s"]
+    summary = report["summary"]
+    assert summary["knee"] and summary["fanout"] and summary["control"] and summary["worst_starvation"] is not None
+    # nothing shared: the queue-aware order is arrival order, so every metric is FCFS's
+    assert all(c["max_relative_deviation"] == 0 for c in summary["control"])
+    assert {c["queue"] for c in report["cost"]} == {100, 1000}
+    assert report["ablation"] and report["queued_loads_ablation"]
+    assert (tmp_path / "queue_aware.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
