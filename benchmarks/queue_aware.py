@@ -175,37 +175,39 @@ def queued_loads_rows(profiles: list[str], bar: tqdm) -> list[dict[str, Any]]:
     return rows
 
 
-def cost_rows(quick: bool) -> list[dict[str, Any]]:
-    """One admission decision: the policy's order over the queue and the scheduler's first pick, on a
-    cache holding half of 50 shared prompts; p50/p99 over repeated decisions (each after one arrival)."""
-    rows = []
+def decision_cost(policy: str, queued: int, decisions: int) -> dict[str, float]:
+    """One admission decision of `policy` with `queued` requests waiting: its order and the scheduler's
+    first pick, on a cache holding half of 50 shared 2,048-token prompts (four in five requests share
+    one); p50/p99 over `decisions` decisions, each after one arrival and one departure."""
     rng = random.Random(0)
     systems = [tuple(rng.randrange(1 << 20) for _ in range(2048)) for _ in range(50)]
-    for size in [100, 1000] if quick else [100, 1000, 10_000]:
-        for name in ("queue-aware", "lpm"):
-            cache = TieredCache(1 << 30, EVICTION.create("lru"))
-            for prompt in systems[:25]:
-                cache.alloc(len(prompt))
-                cache.commit(prompt, len(prompt))
-            policy = ADMISSION.create(name, PolicyContext(tree=cache.tree, clock=time.monotonic))
-            waiting = []
-            for i in range(size):
-                shared = systems[rng.randrange(50)] if i % 5 else ()
-                policy.arrived(i, "", shared + tuple(rng.randrange(1 << 20) for _ in range(64)))
-                waiting.append(i)
-            next(iter(policy.order(waiting, waiting)), None)  # the first walk covers every prefix
-            times = []
-            for k in range(50 if quick else 200):
-                policy.arrived(size + k, "", systems[k % 50] + (k,))
-                waiting.append(size + k)
-                started = time.perf_counter()
-                next(iter(policy.order(waiting, waiting)), None)
-                times.append(time.perf_counter() - started)
-                policy.done(waiting.pop(0))
-            times.sort()
-            rows.append({"policy": name, "queue": size, "p50_ms": statistics.median(times) * 1e3,
-                         "p99_ms": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))] * 1e3})
-    return rows
+    cache = TieredCache(1 << 30, EVICTION.create("lru"))
+    for prompt in systems[:25]:
+        cache.alloc(len(prompt))
+        cache.commit(prompt, len(prompt))
+    admission = ADMISSION.create(policy, PolicyContext(tree=cache.tree, clock=time.monotonic))
+    waiting = []
+    for i in range(queued):
+        shared = systems[rng.randrange(50)] if i % 5 else ()
+        admission.arrived(i, "", shared + tuple(rng.randrange(1 << 20) for _ in range(64)))
+        waiting.append(i)
+    next(iter(admission.order(waiting, waiting)), None)  # the first walk covers every prefix
+    times = []
+    for k in range(decisions):
+        admission.arrived(queued + k, "", systems[k % 50] + (k,))
+        waiting.append(queued + k)
+        started = time.perf_counter()
+        next(iter(admission.order(waiting, waiting)), None)
+        times.append(time.perf_counter() - started)
+        admission.done(waiting.pop(0))
+    times.sort()
+    return {"p50_ms": statistics.median(times) * 1e3,
+            "p99_ms": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))] * 1e3}
+
+
+def cost_rows(quick: bool) -> list[dict[str, Any]]:
+    return [{"policy": name, "queue": size, **decision_cost(name, size, 50 if quick else 200)}
+            for size in ([100, 1000] if quick else [100, 1000, 10_000]) for name in (QA, "lpm")]
 
 
 def cpu_rows(quick: bool) -> list[dict[str, Any]]:

@@ -15,6 +15,8 @@ not with everything. Pure Python, no Ray, one process; lru and kvflow side by si
    in-process store behind the write queue the router actor uses, flushed, and every replica's merged
    hints pulled, once per 100 pairs, as the actor's maintenance task and batched wakeups do when
    serving; that work is timed too).
+5. admission: one queue-aware admission decision (its order over the waiting queue and the first
+   pick, after one arrival) vs queued requests (100, 1k, 10k): `queue_aware.decision_cost`.
 
 Run: python benchmarks/scale.py [--quick] [--out DIR]. Progress on stderr, a table on stdout, JSON
 and a log-log plot (cost vs size) in DIR (default benchmarks/results; --quick writes nowhere unless
@@ -32,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import queue_aware  # the admission decision's cost, measured as that benchmark does
 import results_file
 from tqdm import tqdm
 
@@ -203,6 +206,9 @@ def grid(quick: bool) -> list[tuple[str, dict[str, Any], Callable[[], dict[str, 
         for policy in ("lru", "kvflow"):
             runs.append(("simulator", {"policy": policy, "workflows": tasks, "replicas": replicas},
                          lambda p=policy, t=tasks, r=replicas: simulator(p, t, r)))
+    for queued in ((100, 1000) if quick else (100, 1000, 10_000)):
+        runs.append(("admission", {"policy": "queue-aware", "queued": queued},
+                     lambda n=queued: queue_aware.decision_cost("queue-aware", n, 50 if quick else 300)))
     router_grid = ([(1000, 8)] if quick else
                    [(1000, 8), (10_000, 8), (100_000, 8), (10_000, 2), (10_000, 32), (100_000, 32)])
     for clients, replicas in router_grid:
@@ -226,11 +232,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    fig, axes = plt.subplots(1, 5, figsize=(22, 4))
     panels = [("eviction", "leaves", "p99_ms", ("policy", "index"), "eviction decision p99 (ms)"),
               ("prefetch", "live_workflows", "p99_ms", ("candidates",), "prefetch plan per hint p99 (ms)"),
               ("simulator", "workflows", "wall_s", ("policy",), "simulator wall (s), 8 replicas"),
-              ("router", "clients", "finish_p99_ms", (), "router finish p99 (ms), 8 replicas")]
+              ("router", "clients", "finish_p99_ms", (), "router finish p99 (ms), 8 replicas"),
+              ("admission", "queued", "p99_ms", ("policy",), "admission decision p99 (ms)")]
     for ax, (bench, x, y, series, title) in zip(axes, panels, strict=True):
         groups: dict[str, list[tuple[float, float]]] = {}
         for row in rows:

@@ -91,7 +91,7 @@ def test_scale_quick(tmp_path: Path) -> None:
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "scale.json").read_text())["rows"]
-    assert {row["bench"] for row in rows} == {"eviction", "prefetch", "simulator", "router"}
+    assert {row["bench"] for row in rows} == {"eviction", "prefetch", "simulator", "router", "admission"}
     assert {row["params"]["policy"] for row in rows if row["bench"] == "simulator"} == {"lru", "kvflow"}
     assert all(value > 0 for row in rows for value in row["result"].values())
     assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
