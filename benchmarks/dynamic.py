@@ -21,7 +21,6 @@ stdout, dynamic.json and dynamic.png in DIR (default benchmarks/results; --quick
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import statistics
@@ -274,14 +273,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("speedup over lru (mean workflow latency)")
     ax.set_title("dynamic workflows: every policy on the same scenario", fontsize=10)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    results_file.save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    results_file.add_output_arguments(ap, "dynamic", "a reduced grid, A10G only, quick static grids (a smoke run)")
+    ap = results_file.parser(__doc__, "dynamic", "a reduced grid, A10G only, quick static grids (a smoke run)")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU engine runs (about 4 minutes)")
     args = ap.parse_args(argv)
     profiles = PROFILES[:1] if args.quick else PROFILES

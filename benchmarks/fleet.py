@@ -23,7 +23,6 @@ benchmarks/results; --quick writes nowhere unless --out is given).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -201,18 +200,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylabel("mean workflow latency (s), best cache policy")
         ax.set_title(f"{replicas} simulated A10G replicas", fontsize=10)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    results_file.save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = results_file.parser(__doc__, "fleet", "8 replicas, two rates, 64 instances, no tuning (a smoke run)")
     ap.add_argument("--replicas", default="8,32", help="comma-separated replica counts for the sweep")
     ap.add_argument("--clients", type=int, default=256, help="workflow instances per run, per 8 replicas")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-tune", action="store_true", help="skip the threshold sweep of the baselines")
-    results_file.add_output_arguments(ap, "fleet", "8 replicas, two rates, 64 instances, no tuning (a smoke run)")
     args = ap.parse_args(argv)
     replica_counts = [8] if args.quick else [int(r) for r in args.replicas.split(",")]
     rates = [2.0, 8.0] if args.quick else RATES

@@ -24,7 +24,6 @@ nowhere unless --out is given).
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import statistics
@@ -294,15 +293,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("TTFT p50 speedup over FCFS")
     ax.set_title("queue-aware prefix scheduling: every policy on the same workload", fontsize=10)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    results_file.save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    results_file.add_output_arguments(ap, "queue_aware",
-                                      "the knee burst only, A10G only, small cost sizes (a smoke run)")
+    ap = results_file.parser(__doc__, "queue_aware", "the knee burst only, A10G only, small cost sizes (a smoke run)")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU engine runs (about 2 minutes)")
     args = ap.parse_args(argv)
     profiles = PROFILES[:1] if args.quick else PROFILES

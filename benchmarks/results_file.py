@@ -14,6 +14,20 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def parser(doc: str | None, name: str, quick_help: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: described by its docstring's first paragraph, with the output flags."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_output_arguments(ap, name, quick_help)
+    return ap
+
+
+def save(fig: Any, path: Path) -> None:
+    """A finished matplotlib figure, laid out, as `path`."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def add_output_arguments(ap: argparse.ArgumentParser, name: str, quick_help: str) -> None:
     """--quick (a smoke run that writes nowhere unless --out is given), --out, --no-progress."""
     ap.add_argument("--quick", action="store_true", help=quick_help)

@@ -25,7 +25,6 @@ and a log-log plot (cost vs size) in DIR (default benchmarks/results; --quick wr
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
@@ -256,14 +255,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_xlabel(x)
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    results_file.save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    results_file.add_output_arguments(ap, "scale", "small sizes only (a smoke run, about 20 s)")
+    ap = results_file.parser(__doc__, "scale", "small sizes only (a smoke run, about 20 s)")
     args = ap.parse_args(argv)
     out = results_file.output_dir(args)
     runs = grid(args.quick)
