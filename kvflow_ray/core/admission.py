@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from kvflow_ray.core.pending import PendingNode, PendingTree
+from kvflow_ray.core.pending import PendingNode, PendingTree, cluster_of
 from kvflow_ray.core.radix import RadixTree
 from kvflow_ray.core.registry import PolicyContext, Registry
 
@@ -250,20 +250,19 @@ class QueueAwareAdmission(QueueTracking):
                  oldest_floor: float = 0.10, oldest_ceiling: float = 0.60, age_budget_s: float = 2.0,
                  pioneer_tokens: int = 4096, window: int = 1024) -> None:
         super().__init__(tree, clock, window)
-        if pioneer_tokens < 1:
-            raise ValueError("queue-aware admission needs pioneer_tokens >= 1")
-        self.pioneer_tokens = pioneer_tokens
-        # pioneers admitted whose prefill runs: the shared tokens each computes for its cluster
-        self.pioneers: dict[Any, int] = {}
-        self.pioneering = 0  # their sum
-        self._ranked_pioneers: dict[Any, int] = {}  # the latest order's pioneers
-
         if not 0 < oldest_floor <= oldest_ceiling < 1:
             raise ValueError("queue-aware admission needs 0 < oldest_floor <= oldest_ceiling < 1")
         if age_budget_s <= 0:
             raise ValueError("queue-aware admission needs age_budget_s > 0")
+        if pioneer_tokens < 1:
+            raise ValueError("queue-aware admission needs pioneer_tokens >= 1")
         self.check, self.floor, self.ceiling, self.age_budget = check, oldest_floor, oldest_ceiling, age_budget_s
+        self.pioneer_tokens = pioneer_tokens
         self.oldest_share = 0.3  # b, smoothed across passes
+        # pioneers admitted whose prefill runs: the shared tokens each computes for its cluster
+        self.pioneers: dict[Any, int] = {}
+        self.pioneering = 0  # their sum
+        self._ranked_pioneers: dict[Any, int] = {}  # the latest order's pioneers
 
     def running(self, req: Any) -> None:
         """It stays in the pending tree, in flight, until its prefill is done: its cluster's other
@@ -299,11 +298,7 @@ class QueueAwareAdmission(QueueTracking):
                     break  # the window is the oldest waiting requests: the rest are younger still
                 continue
             cached = leaf.cached
-            cluster: PendingNode | None = leaf
-            while cluster is not None and cluster.count < 2:
-                cluster = cluster.parent
-            if cluster is not None and cluster.parent is None:
-                cluster = None  # the root: it shares nothing
+            cluster = cluster_of(leaf)
             if cluster is not None and cluster.depth - cached >= check:
                 # cold: the pioneer of the uncached shared prefix, unless another request computes it
                 # now or is ranked ahead to (then this one waits, and hits what that one computed)

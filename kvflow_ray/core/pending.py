@@ -60,6 +60,14 @@ class PendingNode:
         return f"PendingNode(len={len(self.key)}, depth={self.depth}, count={self.count}, inflight={self.inflight})"
 
 
+def cluster_of(leaf: PendingNode | None) -> PendingNode | None:
+    """The deepest node from `leaf` up that two or more tracked requests run through (None: none)."""
+    node = leaf
+    while node is not None and node.count < 2:
+        node = node.parent
+    return node if node is not None and node.parent is not None else None
+
+
 class PendingTree(Generic[R]):
     """A radix tree over tracked requests' (namespace, prompt) paths (see the module docstring)."""
 
@@ -165,10 +173,7 @@ class PendingTree(Generic[R]):
     def cluster(self, req: R) -> PendingNode | None:
         """The deepest node on `req`'s path that another tracked request also runs through (None: it
         shares nothing with them): PEEK's `cluster_info`."""
-        node = self.leaves.get(req)
-        while node is not None and node.count < 2:
-            node = node.parent
-        return node if node is not None and node.parent is not None else None
+        return cluster_of(self.leaves.get(req))
 
     def score(self, req: R) -> int:
         """PEEK's request score: over `req`'s path, tokens times the requests that share them."""
