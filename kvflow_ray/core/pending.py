@@ -29,7 +29,6 @@ class PendingNode:
         "children",
         "count",
         "depth",
-        "ends",
         "inflight",
         "key",
         "namespace",
@@ -43,7 +42,6 @@ class PendingNode:
         self.children: dict[object, PendingNode] = {}
         self.count = 0  # tracked requests whose path runs through this node (queued or in flight)
         self.inflight = 0  # of them, admitted with their prefill not done yet
-        self.ends: dict[object, None] = {}  # requests whose path ends here
         self.depth = depth  # tokens from the root to the end of this node
         self.cached = 0  # tokens of the path to here held by the cache, any tier (`PendingTree.walk`)
         self.ready = 0  # the same, usable on the device now
@@ -92,9 +90,6 @@ class PendingTree(Generic[R]):
     def _child_key(parent: PendingNode, namespace: str, token: int) -> object:
         return (namespace, token) if parent.parent is None else token
 
-    def leaf(self, req: R) -> PendingNode | None:
-        return self.leaves.get(req)
-
     def add(self, req: R, namespace: str, tokens: Sequence[int]) -> PendingNode:
         """Track `req` (queued), whose prompt is `tokens` in cache namespace `namespace`."""
         if req in self.leaves:
@@ -118,7 +113,6 @@ class PendingTree(Generic[R]):
             node, i = child, i + n
         for p in path:
             p.count += 1
-        node.ends[req] = None
         self.leaves[req] = node
         if path:
             self._changed[path[0]] = None
@@ -159,7 +153,6 @@ class PendingTree(Generic[R]):
             return
         inflight = req in self._inflight
         self._inflight.discard(req)
-        leaf.ends.pop(req, None)
         top = leaf
         for node in list(leaf.path()):
             node.count -= 1
@@ -174,11 +167,6 @@ class PendingTree(Generic[R]):
         """The deepest node on `req`'s path that another tracked request also runs through (None: it
         shares nothing with them): PEEK's `cluster_info`."""
         return cluster_of(self.leaves.get(req))
-
-    def score(self, req: R) -> int:
-        """PEEK's request score: over `req`'s path, tokens times the requests that share them."""
-        leaf = self.leaves.get(req)
-        return sum(node.count * len(node.key) for node in leaf.path()) if leaf is not None else 0
 
     def set_cached(self, req: R, cached: int, ready: int) -> None:
         """What the cache holds of `req`'s prompt, from an engine that matched it itself (no paired walk)."""
