@@ -17,6 +17,23 @@ pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvflow_ray.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["run", "workflows/peer.yaml", "--url", "http://127.0.0.1:9"], "cannot reach a server at http://127.0.0.1:9"),
+    (["run", "workflows/peer.yaml", "--policy", "fifo"], "policy 'fifo' cannot run on the cpu engine"),
+    (["serve", "--policy", "fifo"], "policy 'fifo' cannot run on the cpu engine"),
+    (["serve", "--engine", "sim", "--policy", "belady"], "policy 'belady' cannot run on the sim engine"),
+    (["serve", "--config", "no/such/file.yaml"], "cannot read --config no/such/file.yaml"),
+])
+def test_cli_failures_a_user_can_cause_are_one_line_before_ray_starts(args: list[str], message: str) -> None:
+    done = run_cli(*args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
 
 @pytest.mark.slow
 def test_run_starts_the_embedded_default_and_reports(free_port: Callable[[], int]) -> None:
@@ -45,13 +62,18 @@ def test_serve_prints_its_url_serves_and_stops_on_sigterm(free_port: Callable[[]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen([sys.executable, "-m", "kvflow_ray.cli", "serve", "--port", str(free_port()),
-                             "--replicas", "1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=env, cwd=ROOT)
+                             "--replicas", "1", "--api-key", "right-key=team"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]  # printed once the app is healthy
         info = json.loads(line)
         with urllib.request.urlopen(info["url"] + "/health", timeout=10) as response:
             assert json.loads(response.read())["status"] == "ok"
+        # a wrong key, or none, is one line naming the fix, before any load runs
+        for key in (["--key", "wrong-key"], []):
+            done = run_cli("run", str(ROOT / "workflows" / "peer.yaml"), "--url", info["url"], *key)
+            assert done.returncode == 2 and "pass a key it knows with --key" in done.stderr
+            assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:

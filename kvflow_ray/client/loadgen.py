@@ -79,6 +79,29 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[rank]
 
 
+def check_server(url: str, api_key: str | None = None, timeout: float = 10.0) -> None:
+    """Before a run: the server at `url` answers, and takes `api_key` (`GET /v1/models`, which wants a
+    key wherever keys are configured). Raises ConnectionError or PermissionError with one line naming
+    the problem and the fix."""
+    request = urllib.request.Request(url.rstrip("/") + "/v1/models")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout):
+            return
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            refused = "the API key" if api_key else "a call without an API key"
+            raise PermissionError(f"the server at {url} refused {refused} (HTTP {exc.code}): pass a key it knows "
+                                  "with --key") from None
+        raise ConnectionError(f"the server at {url} answered GET /v1/models with HTTP {exc.code}: is it a "
+                              "kvflow-ray server (`kvflow-ray serve`)?") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ConnectionError(f"cannot reach a server at {url} ({reason}): start one with `kvflow-ray serve`, "
+                              "or leave out --url to start the embedded server for this run") from None
+
+
 def scrape(url: str, token: str | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of `GET /metrics` as {(name, sorted labels): value}, sending `token` (the server's
     metrics token) as a bearer token. A 401 raises PermissionError: the server wants a (different) token."""

@@ -70,7 +70,7 @@ def format_summary(s: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvflow_ray.client.loadgen import LoadConfig, application_variants, run_load, summarise
+    from kvflow_ray.client.loadgen import LoadConfig, application_variants, check_server, run_load, summarise
     from kvflow_ray.client.workflow import Workflow
 
     try:
@@ -95,8 +95,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"starting the embedded server ({config.replicas} {config.engine} replicas) ...", file=sys.stderr)
             server = LocalServer(config, port=args.port).start()
         try:
+            if args.url is not None:
+                check_server(args.url, args.key)
             result = run_load(workflows, args.url or server.url, load)  # type: ignore[union-attr]
-        except PermissionError as exc:  # /metrics wants a metrics token we lack
+        except (ConnectionError, PermissionError) as exc:  # no server there, a bad key, a missing metrics token
             print(f"kvflow-ray run: {exc}", file=sys.stderr)
             return 2
         finally:

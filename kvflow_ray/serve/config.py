@@ -148,6 +148,10 @@ class AppConfig(BaseModel):
                                  f"(available: {', '.join(available_profiles())})")
             if self.time_scale <= 0:
                 raise ValueError(f"time_scale must be positive, got {self.time_scale}")
+        if self.engine in ("cpu", "sim"):  # SGLang's policies are checked with its server args above
+            from kvflow_ray.core.scheduler import resolve_policy
+
+            resolve_policy(self.policy, serving_on=f"the {self.engine} engine")  # names those it can run
         from kvflow_ray.core.routing import ROUTING
 
         ROUTING.get(self.route_policy)  # names the known ones when it is not
