@@ -25,11 +25,12 @@ echo "== ruff"
 python3 -m ruff check kvflow_ray tests benchmarks workflows dashboards deploy
 
 echo "== pytest"
-python3 -m pytest -q "$@"
+# -v: each test's name as it starts, so a slow one (the end-to-end tests take a minute each) reads as slow, not stuck
+python3 -m pytest -v "$@"
 
 # The SGLang plugin tests run in their own process: they put a torchvision stand-in in sys.modules
 # (tests/sglang/conftest.py), which must not leak into the suite above. With arguments, only those run.
 if [ "$#" -eq 0 ]; then
     echo "== pytest tests/sglang"
-    python3 -m pytest -q tests/sglang
+    python3 -m pytest -v tests/sglang
 fi

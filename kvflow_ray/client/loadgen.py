@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 import threading
 import time
 import urllib.error
@@ -33,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow_ray.client.workflow import Workflow
 from kvflow_ray.core.graph import WorkflowState
+from kvflow_ray.progress import progress as progress_bar
 
 
 @dataclass
@@ -239,11 +239,8 @@ def run_load(workflow: Workflow | Sequence[Workflow], base_url: str, config: Loa
     lock = threading.Lock()
     total = config.iterations * sum(_calls_per_iteration(workflows[i % len(workflows)])
                                     for i in range(config.clients))
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, desc=f"run {workflows[0].name}", unit="call", file=sys.stderr,
-               disable=None if progress else True)
-    tick = lambda: bar.update(1)  # noqa: E731 (tqdm's update is thread-safe)
+    bar = progress_bar(total, f"run {workflows[0].name}", "call", disable=not progress)
+    tick = lambda: bar.update(1)  # noqa: E731 (both kinds of bar update thread-safely)
     started = time.perf_counter()
     clients = [_Client(i, workflows[i % len(workflows)], root + "/v1", config, result, lock, tick,
                        register=i < len(workflows)) for i in range(config.clients)]

@@ -53,11 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def format_summary(s: dict) -> str:
     lat, call = s["latency_s"], s["call_latency_s"]
     pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    secs = lambda v: "n/a" if v is None or v != v else f"{v:.2f} s"  # noqa: E731 (v != v: NaN, no calls)
     lines = [
         f"workflow {s['workflow']}: {s['clients']} clients x {s['iterations']} iterations, {s['calls']} agent calls "
         f"({s['errors']} failed) in {s['wall_s']:.1f} s",
-        f"  workflow latency   mean {lat['mean']} s   p50 {lat['p50']} s   p99 {lat['p99']} s",
-        f"  agent-call latency mean {call['mean']} s   p50 {call['p50']} s   p99 {call['p99']} s",
+        f"  workflow latency   mean {secs(lat['mean'])}   p50 {secs(lat['p50'])}   p99 {secs(lat['p99'])}",
+        f"  agent-call latency mean {secs(call['mean'])}   p50 {secs(call['p50'])}   p99 {secs(call['p99'])}",
         f"  prompt tokens from device {pct(s['gpu_hit_ratio'])}, from host {pct(s['cpu_hit_ratio'])}, "
         f"cached (usage) {pct(s['cached_ratio'])}",
         f"  routed to the prefix holder after warm-up: {pct(s['affinity_ratio_after_warmup'])}   router decisions "
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     metrics_token = args.metrics_token or (config.metrics_token_value() if config is not None else None)
     load = LoadConfig(clients=args.clients, iterations=args.iterations, max_tokens=args.max_tokens, api_key=args.key,
                       metrics_token=metrics_token)
-    from kvflow_ray.serve.app import LocalServer, stdout_to_stderr
+    from kvflow_ray.serve.app import LocalServer, say_on_stderr, stdout_to_stderr
 
     workflows = ([workflow] if args.applications == 1
                  else application_variants(workflow, args.applications, args.preamble_chars))
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         server = None
         if args.url is None:
             print(f"starting the embedded server ({config.replicas} {config.engine} replicas) ...", file=sys.stderr)
-            server = LocalServer(config, port=args.port).start()
+            server = LocalServer(config, port=args.port).start(say=say_on_stderr)
         try:
             if args.url is not None:
                 check_server(args.url, args.key)

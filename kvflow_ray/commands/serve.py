@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         except MonitoringError as exc:
             print(f"kvflow-ray serve: --with-monitoring: {exc}", file=sys.stderr)
             return 2
-    from kvflow_ray.serve.app import LocalServer, stdout_to_stderr
+    from kvflow_ray.serve.app import LocalServer, say_on_stderr, stdout_to_stderr
 
     server = LocalServer(config, host=args.host, port=args.port)
     print(f"starting {config.replicas} {config.engine} replica(s), routing={config.routing}, "
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     status = 0
     try:
         with stdout_to_stderr():  # stdout: the JSON line below (and Prometheus' URL), for scripts
-            server.start()
+            server.start(say=say_on_stderr)
         # after Ray's start, which installs its own SIGTERM handler: a TERM stops us as Ctrl-C does
         signal.signal(signal.SIGTERM, _interrupt)
         if prometheus is not None:  # once the app answers, so its first scrapes succeed

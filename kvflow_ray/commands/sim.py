@@ -178,10 +178,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, SpecError) as exc:
         print(f"kvflow-ray sim: error: {exc}", file=sys.stderr)
         return 2
-    from tqdm import tqdm
+    from kvflow_ray.progress import progress as progress_bar
 
-    bar = tqdm(total=len(policies) * len(routings or [None]), desc=f"sim {scenario.name}", unit="run",
-               file=sys.stderr, disable=None)
+    bar = progress_bar(len(policies) * len(routings or [None]), f"sim {scenario.name}", "run")
 
     started = False
 

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvflow_ray.serve.config import ROUTINGS, AppConfig
@@ -59,6 +59,11 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+def say_on_stderr(message: str) -> None:
+    """A phase of a command's start-up, as a line on stderr (a terminal or a log alike)."""
+    print(message, file=sys.stderr, flush=True)
+
+
 class LocalServer:
     """Local Ray + the app on 127.0.0.1:`port`, as a context manager."""
 
@@ -72,18 +77,26 @@ class LocalServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 300.0) -> LocalServer:
+    def start(self, timeout_s: float = 300.0, say: Callable[[str], None] | None = None) -> LocalServer:
+        """Start Ray (unless it runs), Serve and the app, and wait until every replica is ready. `say`
+        hears each phase (a line a user sees in a terminal or a log)."""
         import ray
         from ray import serve
 
+        say = say or (lambda message: None)
+        started = time.monotonic()
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
+            say(f"starting Ray ({self.num_cpus} CPUs)")
             ray.init(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False,
                      configure_logging=False)
+        say(f"starting Ray Serve on {self.url}; deploying {self.config.replicas} {self.config.engine} replicas "
+            "and the workflow router")
         serve.start(http_options={"host": self.host, "port": self.port})
         self.deploy(self.config)
-        self.wait_ready(timeout_s)
+        self.wait_ready(timeout_s, say)
+        say(f"ready at {self.url} after {time.monotonic() - started:.0f} s")
         return self
 
     def deploy(self, config: AppConfig) -> None:
@@ -97,15 +110,20 @@ class LocalServer:
         self.config = config
         serve.run(build_app(config.to_dict()), name=APP_NAME, route_prefix="/", blocking=False)
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Until /health says every replica has registered with the router."""
+    def wait_ready(self, timeout_s: float = 300.0, say: Callable[[str], None] | None = None) -> None:
+        """Until /health says every replica has registered with the router (`say` hears each new one)."""
         deadline = time.monotonic() + timeout_s
+        seen = -1
         while True:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
                     import json
 
-                    if len(json.loads(response.read())["replicas"]) >= self.config.replicas:
+                    ready = len(json.loads(response.read())["replicas"])
+                    if ready != seen and say is not None:
+                        say(f"replicas ready: {ready} of {self.config.replicas}")
+                    seen = ready
+                    if ready >= self.config.replicas:
                         return
             except OSError:
                 pass

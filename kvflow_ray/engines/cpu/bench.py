@@ -9,7 +9,6 @@ to the engine as `Hints`, and times each workflow pass on the wall clock.
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, replace
@@ -103,14 +102,14 @@ class EngineDriver:
 @contextlib.contextmanager
 def policy_progress(label: str) -> Iterator[Callable[[str, int | None], Callable[[], None]]]:
     """Progress bars for `run_cpu_policies`: one per policy, counting finished requests (stderr)."""
-    from tqdm import tqdm
+    from kvflow_ray.progress import progress
 
     bars: list[Any] = []
 
     def start(policy: str, total: int | None) -> Callable[[], None]:
         if bars:
             bars[-1].close()
-        bar = tqdm(total=total, desc=f"{label} {policy}", unit="req", file=sys.stderr, disable=None)
+        bar = progress(total, f"{label} {policy}", "req")
         bars.append(bar)
         return lambda: bar.update(1)
 
