@@ -19,7 +19,6 @@ Run: python benchmarks/cache_vs_sglang.py [--requests N] [--repeats N] [--out FI
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,8 @@ import time
 from array import array
 from pathlib import Path
 from typing import Any
+
+import results_file  # benchmarks/, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENTS = 10
@@ -104,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=1000, help="requests per run")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats per capacity")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cache_vs_sglang.json",
-                    help="where to write the JSON")
+    results_file.add_out_argument(ap, "cache_vs_sglang.json")
     args = ap.parse_args(argv)
     os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
     sys.path[:0] = [str(ROOT / "tests" / "sglang")]
@@ -133,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"capacity {capacity:>6}  {name:<12} {entry['req_per_s_median']:>8.0f} req/s "
                   f"({entry['req_per_s_min']:.0f}-{entry['req_per_s_max']:.0f})  hit {entry['hit_ratio']:.3f}  "
                   f"{entry['vs_sglang']:.2f}x SGLang")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    results_file.write_json(args.out, "cache_vs_sglang", report)
     return 0
 
 

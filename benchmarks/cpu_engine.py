@@ -7,14 +7,13 @@
 3. memory: 1,000 requests (several workflows' agents, retired as they finish) through one kvflow
    engine; prints RSS growth beyond the KV pools.
 
-Writes benchmarks/results/cpu_engine.json. Run: python benchmarks/cpu_engine.py [--quick]
+Writes cpu_engine.json into --out (default benchmarks/out). Run: python benchmarks/cpu_engine.py [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import results_file
 from tqdm import tqdm
 
 from kvflow_ray.commands.bench import fidelity_report
@@ -35,7 +35,6 @@ from kvflow_ray.engines.sim import workload
 from kvflow_ray.engines.sim.profile import load_profile
 from kvflow_ray.engines.sim.runner import run_policies
 
-RESULTS = Path(__file__).parent / "results"
 POLICIES = ["lru", "hicache", "kvflow"]
 
 
@@ -98,7 +97,7 @@ def memory_run(model: CpuModel, requests: int) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 measured pass and 300 requests (about 2 minutes)")
-    parser.add_argument("--out", default=str(RESULTS / "cpu_engine.json"))
+    results_file.add_out_argument(parser, "cpu_engine.json")
     args = parser.parse_args()
     started = time.perf_counter()
     config = CpuEngineConfig()
@@ -107,8 +106,7 @@ def main() -> int:
     out = policies_and_fidelity(model, config, iterations=1 if args.quick else 3)
     out["memory"] = memory
     out["wall_s"] = time.perf_counter() - started
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    results_file.write_json(args.out, "cpu_engine", out)
 
     r = out["measured"]["results"]
     print(f"CPU engine, single 10x2048/32/8, {out['measured']['params']['iterations']} measured passes "

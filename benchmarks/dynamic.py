@@ -15,8 +15,8 @@ ticket to one of K specialists with skewed odds and whose reviewer loops back at
 4. cpu: two configs on the CPU engine (real compute, wall clock), lru/hicache/kvflow/predictive.
 
 Run: python benchmarks/dynamic.py [--quick] [--no-cpu] [--out DIR]. Progress on stderr, tables on
-stdout, dynamic.json and dynamic.png in DIR (default benchmarks/results; --quick writes nowhere unless
---out is given).
+stdout, dynamic.json and dynamic.png in DIR (default benchmarks/out, which git ignores; the committed
+figures come from --out benchmarks/results).
 """
 
 from __future__ import annotations
@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         len(paper_figures.build_configs(["fig6"], quick=True, tiny=False))
     runs = (len(profiles) * math.prod(map(len, grid.values())) + len(profiles) * (1 if args.quick else 3)
             + len(profiles) + static_configs)
-    out = results_file.output_dir(args)
+    results_file.require("matplotlib")
+    out = args.out
     started = time.perf_counter()
     with tqdm(total=runs, disable=args.no_progress, file=sys.stderr, unit="config") as bar:
         rows = grid_rows(profiles, grid, bar)
@@ -299,8 +300,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine": results_file.machine(), "wall_s": time.perf_counter() - started, "grid": rows,
               "summary": summary(rows), "adversarial": adversarial, "drift": drift, "static": static, "cpu": cpu}
     print(tables(report))
-    if out is not None:
-        results_file.write(out, "dynamic", report, lambda path: plot(report, path))
+    results_file.write(out, "dynamic", report, lambda path: plot(report, path))
     return 0
 
 

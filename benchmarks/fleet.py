@@ -18,7 +18,7 @@ precise scorer, pow2, round-robin), every call through the serving router's code
 
 Run: python benchmarks/fleet.py [--quick] [--replicas 8,32] [--out DIR]. Progress on stderr, tables on
 stdout, fleet.json and fleet.png (latency against rate, one curve per router) in DIR (default
-benchmarks/results; --quick writes nowhere unless --out is given).
+benchmarks/out, which git ignores; the committed figures come from --out benchmarks/results).
 """
 
 from __future__ import annotations
@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = len(replica_counts) * len(rates) * (len(ROUTERS) * len(POLICIES) + len(BOUND_ROUTERS))
     if tuning:
         runs += len(instances) * (1 + sum(map(len, TUNING.values())) + len(BOUND_ROUTERS))
-    out = results_file.output_dir(args)
+    results_file.require("matplotlib")
+    out = args.out
     started = time.perf_counter()
     with tqdm(total=runs, disable=args.no_progress, file=sys.stderr, unit="run") as bar:
         rows = sweep(replica_counts, rates, clients, args.seed, bar)
@@ -228,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
               "sweep": rows, "comparison": comparison(rows), "tune": tuned,
               "tuned": tuned_comparison(tuned) if tuned else []}
     print(tables(report))
-    if out is not None:
-        results_file.write(out, "fleet", report, lambda path: plot(rows, path))
+    results_file.write(out, "fleet", report, lambda path: plot(rows, path))
     return 0
 
 

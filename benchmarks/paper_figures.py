@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import results_file
+
 from kvflow_ray.engines.sim import workload
 from kvflow_ray.engines.sim.profile import load_profile
 from kvflow_ray.engines.sim.runner import run_policies
@@ -232,7 +234,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="reduced grid: fig5 (dynamic,output) in {(32,32),(256,256)} with 3 iterations; "
                              "fig6 tasks halved with 1 iteration")
-    parser.add_argument("--out", default="benchmarks/results", help="output folder (default benchmarks/results)")
+    results_file.add_out_argument(parser, "paper_figures.json and figN.png")
     parser.add_argument("--only", default=",".join(FIGURES),
                         help=f"comma-separated subset of {','.join(FIGURES)} (default: all)")
     parser.add_argument("--fig6-iterations", type=int, default=FIG6_FULL_ITERATIONS, metavar="N",
@@ -250,6 +252,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    results_file.require("matplotlib")
     from tqdm import tqdm
 
     out_dir = Path(args.out)

@@ -19,8 +19,8 @@ not with everything. Pure Python, no Ray, one process; lru and kvflow side by si
    pick, after one arrival) vs queued requests (100, 1k, 10k): `queue_aware.decision_cost`.
 
 Run: python benchmarks/scale.py [--quick] [--out DIR]. Progress on stderr, a table on stdout, JSON
-and a log-log plot (cost vs size) in DIR (default benchmarks/results; --quick writes nowhere unless
---out is given, so quick data never replaces full-grid data).
+and a log-log plot (cost vs size) in DIR (default benchmarks/out, which git ignores; the committed
+figures come from --out benchmarks/results).
 """
 
 from __future__ import annotations
@@ -261,7 +261,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = results_file.parser(__doc__, "scale", "small sizes only (a smoke run, about 20 s)")
     args = ap.parse_args(argv)
-    out = results_file.output_dir(args)
+    results_file.require("matplotlib")
+    out = args.out
     runs = grid(args.quick)
     rows = []
     with tqdm(total=len(runs), disable=args.no_progress, file=sys.stderr, unit="run") as bar:
@@ -270,10 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"bench": bench, "params": params, "result": fn()})
             bar.update()
     print(table(rows))
-    if out is not None:
-        report = {"generated_by": "python benchmarks/scale.py" + (" --quick" if args.quick else ""),
-                  "machine": results_file.machine(), "rows": rows}
-        results_file.write(out, "scale", report, lambda path: plot(rows, path))
+    report = {"generated_by": "python benchmarks/scale.py" + (" --quick" if args.quick else ""),
+              "machine": results_file.machine(), "rows": rows}
+    results_file.write(out, "scale", report, lambda path: plot(rows, path))
     return 0
 
 

@@ -13,8 +13,8 @@ calling start_call / end_call concurrently; reports the decision time inside the
 round trip seen by a caller, p50 / p99, with the embedded store and with Redis (when
 redis-server is installed).
 
-Writes benchmarks/results/serve_routing.json (serve_routing_sim.json with --engine sim: the same
-comparison on simulated A10G replicas, where compute is a GPU profile's, not this machine's CPU).
+Writes serve_routing.json into --out (default benchmarks/out; serve_routing_sim.json with --engine sim:
+the same comparison on simulated A10G replicas, where compute is a GPU profile's, not this machine's CPU).
     python benchmarks/serve_routing.py [--quick]
     python benchmarks/serve_routing.py --engine sim --applications 16 --clients 32 --skip-router
 """
@@ -34,8 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import results_file  # benchmarks/, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "serve_routing.json"
 
 
 def free_port() -> int:
@@ -208,7 +209,8 @@ def main() -> int:
                         help="mean time a client's agent runs between its router calls (paced run)")
     parser.add_argument("--skip-e2e", action="store_true", help="only the router decision latency")
     parser.add_argument("--skip-router", action="store_true", help="only the end-to-end routing comparison")
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    results_file.add_out_argument(parser, "serve_routing.json (serve_routing_sim.json with --engine sim, "
+                                          "serve_router.json with --skip-e2e)")
     args = parser.parse_args()
     if args.replicas is None:
         args.replicas = 4 if args.engine == "sim" else 2
@@ -220,11 +222,9 @@ def main() -> int:
     if not args.skip_router:
         report["router_decision_latency"] = decision_latency(args)
     print(json.dumps(report, indent=2))
-    if args.output == RESULTS and args.engine == "sim":
-        args.output = RESULTS.with_name("serve_routing_sim.json")
-    if not args.quick:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(report, indent=2) + "\n")
+    # the decision latency alone: serve_router.json; the routing comparison: serve_routing(_sim).json
+    name = "serve_router" if args.skip_e2e else "serve_routing_sim" if args.engine == "sim" else "serve_routing"
+    results_file.write_json(args.out, name, report)
     return 0
 
 

@@ -26,7 +26,7 @@ unique templates must go), samples once more and reports, against the acceptance
   beyond the replicas' heartbeats and the shared template is reported as left over;
 - finish_client p99 (inside the router) <= 1 ms in every sample window, whatever the live-client count;
 - router CPU per agent call (its CPU seconds / its start_call count) <= 1 ms.
-Writes benchmarks/results/soak.json (--out) and a plot of memory over time next to it (soak.png).
+Writes soak.json and a plot of memory over time (soak.png) into --out (default benchmarks/out).
 
     python benchmarks/soak.py                         # 10,000 workflows (~25 min on 2 cores)
     python benchmarks/soak.py --workflows 300 --ttl-s 10 --out /tmp/soak/soak.json
@@ -58,7 +58,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the package is this checkout
     sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results" / "soak.json"
+import results_file  # noqa: E402 (benchmarks/, beside this script)
+
 TENANT = "default"  # no API keys: the one tenant
 KINDS = ("plain", "abandoned", "unique", "reregister")
 MB = 1 << 20
@@ -743,8 +744,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "instead of starting a redis-server here")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="HTTP timeout per request (default 120)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the instance mix's order (default 0)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON report (default "
-                        f"{RESULTS.relative_to(ROOT)}); the plot goes next to it with the suffix .png")
+    results_file.add_out_argument(parser, "soak.json and soak.png")
     parser.add_argument("--scale-clients", type=lambda text: [int(n) for n in text.split(",")],
                         default=[1000, 10_000, 50_000], help="after the soak, time finish_client in the router's "
                         "core (no Ray) with this many live clients, comma-separated (default 1000,10000,50000)")
@@ -850,9 +850,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
-    png = args.out.with_suffix(".png")
+    results_file.write_json(args.out, "soak", out)
+    png = args.out / "soak.png"
     try:
         plot(out, png)
     except ImportError:

@@ -10,7 +10,7 @@ floods the server closed-loop with one kind of noise at a time, then all at once
   429 once the write budget is spent), one re-posting the same body;
 - `giant`: 1 thread POST a 10,000-agent spec (400 naming limits.max_agents_per_spec);
 - `all`: everything together.
-Reports each ratio (noisy p99 / solo p99) and writes benchmarks/results/tenant_noise.json.
+Reports each ratio (noisy p99 / solo p99) and writes tenant_noise.json into --out (default benchmarks/out).
 
     python benchmarks/tenant_noise.py [--calls 60] [--replicas 2]
     python benchmarks/tenant_noise.py --noise all URL SECONDS     # the noise alone, against a server
@@ -34,8 +34,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import results_file  # benchmarks/, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "tenant_noise.json"
 KINDS = ("scrape", "register", "giant", "all")
 QUIET_PROMPT = "You are the quiet agent. " * 20
 
@@ -142,6 +143,7 @@ def main() -> int:
                         help=f"only generate noise of KIND ({', '.join(KINDS)}) against URL for SECONDS")
     parser.add_argument("--calls", type=int, default=60, help="quiet calls per measurement (default 60)")
     parser.add_argument("--replicas", type=int, default=2, help="simulated engine replicas (default 2)")
+    results_file.add_out_argument(parser, "tenant_noise.json")
     args = parser.parse_args()
     if args.noise:
         kind, url, seconds = args.noise
@@ -185,8 +187,7 @@ def main() -> int:
             print(f"{kind}: p50 {result['p50_s']:.3f} s  p99 {result['p99_s']:.3f} s  "
                   f"(p99 {out['ratios'][kind]['p99']:.2f}x solo)  noise answered {result['noise_statuses']}",
                   file=sys.stderr)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    results_file.write_json(args.out, "tenant_noise", out)
     print(json.dumps(out["ratios"], indent=2))
     return 0
 

@@ -56,7 +56,7 @@ def test_soak_tiny(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "soak.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--workflows", "30", "--ttl-s", "3",
-                           "--drain-extra-s", "3", "--sample-s", "1", "--no-progress", "--out", str(out)],
+                           "--drain-extra-s", "3", "--sample-s", "1", "--no-progress", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -139,3 +139,24 @@ def test_queue_aware_quick(tmp_path: Path) -> None:
     assert {c["queue"] for c in report["cost"]} == {100, 1000}
     assert report["ablation"] and report["queued_loads_ablation"]
     assert (tmp_path / "queue_aware.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_benchmarks_write_to_a_git_ignored_folder_unless_told_and_say_what_is_missing() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import results_file
+    finally:
+        sys.path.pop(0)
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    results_file.add_out_argument(ap, "x.json")
+    assert ap.parse_args([]).out == ROOT / "benchmarks" / "out"
+    ignored = subprocess.run(["git", "check-ignore", "-q", "benchmarks/out/x.json"], cwd=ROOT)
+    assert ignored.returncode == 0, "benchmarks/out/ must be git-ignored"
+    assert subprocess.run(["git", "check-ignore", "-q", "benchmarks/results/x.json"], cwd=ROOT).returncode == 1
+    # a missing extra stops a benchmark before any work, in one line naming the fix
+    done = subprocess.run([sys.executable, "-c", "import results_file; results_file.require('no_such_module_kv')"],
+                          cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "needs no_such_module_kv: pip install -e '.[bench]'" in done.stderr
+    assert "Traceback" not in done.stderr
