@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_cache_vs_sglang_quick(tmp_path: Path) -> None:
     out = tmp_path / "cache_vs_sglang.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cache_vs_sglang.py"), "--requests", "120",
-                           "--repeats", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                           "--repeats", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
