@@ -37,10 +37,21 @@ PINNED=(
 )
 # Needed by SGLang's imports too, but any installed version does: not part of kvflow-ray[dev], so installed
 # (at these versions, with their own dependencies, which never include torch) only when missing.
+# The versions are those kvflow-ray[dev] installs, so after `pip install -e '.[cpu,test]'` alone the
+# same set results (kvflow-ray[serve] and [bench] bring most of them).
 PRESENT=(
-    orjson==3.8.3     # sglang/srt/utils/common.py
-    ipython==8.12.3   # sglang/srt/utils/common.py (IPython.display)
-    scipy==1.17.1     # transformers' AutoProcessor, reached from sglang/srt/utils/hf_transformers
+    orjson==3.8.3                # sglang/srt/utils/common.py
+    ipython==8.12.3              # sglang/srt/utils/common.py (IPython.display)
+    scipy==1.17.1                # transformers' AutoProcessor, reached from sglang/srt/utils/hf_transformers
+    requests==2.34.2             # sglang/srt/utils/common.py
+    pillow==13.0.0               # sglang/srt/utils/common.py (PIL)
+    starlette==1.10.0            # sglang/srt/utils/common.py
+    fastapi==0.165.0             # sglang/srt/managers (the scheduler's imports)
+    uvicorn==0.55.0              # sglang/srt/entrypoints, reached from the scheduler
+    uvloop==0.23.0               # the same
+    aiohttp==3.14.5              # sglang/srt/utils/common.py
+    openai==3.57.0               # sglang/srt/entrypoints/openai protocol, reached from the scheduler
+    prometheus_client==0.26.0    # sglang/srt/metrics
 )
 
 # What is missing or at another version; also checks torch/transformers. One python start, no imports.
