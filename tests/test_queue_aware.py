@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvflow_ray.core.admission import ADMISSION, LongestPrefixAdmission, QueueAwareAdmission
 from kvflow_ray.core.cache import TieredCache
-from kvflow_ray.core.pending import PendingTree
+from kvflow_ray.core.pending import PendingTree, cluster_of
 from kvflow_ray.core.policies import EVICTION, KVFlowPolicy, StepBook
 from kvflow_ray.core.radix import RadixTree
 from kvflow_ray.core.registry import PolicyContext
@@ -46,14 +46,15 @@ def test_pending_tree_counts_what_its_requests_share_and_forgets_them() -> None:
     tree.add("b", "", system + fresh(10))
     tree.add("c", "", fresh(50))
     tree.add("d", "t2", system + fresh(5))  # another namespace: shares nothing with a and b
-    cluster = tree.cluster("a")
-    assert cluster is not None and cluster is tree.cluster("b") and cluster.depth == 100 and cluster.count == 2
-    assert tree.cluster("c") is None and tree.cluster("d") is None
+    cluster = cluster_of(tree.leaves["a"])
+    assert cluster is not None and cluster is cluster_of(tree.leaves["b"]) and cluster.depth == 100
+    assert cluster.count == 2
+    assert cluster_of(tree.leaves["c"]) is None and cluster_of(tree.leaves["d"]) is None
     tree.admitted("a")
     assert cluster.inflight == 1 and cluster.count == 2  # in flight: still shares, until its prefill is done
     tree.discard("a")
     tree.discard("b")
-    assert tree.cluster("c") is None and len(tree) == 2
+    assert cluster_of(tree.leaves["c"]) is None and len(tree) == 2
     assert set(tree.root.children) == {("", tree.leaves["c"].key[0]), ("t2", system[0])}
 
 

@@ -318,18 +318,17 @@ class QueueAwareAdmission(QueueTracking):
                 pioneering += shared
             section = 0 if cached > check else 1
             arrivals.append(req)
-            group: object = req if cluster is None else cluster
-            members = buckets.get(group)
-            if members is None:
-                buckets[group] = members = []
-                if cluster is None:
-                    lone += 1
-                    oldest_lone = oldest_lone or req
-                    bucket_rank.append((section, 0, index, group))
-                else:
-                    bucket_rank.append((section, -cluster.depth * cluster.count, index, group))
-            elif cluster is None:
+            if cluster is None:  # a bucket of its own
                 lone += 1
+                if oldest_lone is None:
+                    oldest_lone = req
+                buckets[req] = [(-cached, req)]
+                bucket_rank.append((section, 0, index, req))
+                continue
+            members = buckets.get(cluster)
+            if members is None:
+                buckets[cluster] = members = []
+                bucket_rank.append((section, -cluster.depth * cluster.count, index, cluster))
             members.append((-cached, req))
         total = len(arrivals)
         if not total:

@@ -59,7 +59,8 @@ class PendingNode:
 
 
 def cluster_of(leaf: PendingNode | None) -> PendingNode | None:
-    """The deepest node from `leaf` up that two or more tracked requests run through (None: none)."""
+    """The deepest node from `leaf` up that two or more tracked requests run through (None: the request
+    shares nothing with the others): PEEK's `cluster_info`."""
     node = leaf
     while node is not None and node.count < 2:
         node = node.parent
@@ -162,11 +163,6 @@ class PendingTree(Generic[R]):
                 assert node.parent is not None
                 del node.parent.children[self._child_key(node.parent, node.namespace, node.key[0])]
         self._changed[top] = None
-
-    def cluster(self, req: R) -> PendingNode | None:
-        """The deepest node on `req`'s path that another tracked request also runs through (None: it
-        shares nothing with them): PEEK's `cluster_info`."""
-        return cluster_of(self.leaves.get(req))
 
     def set_cached(self, req: R, cached: int, ready: int) -> None:
         """What the cache holds of `req`'s prompt, from an engine that matched it itself (no paired walk)."""

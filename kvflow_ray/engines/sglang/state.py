@@ -50,16 +50,14 @@ def node_namespace(node: Any) -> str:
     (what the adapter sends as the request's `cache_salt`; "" = none). SGLang also namespaces the tree
     by `extra_key` (LoRA adapters), which kvflow never sets; a node under one gets a namespace no salt
     of the router's can equal, so its prefix is never taken for an un-keyed one."""
-    key = getattr(node, "key", None)
-    salt = getattr(key, "cache_salt", None) or ""
-    extra = getattr(key, "extra_key", None)
-    return salt if extra is None else json.dumps(["sglang-extra-key", extra, salt])
+    return request_namespace(getattr(node, "key", None))
 
 
-def request_namespace(req: Any) -> str:
-    """A waiting SGLang request's cache namespace, as `node_namespace` names its tree nodes."""
-    salt = getattr(req, "cache_salt", None) or ""
-    extra = getattr(req, "extra_key", None)
+def request_namespace(keyed: Any) -> str:
+    """The cache namespace of anything carrying SGLang's `cache_salt` and `extra_key`: a waiting `Req`,
+    or a tree node's `RadixKey` (`node_namespace`)."""
+    salt = getattr(keyed, "cache_salt", None) or ""
+    extra = getattr(keyed, "extra_key", None)
     return salt if extra is None else json.dumps(["sglang-extra-key", extra, salt])
 
 

@@ -166,6 +166,11 @@ def _chain(name: str, agents: list[str]) -> WorkflowSpec:
     return WorkflowSpec(name, agents[0], {a: _agent(a, (agents[i - 1],) if i else ()) for i, a in enumerate(agents)})
 
 
+def chat_spec() -> WorkflowSpec:
+    """One agent, one call per instance: a plain chat request (its fixed prompt is the system prompt)."""
+    return WorkflowSpec("chat", "user", {"user": _agent("user")})
+
+
 def fleet_shapes() -> dict[str, WorkflowSpec]:
     """The application shapes of the fleet scenario: the PEER loop, a software team whose coders meet
     at a barrier, a triage that fans out and joins, and a 10-agent chain."""
@@ -226,7 +231,7 @@ def llmd(clients: int = 1024, rate: float = 10.0, groups: int = 150, system: int
         raise ValueError(f"--rate must be positive, got {rate}")
     rng = random.Random(seed)
     tokens = TokenSource(1)
-    spec = WorkflowSpec("chat", "user", {"user": _agent("user")})
+    spec = chat_spec()
     systems = [{"user": tokens.fresh(system)} for _ in range(groups)]
     plans, at = [], 0.0
     for c in range(clients):
@@ -250,7 +255,7 @@ def burst(requests: int = 256, prompts: int = 16, system: int = 4096, question: 
         raise ValueError("--window and --skew must be >= 0")
     rng = random.Random(seed)
     tokens = TokenSource(1)
-    spec = WorkflowSpec("chat", "user", {"user": _agent("user")})
+    spec = chat_spec()
     systems = [{"user": tokens.fresh(system)} for _ in range(prompts)]
     odds = [1.0 / (i + 1) ** skew for i in range(prompts)]
     plans = []
