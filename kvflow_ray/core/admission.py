@@ -34,7 +34,7 @@ from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from kvflow_ray.core.pending import PendingNode, PendingTree, cluster_of
-from kvflow_ray.core.radix import RadixTree
+from kvflow_ray.core.radix import Namespace, RadixTree
 from kvflow_ray.core.registry import PolicyContext, Registry
 
 R = TypeVar("R", bound=Hashable)
@@ -45,7 +45,7 @@ class AdmissionPolicy(Protocol):
     loads_while_queued: bool  # start a queued request's host -> device load before it is admitted
     batch_waits_for_loads: bool  # a prefill whose KV is loading holds its batch back (else it is passed over)
 
-    def arrived(self, req: Any, namespace: str, tokens: Sequence[int]) -> None:
+    def arrived(self, req: Any, namespace: Namespace, tokens: Sequence[int]) -> None:
         """`req` joined the waiting queue with prompt `tokens` in cache namespace `namespace`."""
         ...
 
@@ -72,7 +72,7 @@ class ArrivalAdmission:
     loads_while_queued = False
     batch_waits_for_loads = True
 
-    def arrived(self, req: Any, namespace: str, tokens: Sequence[int]) -> None:
+    def arrived(self, req: Any, namespace: Namespace, tokens: Sequence[int]) -> None:
         pass
 
     def admitted(self, req: Any) -> None:
@@ -118,7 +118,7 @@ class QueueTracking(ArrivalAdmission):
         self.keys: dict[Any, tuple[str, tuple[int, ...]]] = {}
         self.arrival: dict[Any, float] = {}
 
-    def arrived(self, req: Any, namespace: str, tokens: Sequence[int]) -> None:
+    def arrived(self, req: Any, namespace: Namespace, tokens: Sequence[int]) -> None:
         self.keys[req] = (namespace, tuple(tokens))
         self.arrival[req] = self.clock()
         if self.queued < self.window:
@@ -174,7 +174,7 @@ class LongestPrefixAdmission(QueueTracking):
         self.check, self.deprioritize, self.fcfs_above = check, deprioritize, fcfs_above
         self.queue: dict[Any, None] = {}  # the waiting queue in its current order (SGLang sorts it in place)
 
-    def arrived(self, req: Any, namespace: str, tokens: Sequence[int]) -> None:
+    def arrived(self, req: Any, namespace: Namespace, tokens: Sequence[int]) -> None:
         super().arrived(req, namespace, tokens)
         self.queue[req] = None
 

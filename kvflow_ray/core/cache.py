@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvflow_ray.core.policies import EvictionPolicy
 from kvflow_ray.core.prefetch import PrefetchLedger
-from kvflow_ray.core.radix import GpuState, Match, RadixNode, RadixTree, Tag
+from kvflow_ray.core.radix import GpuState, Match, Namespace, RadixNode, RadixTree, Tag
 
 Rank = tuple[float, ...]  # an eviction key (`EvictionPolicy.priority`): smallest goes first
 
@@ -90,15 +90,15 @@ class TieredCache:
         self.private_tokens -= n
 
     # ------------------------------------------------------------------ lookup / insert
-    def match(self, tokens: Sequence[int], namespace: str = "") -> Match:
+    def match(self, tokens: Sequence[int], namespace: Namespace = "") -> Match:
         """Longest cached prefix of `tokens` in `namespace` (a request's cache salt), marked used."""
         m = self.tree.match_prefix(tokens, namespace=namespace)
-        self.tree.touch(m.path)
+        self.tree.touch_match(m)
         return m
 
     def commit(self, tokens: Sequence[int], private_tokens: int, gpu_value: object = None,
                adopted: list[tuple[int, int]] | None = None, keep_uncovered: bool = False,
-               namespace: str = "") -> list[RadixNode]:
+               namespace: Namespace = "") -> list[RadixNode]:
         """Hand a request's freshly computed KV to the tree: `private_tokens` of its private
         allocation covered `tokens` past what it matched; KV someone else inserted meanwhile is freed
         (`adopted` receives the ranges of `tokens` the tree took, see `RadixTree.insert`).
@@ -115,7 +115,7 @@ class TieredCache:
         # keep used accounting: the tree now owns `new` tokens that were private
         return path
 
-    def prompt_on_device(self, tag: Tag, namespace: str = "") -> bool:
+    def prompt_on_device(self, tag: Tag, namespace: Namespace = "") -> bool:
         """Whether the agent's whole fixed prompt is on the device in `namespace` (its workflow's)."""
         tail = self.prompt_tails.get(tag[0], {}).get(tag[1])
         return (tail is not None and tail.parent is not None and tail.gpu is GpuState.READY
@@ -151,17 +151,34 @@ class TieredCache:
         when the engine reports the copy done; callers wait for that (free now = False) and retry.
         A node above such a node is evicted in policy order too: it is freed as soon as its last
         device child is (the device tier stays prefix-closed)."""
-        writebacks: list[RadixNode] = []
         if self.free_tokens >= n:
-            return True, writebacks
+            return True, []
         # Certain failure: even evicting every unlocked device node would not free enough. Evict
         # nothing then — emptying the cache for a request that cannot run yet only destroys prefixes
-        # that others (or this request, later) will need. (Pending frees are still on the device,
-        # so this bound over-counts them: it never refuses a feasible request.)
+        # that others (or this request, later) will need. This is SGLang's scheduler too: its
+        # `PrefillAdder` refuses a request beyond `rem_total_tokens` (free + evictable) before any
+        # eviction; only the bare tree call (`evict` here, `RadixCache.evict` there) evicts what it
+        # can. (Pending frees are still on the device, so this bound over-counts them: it never
+        # refuses a feasible request.)
         if self.free_tokens + self.pending_free + self.tree.gpu_tokens - self.tree.locked_gpu_tokens < n:
-            return False, writebacks
+            return False, []
         if self.free_tokens + self.pending_free >= n:  # write-backs under way free enough: wait for them
-            return False, writebacks
+            return False, []
+        writebacks = self._evict(lambda: self.free_tokens + self.pending_free >= n, below)
+        return self.free_tokens >= n, writebacks
+
+    def evict(self, n: int) -> int:
+        """SGLang's `RadixCache.evict(num_tokens)`: evict whole nodes in policy order until `n` device
+        tokens went (freed now, or on their way out behind a write-back) or no candidate is left, so
+        it evicts what it can and may go past `n` by part of a node. Returns the tokens evicted."""
+        start = self.counters.evicted_gpu_tokens + self.pending_free
+        self._evict(lambda: self.counters.evicted_gpu_tokens + self.pending_free - start >= n, None)
+        return self.counters.evicted_gpu_tokens + self.pending_free - start
+
+    def _evict(self, enough: Callable[[], bool], below: Rank | None) -> list[RadixNode]:
+        """Evict in policy order (only keys below `below`) until `enough()`; returns the write-backs
+        started."""
+        writebacks: list[RadixNode] = []
         self._host_candidates = None  # host-eviction candidates, ranked at most once per call
         pri = self.eviction.priority
         if self.index is not None:
@@ -173,7 +190,7 @@ class TieredCache:
         # nodes that become evictable meanwhile (their device children went), in key order with the rest
         raised: list[tuple[Rank, int, RadixNode]] = []
         for node in _merged(candidates, raised):
-            if self.free_tokens + self.pending_free >= n:
+            if enough():
                 break
             if not self._evictable(node):
                 continue
@@ -205,7 +222,7 @@ class TieredCache:
         if self.index is not None:
             self.index.done()
         self._end_host_round()
-        return self.free_tokens >= n, writebacks
+        return writebacks
 
     def refresh_indexes(self) -> None:
         """Re-rank what changed since the last decision: nodes the tree marked, and the nodes of

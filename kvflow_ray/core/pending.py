@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Generic, TypeVar
 
-from kvflow_ray.core.radix import GpuState, RadixNode, RadixTree, _common_length
+from kvflow_ray.core.radix import GpuState, Namespace, RadixNode, RadixTree, _common_length
 
 R = TypeVar("R", bound=Hashable)
 
@@ -36,7 +36,7 @@ class PendingNode:
         "ready",
     )
 
-    def __init__(self, key: tuple[int, ...], parent: PendingNode | None, depth: int, namespace: str) -> None:
+    def __init__(self, key: tuple[int, ...], parent: PendingNode | None, depth: int, namespace: Namespace) -> None:
         self.key = key
         self.parent = parent
         self.children: dict[object, PendingNode] = {}
@@ -88,10 +88,10 @@ class PendingTree(Generic[R]):
         return req in self.leaves
 
     @staticmethod
-    def _child_key(parent: PendingNode, namespace: str, token: int) -> object:
+    def _child_key(parent: PendingNode, namespace: Namespace, token: int) -> object:
         return (namespace, token) if parent.parent is None else token
 
-    def add(self, req: R, namespace: str, tokens: Sequence[int]) -> PendingNode:
+    def add(self, req: R, namespace: Namespace, tokens: Sequence[int]) -> PendingNode:
         """Track `req` (queued), whose prompt is `tokens` in cache namespace `namespace`."""
         if req in self.leaves:
             raise ValueError("request is already in the pending tree")

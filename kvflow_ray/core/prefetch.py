@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from kvflow_ray.core.policies import NearMap, StepBook
 from kvflow_ray.core.predict import PREFETCH_THRESHOLD, likely_reach
-from kvflow_ray.core.radix import RadixNode, Tag
+from kvflow_ray.core.radix import Namespace, RadixNode, Tag
 from kvflow_ray.core.registry import PolicyContext, Registry
 
 
@@ -141,7 +141,8 @@ class PrefetchTarget(Protocol):
     """One cache implementation's side of prefetch: find an agent's prompt on the host tier and load
     it if it fits, evicting only nodes whose nearest user is farther than `steps`."""
 
-    def load_prompt(self, tag: Tag, tokens: Sequence[int], namespace: str, steps: float, reserved: int) -> Load: ...
+    def load_prompt(self, tag: Tag, tokens: Sequence[int], namespace: Namespace, steps: float,
+                    reserved: int) -> Load: ...
 
 
 def plan_loads(policy: PrefetchPolicy, book: NearAgents, inflight: int, target: PrefetchTarget,
@@ -201,7 +202,7 @@ class PrefetchCandidates:
     def salt(self, workflow: str) -> str:
         return self.book.salt(workflow)
 
-    def park(self, tag: Tag, tokens: Sequence[int], namespace: str) -> None:
+    def park(self, tag: Tag, tokens: Sequence[int], namespace: Namespace) -> None:
         key, top = self.tree.top_of(tokens, namespace)
         self.near.pop(tag, None)
         self._parked.add(tag)
@@ -271,7 +272,7 @@ class TieredCacheTarget:
     cache: Any  # cache.TieredCache (imported lazily: cache.py imports the ledger from here)
     ops: list[PrefetchOp] = field(default_factory=list)
 
-    def load_prompt(self, tag: Tag, tokens: Sequence[int], namespace: str, steps: float, reserved: int) -> Load:
+    def load_prompt(self, tag: Tag, tokens: Sequence[int], namespace: Namespace, steps: float, reserved: int) -> Load:
         cache = self.cache
         if cache.prompt_on_device(tag, namespace):
             return Load.NOTHING
@@ -295,7 +296,7 @@ class TieredCacheTarget:
                 if writebacks:  # room comes once these copies finish; the engine must still run them
                     self.ops.append(PrefetchOp(tag, steps, [], 0, writebacks))
                 return Load.NO_ROOM
-            cache.tree.touch(match.path)
+            cache.tree.touch_match(match)
             self.ops.append(PrefetchOp(tag, steps, host, cache.start_load(host), writebacks))
             return Load.STARTED
         finally:

@@ -8,9 +8,10 @@ driving a policy from `policies.py`. Engines attach their own payload (page indi
 Invariants (checked by `check_invariants`, exercised by property tests):
 - every key length is a multiple of `page_size`; children are keyed by their first page, the
   root's children by (namespace, *first page) (`child_key`);
-- namespaces: every node carries the cache namespace of its sequence (a tenant's salt, "" by default);
-  a node's namespace is its parent's, so the same tokens under two namespaces are two disjoint
-  subtrees and a look-up in one never reaches the other's KV;
+- namespaces: every node carries the cache namespace of its sequence (`cache_namespace`: SGLang's
+  `RadixKey` pair of `cache_salt`, a tenant's salt, and `extra_key`; "" by default); a node's
+  namespace is its parent's, so the same tokens under two namespaces are two disjoint subtrees and a
+  look-up in one never reaches the other's KV;
 - a node is in the tree only while it holds KV somewhere (device, host or a load in flight);
 - device residency is prefix-closed: a node that is on (or loading to) the device has a parent that is;
 - `gpu_tokens` / `cpu_tokens` equal the sums over nodes; a locked node's ancestors are locked.
@@ -26,7 +27,20 @@ from dataclasses import dataclass, field
 Tag = tuple[str, str]
 """(workflow key, agent): the node is part of that agent's fixed prompt in that workflow instance."""
 
-ChildKey = tuple[int | str, ...]
+Namespace = str | tuple[str, str]
+"""A cache namespace (`cache_namespace`): a cache salt alone, or (extra key, cache salt)."""
+
+
+def cache_namespace(cache_salt: str | None = None, extra_key: str | None = None) -> Namespace:
+    """The namespace SGLang 0.5.23's `RadixKey` keys a sequence by: its `cache_salt` (a tenant's salt
+    here; None and "" are the default namespace, as `RadixKey` normalises them) and its `extra_key`
+    (SGLang's LoRA adapter id; "" is a key, None is none). Sequences whose salt or extra key differ
+    never share a node, there and here. A salt alone is the namespace itself, so the default is ""."""
+    salt = cache_salt or ""
+    return salt if extra_key is None else (extra_key, salt)
+
+
+ChildKey = tuple[int | str | tuple[str, str], ...]
 """A node's key in its parent's `children`: its first page, led by its namespace under the root."""
 
 
@@ -54,7 +68,7 @@ class RadixNode:
     parent: RadixNode | None
     children: dict[ChildKey, RadixNode] = field(default_factory=dict)
     # the cache namespace of the sequence this node completes (same as its parent's below the root)
-    namespace: str = ""
+    namespace: Namespace = ""
     gpu: GpuState = GpuState.NONE
     cpu: bool = False  # holds a host-tier copy
     offloading: bool = False  # device -> host copy in flight
@@ -124,6 +138,9 @@ class Match:
 
     path: list[RadixNode]
     length: int
+    # the node the look-up ended inside: after a split, its unmatched lower part (SGLang refreshes it
+    # with the path, `RadixTree.touch_match`); None when the look-up ended on a node boundary
+    partial: RadixNode | None = None
 
     @property
     def last(self) -> RadixNode | None:
@@ -218,13 +235,13 @@ class RadixTree:
         n = len(tokens) - len(tokens) % self.page_size
         return tuple(tokens[:n])
 
-    def child_key(self, parent: RadixNode, key: Sequence[int], namespace: str = "") -> ChildKey:
+    def child_key(self, parent: RadixNode, key: Sequence[int], namespace: Namespace = "") -> ChildKey:
         """The key under which a node whose tokens start with `key` sits in `parent.children`: its first
         page, led by the namespace under the root (below it, the parent fixes the namespace)."""
         page = tuple(key[:self.page_size])
         return (namespace, *page) if parent is self.root else page
 
-    def child(self, parent: RadixNode, key: Sequence[int], namespace: str = "") -> RadixNode | None:
+    def child(self, parent: RadixNode, key: Sequence[int], namespace: Namespace = "") -> RadixNode | None:
         """The child of `parent` whose tokens start with `key`'s first page (in `namespace` under the
         root), or None."""
         return parent.children.get(self.child_key(parent, key, namespace))
@@ -233,7 +250,7 @@ class RadixTree:
         assert node.parent is not None
         return self.child_key(node.parent, node.key, node.namespace)
 
-    def match_prefix(self, tokens: Sequence[int], split: bool = True, namespace: str = "") -> Match:
+    def match_prefix(self, tokens: Sequence[int], split: bool = True, namespace: Namespace = "") -> Match:
         """Longest cached prefix of `tokens` (whole pages) in `namespace`. With `split`, a partially
         matched node is split so the match ends on a node boundary; nodes with a copy in flight are
         never split (their copy callbacks hold the node), so a match stops before them instead."""
@@ -242,6 +259,7 @@ class RadixTree:
         node = self.root
         path: list[RadixNode] = []
         i = 0
+        partial = None
         while i < len(key):
             # only the root's children are keyed by namespace: below them, the path fixes it
             child = node.children.get((namespace, *key[:page]) if i == 0 else key[i:i + page])
@@ -249,6 +267,7 @@ class RadixTree:
                 break
             n = _common_length(child.key, key, i, page)
             if n < len(child.key):
+                partial = child
                 if split and n > 0 and not child.in_flight:
                     path.append(self.split(child, n))
                     i += n
@@ -256,7 +275,7 @@ class RadixTree:
             path.append(child)
             i += n
             node = child
-        return Match(path, i)
+        return Match(path, i, partial)
 
     def touch(self, path: Iterable[RadixNode]) -> None:
         self.clock += 1
@@ -265,7 +284,18 @@ class RadixTree:
             node.last_access = self.clock
             dirty[node] = None
 
-    def top_of(self, tokens: Sequence[int], namespace: str = "") -> tuple[ChildKey, RadixNode | None]:
+    def touch_match(self, match: Match) -> None:
+        """Mark a look-up's nodes used, by SGLang 0.5.23's rule: the node the look-up ended inside is
+        refreshed too, so the unmatched tail of a split node is as recent as the path above it
+        (`RadixCache._match_prefix_helper` and `_insert_helper` stamp the child before splitting it;
+        the unified tree re-stamps it in `_split_node`). The tail is stamped first, as the unified
+        tree does: it goes before the path's new leaf, and the legacy tree agrees (its new nodes are
+        stamped after the walk)."""
+        if match.partial is not None:
+            self.touch((match.partial,))
+        self.touch(match.path)
+
+    def top_of(self, tokens: Sequence[int], namespace: Namespace = "") -> tuple[ChildKey, RadixNode | None]:
         """The root's child a look-up of `tokens` in `namespace` starts at (None: no such child yet),
         with its key."""
         key = self.child_key(self.root, tokens, namespace)
@@ -319,7 +349,7 @@ class RadixTree:
         return upper
 
     def insert(self, tokens: Sequence[int], gpu_value: object = None,
-               adopted: list[tuple[int, int]] | None = None, namespace: str = "") -> tuple[list[RadixNode], int]:
+               adopted: list[tuple[int, int]] | None = None, namespace: Namespace = "") -> tuple[list[RadixNode], int]:
         """Insert freshly computed KV for `tokens` (whole pages) on the device, in `namespace`.
 
         Returns (path, newly device-resident tokens). Nodes that existed host-only become device-resident
@@ -356,7 +386,7 @@ class RadixTree:
             if adopted is not None:
                 adopted.append((match.length, len(key)))
             path = [*path, child]
-        self.touch(path)
+        self.touch_match(Match(path, len(key), match.partial))
         return path, new_tokens
 
     def remove(self, node: RadixNode) -> None:
@@ -474,7 +504,7 @@ class RadixTree:
 
     # ------------------------------------------------------------------ tags
     def tag_prefix(self, tokens: Sequence[int], tag: Tag, split: bool = True,
-                   namespace: str = "") -> list[RadixNode]:
+                   namespace: Namespace = "") -> list[RadixNode]:
         """Tag the cached nodes that lie entirely within `tokens` (an agent's fixed prompt) in `namespace`.
 
         A node straddling the fixed-prompt boundary is split so the dynamic remainder stays untagged."""
@@ -512,7 +542,7 @@ class RadixTree:
             yield node
             stack.extend(node.children.values())
 
-    def token_sequences(self, tier: Tier | None = None, namespace: str | None = None) -> list[tuple[int, ...]]:
+    def token_sequences(self, tier: Tier | None = None, namespace: Namespace | None = None) -> list[tuple[int, ...]]:
         """Every root-to-node token sequence whose last node is in `tier` (all nodes if None), in
         `namespace` (every namespace if None)."""
         out: list[tuple[int, ...]] = []

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvflow_ray.core.radix import Namespace
+
 MAX_STOP_STRINGS = 4  # stop strings one request may give (OpenAI's limit)
 
 # Workflow metadata (DESIGN.md §7) enters through three doors: the OpenAI body's `kvflow` object
@@ -153,15 +155,18 @@ def request_tokens(request: GenerateRequest, *, model_name: str, encode: Callabl
     return tokens
 
 
-def prefix_hash(tokens: Sequence[int], salt: str = "") -> str:
-    """The id of a cached token sequence in one cache namespace (`GenerateRequest.cache_salt`): the
-    same tokens under two salts are two prefixes, so a location index keyed by it is isolated too.
-    The default namespace "" keeps the unsalted hash."""
+def prefix_hash(tokens: Sequence[int], salt: Namespace = "") -> str:
+    """The id of a cached token sequence in one cache namespace (`GenerateRequest.cache_salt`, or a
+    core `cache_namespace` with an extra key): the same tokens under two namespaces are two prefixes,
+    so a location index keyed by it is isolated too. The default namespace "" keeps the unsalted hash."""
     import hashlib
+    import json
     from array import array
 
     data = array("q", tokens).tobytes()  # token ids as 64-bit integers (ten times cheaper than text)
-    if salt:
+    if isinstance(salt, tuple):  # (extra key, salt): a label no plain salt's bytes can equal
+        data = b"\x01" + json.dumps(salt).encode() + b"\x00" + data
+    elif salt:
         data = salt.encode() + b"\x00" + data
     return hashlib.blake2b(data, digest_size=12).hexdigest()
 

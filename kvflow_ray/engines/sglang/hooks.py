@@ -23,10 +23,11 @@ from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from kvflow_ray.core.prefetch import Load, PrefetchTarget, plan_loads, queued_need
+from kvflow_ray.core.radix import Namespace
 from kvflow_ray.core.snapshot import EngineSnapshot
 from kvflow_ray.engines import metric_defs
 from kvflow_ray.engines.sglang import protocol
-from kvflow_ray.engines.sglang.state import logger, monotonic, path_to_root, state
+from kvflow_ray.engines.sglang.state import logger, monotonic, path_to_root, radix_key, state
 
 # ---------------------------------------------------------------------------------------- eviction
 
@@ -273,7 +274,7 @@ class SGLangPrefetchTarget:
 
     cache: Any  # UnifiedRadixCache with a cache_controller
 
-    def load_prompt(self, tag: protocol.Tag, tokens: Sequence[int], namespace: str, steps: float,
+    def load_prompt(self, tag: protocol.Tag, tokens: Sequence[int], namespace: Namespace, steps: float,
                     reserved: int) -> Load:
         cache, st = self.cache, state()
         page = max(int(cache.page_size), 1)
@@ -281,8 +282,7 @@ class SGLangPrefetchTarget:
         if n <= 0:
             return Load.NOTHING
         # in the workflow's namespace: its requests carry this salt, so only that copy serves them
-        key = RadixKey(array("q", tokens[:n]), cache_salt=namespace or None)
-        match = cache.match_prefix(MatchPrefixParams(key=key))
+        match = cache.match_prefix(MatchPrefixParams(key=radix_key(tokens[:n], namespace)))
         if match.host_hit_length <= 0:
             return Load.NOTHING  # on the device already, loading, or not cached anywhere
         anchor = _node(cache, match.best_match_node)

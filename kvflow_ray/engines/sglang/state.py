@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import time
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 from kvflow_ray.core.admission import ADMISSION, AdmissionPolicy
 from kvflow_ray.core.policies import EVICTION, INF, EvictionPolicy, StepBook
 from kvflow_ray.core.prefetch import PREFETCH, PrefetchLedger, PrefetchPolicy
+from kvflow_ray.core.radix import Namespace, cache_namespace
 from kvflow_ray.core.registry import PolicyContext
 from kvflow_ray.core.snapshot import EngineSnapshot
 from kvflow_ray.engines.base import prefix_hash
@@ -45,20 +47,27 @@ def node_tags(node: Any) -> frozenset[Tag]:
     return getattr(node, TAGS_ATTR, frozenset())
 
 
-def node_namespace(node: Any) -> str:
-    """The cache namespace of a SGLang tree node, as `prefix_hash` takes it: its key's `cache_salt`
-    (what the adapter sends as the request's `cache_salt`; "" = none). SGLang also namespaces the tree
-    by `extra_key` (LoRA adapters), which kvflow never sets; a node under one gets a namespace no salt
-    of the router's can equal, so its prefix is never taken for an un-keyed one."""
+def node_namespace(node: Any) -> Namespace:
+    """The cache namespace of a SGLang tree node, as the core names it (`cache_namespace`) and
+    `prefix_hash` takes it: its key's `cache_salt` (what the adapter sends as the request's
+    `cache_salt`; "" = none) and `extra_key` (LoRA adapters, which kvflow never sets: a node under one
+    gets a namespace no salt of the router's can equal, so its prefix is never taken for an un-keyed
+    one)."""
     return request_namespace(getattr(node, "key", None))
 
 
-def request_namespace(keyed: Any) -> str:
+def request_namespace(keyed: Any) -> Namespace:
     """The cache namespace of anything carrying SGLang's `cache_salt` and `extra_key`: a waiting `Req`,
     or a tree node's `RadixKey` (`node_namespace`)."""
-    salt = getattr(keyed, "cache_salt", None) or ""
-    extra = getattr(keyed, "extra_key", None)
-    return salt if extra is None else json.dumps(["sglang-extra-key", extra, salt])
+    return cache_namespace(getattr(keyed, "cache_salt", None), getattr(keyed, "extra_key", None))
+
+
+def radix_key(tokens: Sequence[int], namespace: Namespace) -> Any:
+    """SGLang's `RadixKey` for `tokens` in a core cache namespace (the inverse of `request_namespace`)."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    extra_key, salt = namespace if isinstance(namespace, tuple) else (None, namespace)
+    return RadixKey(array("q", tokens), extra_key, cache_salt=salt or None)
 
 
 def path_to_root(node: Any) -> Iterator[Any]:
