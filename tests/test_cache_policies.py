@@ -106,13 +106,15 @@ class CacheMachine(RuleBasedStateMachine):
     matches are longest cached prefixes; every deferred eviction completes once the copies in flight land."""
 
     @initialize(page=st.sampled_from([1, 2, 4]), host=st.booleans(), policy=st.sampled_from(["lru", "kvflow"]),
-                gpu_pages=st.integers(3, 12), cpu_pages=st.integers(1, 8), seed=st.lists(SEQ, max_size=4))
+                gpu_pages=st.integers(3, 12), cpu_pages=st.integers(1, 8), seed=st.lists(SEQ, max_size=4),
+                duplicates_first=st.booleans())
     def setup(self, page: int, host: bool, policy: str, gpu_pages: int, cpu_pages: int,
-              seed: list[list[int]]) -> None:
+              seed: list[list[int]], duplicates_first: bool) -> None:
         self.page = page
         self.book = StepBook()
         self.cache = TieredCache(gpu_pages * page, make_eviction_policy(policy, self.book),
-                                 cpu_capacity=cpu_pages * page if host else 0, host_tier=host, page_size=page)
+                                 cpu_capacity=cpu_pages * page if host else 0, host_tier=host, page_size=page,
+                                 host_duplicates_first=duplicates_first)
         self.tree = self.cache.tree
         self.inserted: list[tuple[int, ...]] = []
         self.locks: list[tuple[RadixNode, tuple[int, ...]]] = []
@@ -1027,3 +1029,54 @@ def test_prefetch_candidates_plan_exactly_what_the_whole_book_plans(seed: int) -
                     if op.nodes:
                         loading[i].append(op.nodes)
         assert device_sequences(caches[0]) == device_sequences(caches[1])
+
+
+# ------------------------------------------------- SGLang's rules (tests/sglang checks them against SGLang)
+def test_a_lookup_that_ends_inside_a_node_refreshes_its_tail() -> None:
+    """SGLang 0.5.23 stamps the node a look-up ends inside before splitting it, so its unmatched tail is
+    as recent as the match: after [1,2,3,4], [9,9], a look-up of [1,2,7] leaves [9,9] least recent."""
+    cache = TieredCache(100, LRUPolicy())
+    put(cache, [1, 2, 3, 4])
+    put(cache, [9, 9])
+    match = cache.match([1, 2, 7])
+    assert match.length == 2 and match.partial is not None and match.partial.key == (3, 4)
+    assert eviction_order(cache)[0] == (9, 9)
+
+
+def test_evict_takes_whole_nodes_and_what_it_can() -> None:
+    """`evict(n)` is SGLang's `RadixCache.evict`: whole nodes in policy order until `n` tokens went,
+    and everything unlocked when asked for more; `make_room` for an impossible request evicts nothing."""
+    cache = TieredCache(100, LRUPolicy(), page_size=2)
+    put(cache, [1, 2, 3, 4])
+    put(cache, [5, 6, 7, 8, 9])  # 4 tokens cached: the last is not a whole page
+    assert cache.evict(1) == (4, [])  # the least recent node, whole
+    assert device_sequences(cache) == {(5, 6, 7, 8)}
+    locked = cache.match([5, 6])
+    cache.tree.lock(locked.last)
+    put(cache, [1, 2])
+    assert cache.make_room(cache.free_tokens + 7) == (False, [])  # 4 tokens are evictable: nothing goes
+    assert cache.evict(1_000) == (4, [])  # all it can: the unlocked nodes [7,8] and [1,2]
+    assert device_sequences(cache) == {(5, 6)}
+    cache.tree.check_invariants()
+
+
+def test_full_host_gives_up_device_resident_copies_first() -> None:
+    """`host_duplicates_first` (SGLang's HiCache under write_back): to make host room, the host copies
+    of nodes still on the device go first, in the order they became so, before any host-only copy, however
+    recently used; without it the eviction policy ranks every host copy."""
+    for duplicates_first, survivor in ((True, (1, 1)), (False, (2, 2))):
+        cache = TieredCache(4, LRUPolicy(), cpu_capacity=4, host_tier=True,
+                            host_duplicates_first=duplicates_first)
+        put(cache, [1, 1])
+        put(cache, [2, 2])
+        for node in cache.make_room(4)[1]:  # both written back, then off the device: the host is full
+            cache.finish_offload(node)
+        put(cache, [2, 2])  # fresh KV revives [2,2]: on both tiers now
+        put(cache, [3, 3])
+        cache.match([2, 2])  # [2,2] the most recent; [3,3], with no host copy, the least
+        ok, writebacks = cache.make_room(cache.free_tokens + 2)  # [3,3] is written back: 2 host tokens must go
+        assert not ok and [node.key for node in writebacks] == [(3, 3)]
+        cache.finish_offload(writebacks[0])
+        hosted = {node.sequence() for node in cache.tree.nodes() if node.cpu}
+        assert hosted == {survivor, (3, 3)}, (duplicates_first, hosted)
+        cache.tree.check_invariants()

@@ -537,3 +537,24 @@ def test_default_namespace_is_the_unsalted_tree() -> None:
     # events keep the unsalted hash in the default namespace; the same tokens elsewhere are another prefix
     assert default_event.prefix_hash == prefix_hash([5, 6])
     assert salted_event.prefix_hash == prefix_hash([5, 6], "tenant") != default_event.prefix_hash
+
+
+def test_namespaces_are_sglangs_radix_key_pair() -> None:
+    """`cache_namespace` names what SGLang's `RadixKey` keys by: the salt alone ("" and None are the
+    default), or (extra key, salt) once an extra key is set, even "" (SGLang keeps "" apart from None)."""
+    from kvflow_ray.core.radix import cache_namespace
+    from kvflow_ray.engines.base import prefix_hash
+
+    assert cache_namespace() == cache_namespace(None) == cache_namespace("") == ""
+    assert cache_namespace("t") == "t"
+    assert cache_namespace("t", "lora") == ("lora", "t") != cache_namespace("t")
+    assert cache_namespace(None, "") == ("", "") != cache_namespace()
+    tree = RadixTree(1)
+    keyed = [cache_namespace(), cache_namespace("t"), cache_namespace(None, "lora"), cache_namespace("t", "lora")]
+    for namespace in keyed:
+        tree.insert([1, 2, 3], namespace=namespace)
+    assert tree.gpu_tokens == 12 and len(tree.root.children) == 4  # four disjoint copies
+    assert all(tree.match_prefix([1, 2], namespace=ns).last.namespace == ns for ns in keyed)
+    tree.check_invariants()
+    hashes = {prefix_hash([1, 2, 3], ns) for ns in keyed}
+    assert len(hashes) == 4 and prefix_hash([1, 2, 3]) in hashes

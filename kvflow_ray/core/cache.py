@@ -31,7 +31,7 @@ class EvictionCounters:
 
 class TieredCache:
     def __init__(self, gpu_capacity: int, eviction: EvictionPolicy, *, cpu_capacity: int = 0,
-                 host_tier: bool = False, page_size: int = 1) -> None:
+                 host_tier: bool = False, page_size: int = 1, host_duplicates_first: bool = False) -> None:
         if gpu_capacity <= 0:
             raise ValueError(f"device KV capacity must be positive, got {gpu_capacity} tokens")
         if host_tier and cpu_capacity <= 0:
@@ -40,6 +40,8 @@ class TieredCache:
         self.gpu_capacity = gpu_capacity
         self.cpu_capacity = cpu_capacity if host_tier else 0
         self.host_tier = host_tier
+        # host room: SGLang's order (`_make_host_room`), or the eviction policy's over every copy
+        self.host_duplicates_first = host_duplicates_first
         self.eviction = eviction
         self.private_tokens = 0
         self.pending_free = 0  # device tokens freed once in-flight write-backs complete
@@ -167,13 +169,14 @@ class TieredCache:
         writebacks = self._evict(lambda: self.free_tokens + self.pending_free >= n, below)
         return self.free_tokens >= n, writebacks
 
-    def evict(self, n: int) -> int:
+    def evict(self, n: int) -> tuple[int, list[RadixNode]]:
         """SGLang's `RadixCache.evict(num_tokens)`: evict whole nodes in policy order until `n` device
         tokens went (freed now, or on their way out behind a write-back) or no candidate is left, so
-        it evicts what it can and may go past `n` by part of a node. Returns the tokens evicted."""
+        it evicts what it can and may go past `n` by part of a node. Returns (tokens evicted,
+        write-backs started: the engine copies them and calls `finish_offload`)."""
         start = self.counters.evicted_gpu_tokens + self.pending_free
-        self._evict(lambda: self.counters.evicted_gpu_tokens + self.pending_free - start >= n, None)
-        return self.counters.evicted_gpu_tokens + self.pending_free - start
+        writebacks = self._evict(lambda: self.counters.evicted_gpu_tokens + self.pending_free - start >= n, None)
+        return self.counters.evicted_gpu_tokens + self.pending_free - start, writebacks
 
     def _evict(self, enough: Callable[[], bool], below: Rank | None) -> list[RadixNode]:
         """Evict in policy order (only keys below `below`) until `enough()`; returns the write-backs
@@ -315,13 +318,22 @@ class TieredCache:
                 and (node.gpu is GpuState.READY or not node.children))
 
     def _make_host_room(self, n: int) -> bool:
-        """Drop host copies in policy order until `n` host tokens are free. The candidates are the
+        """Drop host copies until `n` host tokens are free, in policy order. The candidates are the
         copies droppable when the decision first needed host room (within one decision, only
-        dropping a child makes another copy droppable: its parent, offered then)."""
-        if n > self.cpu_capacity:
+        dropping a child makes another copy droppable: its parent, offered then).
+
+        With `host_duplicates_first` (SGLang 0.5.23's HiCache under write_back, `evict_host`), each
+        call first reclaims the host copies of nodes still on the device, then drops host-only leaves
+        in policy order, ranked afresh; and, as SGLang does, it frees what it can even for a node
+        larger than the whole host pool."""
+        only_host_leaves = self.host_duplicates_first
+        if n > self.cpu_capacity and not only_host_leaves:
             return False
         if self._host_free() >= n:
             return True
+        if only_host_leaves:
+            self._reclaim_duplicates(n)
+            self._end_host_round()
         if self._host_candidates is None:
             self._host_candidates = self._host_order()
         while self._host_free() < n:
@@ -330,6 +342,8 @@ class TieredCache:
                 break
             if node.parent is None or not self._host_droppable(node):
                 continue  # not droppable (now, or when the decision began)
+            if only_host_leaves and node.gpu is not GpuState.NONE:
+                continue  # a duplicate the first pass kept
             parent = node.parent
             self.counters.evicted_cpu_tokens += len(node.key)
             if node.gpu is GpuState.NONE:
@@ -339,6 +353,28 @@ class TieredCache:
             if parent is not self.tree.root and parent.parent is not None and self._host_droppable(parent):
                 heapq.heappush(self._host_heap, (self.eviction.priority(parent), parent.id, parent))
         return self._host_free() >= n
+
+    def _reclaim_duplicates(self, n: int) -> None:
+        """SGLang's `_reclaim_full_host_duplicates`: free the host copies of nodes on both tiers, in
+        the order they became so (`RadixTree.host_duplicates`), until `n` host tokens are free; a
+        first pass spares evictable device leaves (their device copy may go next, and the host copy
+        with it would be lost), a second takes them. A locked node keeps both copies (one lock covers
+        both tiers here; SGLang's host copy has its own)."""
+        duplicates, gone = self.tree.host_duplicates, []
+        for spare_device_leaves in (True, False):
+            for node in duplicates:
+                if self._host_free() >= n:
+                    break
+                if node.parent is None or node.gpu is not GpuState.READY or not node.cpu:
+                    gone.append(node)  # no longer on both tiers
+                    continue
+                if node.in_flight or node.lock_ref or (spare_device_leaves and node.n_gpu_children == 0):
+                    continue
+                self.counters.evicted_cpu_tokens += len(node.key)
+                self.tree.drop_cpu(node)
+                gone.append(node)
+        for node in gone:
+            duplicates.pop(node, None)
 
     def _host_order(self) -> Iterator[RadixNode]:
         """The host copies droppable now, in key order, merged with parents offered later."""

@@ -229,6 +229,13 @@ class RadixTree:
         # agents each workflow has tagged, so retiring it discards exactly its tags: a node shared by
         # thousands of workflows is never rebuilt tag by tag
         self._agents_by_workflow: dict[str, set[str]] = {}
+        # nodes with a settled copy on both tiers, in the order they became so (SGLang 0.5.23's
+        # `full_host_duplicates`, which its HiCache reclaims first under write_back): a node joins when
+        # a load lands, when fresh KV revives its device copy, or when a copy to the host lands (an
+        # eviction's too: its device copy goes just after), and leaves when it leaves the tree. Entries
+        # go lazily: a node that lost a copy keeps its place until a reader drops it, and one that is a
+        # duplicate again keeps that place.
+        self.host_duplicates: dict[RadixNode, None] = {}
 
     # ------------------------------------------------------------------ lookup
     def page_aligned(self, tokens: Sequence[int]) -> tuple[int, ...]:
@@ -346,6 +353,7 @@ class RadixTree:
         if upper.cpu:
             self.cpu_nodes += 1
             self.rank_dirty[upper] = None  # a new host copy to rank
+            self._note_duplicate(upper)
         return upper
 
     def insert(self, tokens: Sequence[int], gpu_value: object = None,
@@ -396,6 +404,7 @@ class RadixTree:
         self.version += 1
         self._subtree_changed(node)
         del node.parent.children[self._key_of(node)]
+        self.host_duplicates.pop(node, None)
         for wf, _agent in node.tags:
             nodes = self._by_workflow.get(wf)
             if nodes is not None:
@@ -426,6 +435,8 @@ class RadixTree:
                 self.gpu_leaves.add(parent)
                 self.rank_dirty[parent] = None
         node.gpu = state
+        if state is GpuState.READY and node.cpu:  # a load landed, or fresh KV revived a host-only node
+            self._note_duplicate(node)
         if state is GpuState.READY and node.n_gpu_children == 0:
             self.gpu_leaves.add(node)
             self.rank_dirty[node] = None
@@ -443,10 +454,16 @@ class RadixTree:
                 self.rank_dirty[node] = None  # a new host copy to rank
         old, node.cpu = node.cpu_value, present
         node.cpu_value = value if present else None
+        if present and not was:  # a backup or an eviction's write-back landed (the device copy is still there)
+            self._note_duplicate(node)
         # every host copy that goes is reported, with or without a buffer (a simulator's has none):
         # the router's location index learns of it through this hook
         if was and not present and self.on_free is not None:
             self.on_free(node, "cpu", old)
+
+    def _note_duplicate(self, node: RadixNode) -> None:
+        if node.gpu is GpuState.READY and node.cpu and not node.in_flight:
+            self.host_duplicates.setdefault(node, None)
 
     def begin_load(self, node: RadixNode) -> None:
         assert node.gpu is GpuState.NONE and node.cpu and not node.offloading, node

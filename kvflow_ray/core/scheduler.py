@@ -48,11 +48,16 @@ class PolicyConfig:
     oracle: bool = False  # eviction reads the future access sequence (an offline bound: a reference run's trace)
     # how the workflow layer ranks agents (`predict.PREDICTION`): graph | priors | learned | oracle
     prediction: str = "graph"
+    # host room as SGLang 0.5.23's HiCache (write_back) makes it: host copies of device-resident nodes
+    # first, then host-only leaves by the eviction policy (`TieredCache._make_host_room`); off: the
+    # eviction policy ranks every host copy (the workflow-aware policies)
+    host_duplicates_first: bool = False
 
 
 POLICIES: dict[str, PolicyConfig] = {
     "lru": PolicyConfig("lru", "lru", host_tier=False, prefetch="none", admission="fcfs"),
-    "hicache": PolicyConfig("hicache", "lru", host_tier=True, prefetch="none", admission="fcfs"),
+    "hicache": PolicyConfig("hicache", "lru", host_tier=True, prefetch="none", admission="fcfs",
+                            host_duplicates_first=True),
     "kvflow": PolicyConfig("kvflow", "kvflow", host_tier=True, prefetch="steps-ahead", admission="status-aware"),
     "kvflow-noprefetch": PolicyConfig("kvflow-noprefetch", "kvflow", host_tier=True, prefetch="none",
                                       admission="status-aware"),
@@ -67,9 +72,9 @@ POLICIES: dict[str, PolicyConfig] = {
                            oracle=True, prediction="oracle"),
     # queue-aware prefix scheduling: SGLang's longest-prefix-match order (its `--schedule-policy lpm`,
     # with HiCache), PEEK's queue-aware order and demand-protecting eviction, and that with KVFlow's
-    "lpm": PolicyConfig("lpm", "lru", host_tier=True, prefetch="none", admission="lpm"),
+    "lpm": PolicyConfig("lpm", "lru", host_tier=True, prefetch="none", admission="lpm", host_duplicates_first=True),
     "queue-aware": PolicyConfig("queue-aware", "demand-lru", host_tier=True, prefetch="none",
-                                admission="queue-aware"),
+                                admission="queue-aware", host_duplicates_first=True),
     "kvflow-qa": PolicyConfig("kvflow-qa", "demand-kvflow", host_tier=True, prefetch="steps-ahead",
                               admission="queue-aware"),
 }
@@ -671,7 +676,8 @@ def build_replica(policy: str | PolicyConfig, copier: Copier, *, gpu_capacity: i
     book = book if book is not None else StepBook(near_horizon=max(horizon, 2))
     eviction = EVICTION.create(config.eviction, PolicyContext(book=book, future=future))
     capacity = 1 << 60 if config.infinite else gpu_capacity
-    cache = TieredCache(capacity, eviction, cpu_capacity=cpu_capacity, host_tier=config.host_tier)
+    cache = TieredCache(capacity, eviction, cpu_capacity=cpu_capacity, host_tier=config.host_tier,
+                        host_duplicates_first=config.host_duplicates_first)
     if free_value is not None or events is not None:
         def on_free(node: RadixNode, tier: str, value: object) -> None:
             if free_value is not None:

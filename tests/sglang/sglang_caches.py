@@ -126,3 +126,60 @@ def build(tree: str, policy: str, *, kv_tokens: int = 4096, page_size: int = 1,
     else:
         raise ValueError(tree)
     return CacheRig(tree, cache, req_pool, allocator)
+
+
+# ---------------------------------------------------------------------------------- host tier (HiCache)
+def _cpu_host_pool_stand_ins() -> None:
+    """SGLang's HiCache needs two CUDA-only pieces; on CPU, plain stand-ins for exactly those two:
+    - the host pool's pinned allocation (`pool_host.common.ALLOC_MEMORY_FUNCS`: its CPU entry
+      registers host memory with `torch.cuda.cudart()`): a plain allocation;
+    - the copy kernel `transfer_kv_direct` (sgl_kernel, imported by `pool_host/mha.py` only on
+      CUDA/HIP/XPU): a per-layer index copy, what the kernel does for `direct` I/O, `layer_first`.
+    The cache, its tree, the controller, the host pool and its allocator are SGLang's own."""
+    from sglang.srt.mem_cache.pool_host import common, mha
+
+    def allocate(dims: Any, dtype: Any, device: Any, pin_memory: bool, allocator: Any,
+                 registration_granularity_bytes: Any = None) -> Any:
+        return allocator.allocate(dims, dtype=dtype, device=device)
+
+    def transfer_kv_direct(src_layers: Any, dst_layers: Any, src_indices: Any, dst_indices: Any,
+                           page_size: int) -> None:
+        for src, dst in zip(src_layers, dst_layers, strict=True):
+            dst[dst_indices.to(dst.device)] = src[src_indices.to(src.device)]
+
+    common.ALLOC_MEMORY_FUNCS["cpu"] = allocate
+    mha.transfer_kv_direct = transfer_kv_direct
+
+
+def build_hicache(*, kv_tokens: int, host_ratio: float = 2.0, write_policy: str = "write_back",
+                  page_size: int = 1) -> CacheRig:
+    """SGLang's unified tree with HiCache (`--enable-hierarchical-cache`), a host pool of
+    `host_ratio` × the device pool, `direct` I/O, `layer_first` layout. Copies are queued as in the
+    scheduler; `pump_hicache` runs the scheduler's per-step calls that complete them."""
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    _cpu_host_pool_stand_ins()
+    args = ServerArgs(model_path="dummy", page_size=page_size, enable_hierarchical_cache=True,
+                      hicache_io_backend="direct", hicache_mem_layout="layer_first", hicache_ratio=host_ratio,
+                      hicache_write_policy=write_policy)
+    set_global_server_args_for_scheduler(args)
+    req_pool = ReqToTokenPool(size=8, max_context_len=kv_tokens, device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(size=kv_tokens, page_size=page_size, dtype=torch.bfloat16, head_num=1, head_dim=8,
+                          layer_num=1, device="cpu", enable_memory_saver=False)
+    allocator = TokenToKVPoolAllocator(size=kv_tokens, dtype=torch.bfloat16, device="cpu", kvcache=kv,
+                                       need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
+                             page_size=page_size, tree_components=(ComponentType.FULL,), eviction_policy="lru",
+                             tree_core_backend="python")
+    cache = UnifiedRadixCache(params)
+    cache.init_hicache(args, params)
+    return CacheRig("unified", cache, req_pool, allocator)
+
+
+def pump_hicache(cache: Any) -> None:
+    """What SGLang's scheduler calls each step: submit queued device -> host writes, reap finished
+    writes, start and reap host -> device loads."""
+    cache.flush_pending_backups()
+    cache.writing_check()
+    cache.ready_to_load_host_cache()
+    cache.loading_check()

@@ -82,7 +82,7 @@ class Pair:
 
     def evict(self, n: int) -> None:
         theirs = self.sglang.evict(n)
-        ours = self.core.evict(n)
+        ours, _writebacks = self.core.evict(n)  # no host tier: none
         assert ours == theirs, (ours, theirs)
 
     # ------------------------------------------------------------------ state
