@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixPara
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang_caches import build_hicache, pump_hicache
-from test_radix_differential import Prompts
+from test_radix_differential import Prompts, first_difference, prompt_op
 
 from kvflow_ray.core.cache import TieredCache
 from kvflow_ray.core.policies import LRUPolicy
@@ -155,29 +155,20 @@ def replay(seed: int, host_ratio: float = 2.0) -> HostPair:
     rng = random.Random(seed)
     prompts = Prompts(rng, 8)
     pair = HostPair(host_ratio)
-    try:
+    with first_difference(pair.log, f"seed {seed}, host ratio {host_ratio}"):
         for _ in range(OPERATIONS):
             op = rng.random()
             if op < 0.4:
-                tokens, salt, extra = prompts.next()
-                pair.log.append(f"insert {tokens} salt={salt} extra={extra}")
-                pair.insert(tokens, salt, extra)
+                prompt_op(pair, "insert", prompts)
             elif op < 0.6:
-                tokens, salt, extra = prompts.next()
-                pair.log.append(f"match {tokens} salt={salt} extra={extra}")
-                pair.match(tokens, salt, extra)
+                prompt_op(pair, "match", prompts)
             elif op < 0.75:
-                tokens, salt, extra = prompts.next()
-                pair.log.append(f"load {tokens} salt={salt} extra={extra}")
-                pair.load(tokens, salt, extra)
+                prompt_op(pair, "load", prompts)
             else:
                 n = rng.randint(1, 64)
                 pair.log.append(f"evict {n}")
                 pair.evict(n)
             pair.check()
-    except AssertionError as exc:
-        steps = "\n  ".join(pair.log)
-        raise AssertionError(f"seed {seed}: differs after\n  {steps}\n{exc!r}") from exc
     return pair
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import random
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,26 +149,37 @@ class Prompts:
         return tokens, *namespace
 
 
+def prompt_op(pair: Any, name: str, prompts: Prompts) -> None:
+    """One operation on the next prompt, both sides and logged: `pair.<name>(tokens, salt, extra)`."""
+    tokens, salt, extra = prompts.next()
+    pair.log.append(f"{name} {tokens} salt={salt} extra={extra}")
+    getattr(pair, name)(tokens, salt, extra)
+
+
+@contextmanager
+def first_difference(log: list[str], label: str) -> Iterator[None]:
+    """Re-raise a difference with the sequence's label (its seed) and the operations that led to it."""
+    try:
+        yield
+    except AssertionError as exc:
+        steps = "\n  ".join(log)
+        raise AssertionError(f"{label}: differs after\n  {steps}\n{exc!r}") from exc
+
+
 def replay(seed: int, page: int, policy: str, tree: str = "legacy") -> Pair:
     """Run one sequence; raises AssertionError with the operations so far at the first difference."""
     rng = random.Random(seed)
     prompts = Prompts(rng, page)
     pair = Pair(page, policy, tree)
-    try:
+    with first_difference(pair.log, f"seed {seed}, page {page}, {policy}, {tree}"):
         for _ in range(OPERATIONS):
             op = rng.random()
             if op < 0.35:
-                tokens, salt, extra = prompts.next()
-                pair.log.append(f"insert {tokens} salt={salt} extra={extra}")
-                pair.insert(tokens, salt, extra)
+                prompt_op(pair, "insert", prompts)
             elif op < 0.6:
-                tokens, salt, extra = prompts.next()
-                pair.log.append(f"match {tokens} salt={salt} extra={extra}")
-                pair.match(tokens, salt, extra)
+                prompt_op(pair, "match", prompts)
             elif op < 0.7:
-                tokens, salt, extra = prompts.next()
-                pair.log.append(f"lock {tokens} salt={salt} extra={extra}")
-                pair.lock(tokens, salt, extra)
+                prompt_op(pair, "lock", prompts)
             elif op < 0.8 and pair.locked:
                 index = rng.randrange(len(pair.locked))
                 pair.log.append(f"unlock #{index}")
@@ -178,9 +191,6 @@ def replay(seed: int, page: int, policy: str, tree: str = "legacy") -> Pair:
                 pair.check_contents()
             pair.check_sizes()
         pair.check_contents()
-    except AssertionError as exc:
-        steps = "\n  ".join(pair.log)
-        raise AssertionError(f"seed {seed}, page {page}, {policy}: differs after\n  {steps}\n{exc!r}") from exc
     return pair
 
 
