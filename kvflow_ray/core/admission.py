@@ -115,7 +115,7 @@ class QueueTracking(ArrivalAdmission):
         self.pending: PendingTree[Any] = PendingTree()
         self.queued = 0  # requests in the pending tree still waiting
         self.overflow: dict[Any, None] = {}  # waiting beyond the window, oldest first
-        self.keys: dict[Any, tuple[str, tuple[int, ...]]] = {}
+        self.keys: dict[Any, tuple[Namespace, tuple[int, ...]]] = {}
         self.arrival: dict[Any, float] = {}
 
     def arrived(self, req: Any, namespace: Namespace, tokens: Sequence[int]) -> None:

@@ -42,6 +42,8 @@ class TieredCache:
         self.host_tier = host_tier
         # host room: SGLang's order (`_make_host_room`), or the eviction policy's over every copy
         self.host_duplicates_first = host_duplicates_first
+        if host_duplicates_first:
+            self.tree.track_host_duplicates()
         self.eviction = eviction
         self.private_tokens = 0
         self.pending_free = 0  # device tokens freed once in-flight write-backs complete
@@ -361,6 +363,7 @@ class TieredCache:
         with it would be lost), a second takes them. A locked node keeps both copies (one lock covers
         both tiers here; SGLang's host copy has its own)."""
         duplicates, gone = self.tree.host_duplicates, []
+        assert duplicates is not None, "built with host_duplicates_first, the tree tracks them"
         for spare_device_leaves in (True, False):
             for node in duplicates:
                 if self._host_free() >= n:

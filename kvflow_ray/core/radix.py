@@ -234,8 +234,15 @@ class RadixTree:
         # a load lands, when fresh KV revives its device copy, or when a copy to the host lands (an
         # eviction's too: its device copy goes just after), and leaves when it leaves the tree. Entries
         # go lazily: a node that lost a copy keeps its place until a reader drops it, and one that is a
-        # duplicate again keeps that place.
-        self.host_duplicates: dict[RadixNode, None] = {}
+        # duplicate again keeps that place. None: nobody reads them, so none are kept
+        # (`track_host_duplicates`).
+        self.host_duplicates: dict[RadixNode, None] | None = None
+
+    def track_host_duplicates(self) -> None:
+        """Keep `host_duplicates` (a cache that makes host room SGLang's way reads them); from the
+        start, so that their order is the order they came in."""
+        assert not self.root.children, "track host duplicates from an empty tree"
+        self.host_duplicates = {}
 
     # ------------------------------------------------------------------ lookup
     def page_aligned(self, tokens: Sequence[int]) -> tuple[int, ...]:
@@ -404,7 +411,8 @@ class RadixTree:
         self.version += 1
         self._subtree_changed(node)
         del node.parent.children[self._key_of(node)]
-        self.host_duplicates.pop(node, None)
+        if self.host_duplicates is not None:
+            self.host_duplicates.pop(node, None)
         for wf, _agent in node.tags:
             nodes = self._by_workflow.get(wf)
             if nodes is not None:
@@ -462,7 +470,8 @@ class RadixTree:
             self.on_free(node, "cpu", old)
 
     def _note_duplicate(self, node: RadixNode) -> None:
-        if node.gpu is GpuState.READY and node.cpu and not node.in_flight:
+        if (self.host_duplicates is not None and node.gpu is GpuState.READY and node.cpu
+                and not node.in_flight):
             self.host_duplicates.setdefault(node, None)
 
     def begin_load(self, node: RadixNode) -> None:
