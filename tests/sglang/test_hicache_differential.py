@@ -21,29 +21,24 @@ refuses loads under 10 tokens (`load_back_threshold`), so only larger ones are m
 from __future__ import annotations
 
 import random
-from array import array
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
-from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang_caches import build_hicache, pump_hicache
-from test_radix_differential import Prompts, first_difference, prompt_op
+from test_radix_differential import Prompts, core_nodes, first_difference, prompt_op, sglang_key, sglang_nodes
 
 from kvflow_ray.core.cache import TieredCache
 from kvflow_ray.core.policies import LRUPolicy
-from kvflow_ray.core.radix import GpuState, Namespace, cache_namespace
+from kvflow_ray.core.radix import GpuState, RadixNode, cache_namespace
 
 SEQUENCES = 1000
 OPERATIONS = 60
 KV_TOKENS = 4096
 LOAD_BACK_THRESHOLD = 10  # SGLang's `load_back_threshold`: it refuses smaller loads
-
-Contents = set[tuple[Namespace, tuple[int, ...], bool, bool]]
-
 
 class HostPair:
     """SGLang's unified tree with HiCache (write_back) and the core `TieredCache` with a host tier."""
@@ -59,14 +54,14 @@ class HostPair:
     def insert(self, tokens: list[int], salt: str | None, extra: str | None) -> None:
         value = self.rig.allocator.alloc(len(tokens))
         assert value is not None, "the SGLang pool ran out: raise KV_TOKENS"
-        self.rig.cache.insert(InsertParams(key=_key(tokens, salt, extra), value=value))  # frees duplicates
+        self.rig.cache.insert(InsertParams(key=sglang_key(tokens, salt, extra, 1), value=value))  # frees duplicates
         pump_hicache(self.rig.cache)
         self.core.alloc(len(tokens))
         self.core.commit(tokens, len(tokens), namespace=cache_namespace(salt, extra))
 
     def match(self, tokens: list[int], salt: str | None, extra: str | None) -> tuple[Any, list[Any]]:
         """Both look-ups; they must agree on the tokens on the device and on the host."""
-        theirs = self.rig.cache.match_prefix(MatchPrefixParams(key=_key(tokens, salt, extra)))
+        theirs = self.rig.cache.match_prefix(MatchPrefixParams(key=sglang_key(tokens, salt, extra, 1)))
         match = self.core.match(tokens, cache_namespace(salt, extra))
         ready, loading, host = match.split_by_tier()
         assert not loading
@@ -105,34 +100,17 @@ class HostPair:
         assert ours == theirs, (ours, theirs)
 
     def check(self) -> None:
-        assert _core_contents(self.core) == _sglang_contents(self.rig.cache)
+        assert core_nodes(self.core, _core_tiers) == sglang_nodes(self.rig.cache, _sglang_tiers)
         assert self.core.tree.gpu_tokens == KV_TOKENS - self.rig.allocator.available_size()
 
 
-def _key(tokens: list[int], salt: str | None, extra: str | None) -> RadixKey:
-    return RadixKey(array("q", tokens), extra, cache_salt=salt)
+def _core_tiers(node: RadixNode) -> tuple[bool, bool]:
+    return node.gpu is GpuState.READY, node.cpu
 
 
-def _core_contents(cache: TieredCache) -> Contents:
-    out: Contents = set()
-    stack = [(node, node.key) for node in cache.tree.root.children.values()]
-    while stack:
-        node, seq = stack.pop()
-        out.add((node.namespace, seq, node.gpu is GpuState.READY, node.cpu))
-        stack.extend((child, seq + child.key) for child in node.children.values())
-    return out
-
-
-def _sglang_contents(cache: Any) -> Contents:
-    out: Contents = set()
-    stack = [(node, tuple(node.key.token_ids)) for node in cache.root_node.children.values()]
-    while stack:
-        node, seq = stack.pop()
-        full = node.component_data[ComponentType.FULL]
-        out.add((cache_namespace(node.key.cache_salt, node.key.extra_key), seq, full.value is not None,
-                 full.host_value is not None))
-        stack.extend((child, seq + tuple(child.key.token_ids)) for child in node.children.values())
-    return out
+def _sglang_tiers(node: Any) -> tuple[bool, bool]:
+    full = node.component_data[ComponentType.FULL]
+    return full.value is not None, full.host_value is not None
 
 
 @pytest.fixture(autouse=True)

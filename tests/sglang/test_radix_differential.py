@@ -14,8 +14,7 @@ and the operations that led to it, so `replay(seed, page, policy)` reproduces it
 from __future__ import annotations
 
 import random
-from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +27,8 @@ from sglang_caches import TREES, build
 
 from kvflow_ray.core.cache import TieredCache
 from kvflow_ray.core.policies import StepBook, make_eviction_policy
-from kvflow_ray.core.radix import Match, Namespace, cache_namespace
+from kvflow_ray.core.radix import Match, RadixNode, cache_namespace
+from kvflow_ray.engines.sglang.state import radix_key
 
 SEQUENCES = 1000
 OPERATIONS = 60
@@ -55,7 +55,7 @@ class Pair:
 
     # ------------------------------------------------------------------ operations
     def insert(self, tokens: list[int], salt: str | None, extra: str | None) -> None:
-        rig, key = self.sglang, _key(tokens, salt, extra, self.page)
+        rig, key = self.sglang, sglang_key(tokens, salt, extra, self.page)
         value = rig.allocator.alloc(len(key))
         assert value is not None, "the SGLang pool ran out: raise KV_TOKENS"
         result = rig.cache.insert(InsertParams(key=key, value=value))
@@ -66,7 +66,7 @@ class Pair:
         core.commit(tokens, len(key), namespace=cache_namespace(salt, extra))
 
     def match(self, tokens: list[int], salt: str | None, extra: str | None) -> tuple[Any, Match]:
-        theirs = self.sglang.cache.match_prefix(MatchPrefixParams(key=_key(tokens, salt, extra, self.page)))
+        theirs = self.sglang.cache.match_prefix(MatchPrefixParams(key=sglang_key(tokens, salt, extra, self.page)))
         ours = self.core.match(tokens, cache_namespace(salt, extra))
         assert ours.length == theirs.device_prefix_len, (ours.length, theirs.device_prefix_len)
         return theirs.last_device_node, ours
@@ -94,30 +94,35 @@ class Pair:
         assert tree.locked_gpu_tokens == cache.protected_size()
 
     def check_contents(self) -> None:
-        assert _core_nodes(self.core) == _sglang_nodes(self.sglang.cache)
+        assert core_nodes(self.core) == sglang_nodes(self.sglang.cache)
 
 
-def _key(tokens: list[int], salt: str | None, extra: str | None, page: int) -> RadixKey:
-    return RadixKey(array("q", tokens), extra, cache_salt=salt).page_aligned(page)
+def sglang_key(tokens: list[int], salt: str | None, extra: str | None, page: int) -> RadixKey:
+    """SGLang's key for `tokens` in the namespace (salt, extra key), page-aligned as its trees take it."""
+    return radix_key(tokens, cache_namespace(salt, extra)).page_aligned(page)
 
 
-def _core_nodes(cache: TieredCache) -> set[tuple[Namespace, tuple[int, ...]]]:
-    """(namespace, root-to-node tokens) of every node."""
+Node = tuple[Any, ...]  # (namespace, root-to-node tokens, *what a caller adds)
+
+
+def core_nodes(cache: TieredCache, detail: Callable[[RadixNode], tuple[Any, ...]] = lambda node: ()) -> set[Node]:
+    """(namespace, root-to-node tokens, *detail(node)) of every node of the core tree."""
     out = set()
     stack = [(node, node.key) for node in cache.tree.root.children.values()]
     while stack:
         node, seq = stack.pop()
-        out.add((node.namespace, seq))
+        out.add((node.namespace, seq, *detail(node)))
         stack.extend((child, seq + child.key) for child in node.children.values())
     return out
 
 
-def _sglang_nodes(cache: Any) -> set[tuple[Namespace, tuple[int, ...]]]:
+def sglang_nodes(cache: Any, detail: Callable[[Any], tuple[Any, ...]] = lambda node: ()) -> set[Node]:
+    """The same of every node of a SGLang tree (legacy or unified)."""
     out = set()
     stack = [(node, tuple(node.key.token_ids)) for node in cache.root_node.children.values()]
     while stack:
         node, seq = stack.pop()
-        out.add((cache_namespace(node.key.cache_salt, node.key.extra_key), seq))
+        out.add((cache_namespace(node.key.cache_salt, node.key.extra_key), seq, *detail(node)))
         stack.extend((child, seq + tuple(child.key.token_ids)) for child in node.children.values())
     return out
 
@@ -217,7 +222,7 @@ def test_the_minimal_split_tail_case() -> None:
         pair.insert([9, 9], None, None)
         pair.match([1, 2, 7], None, None)
         pair.evict(2)
-        assert _core_nodes(pair.core) == _sglang_nodes(pair.sglang.cache) == {("", (1, 2)), ("", (1, 2, 3, 4))}
+        assert core_nodes(pair.core) == sglang_nodes(pair.sglang.cache) == {("", (1, 2)), ("", (1, 2, 3, 4))}
 
 
 def test_evict_takes_what_it_can_and_whole_nodes() -> None:
@@ -230,5 +235,5 @@ def test_evict_takes_what_it_can_and_whole_nodes() -> None:
     pair.evict(1)  # the least recent node, [16, 32), goes whole
     pair.evict(10_000)  # all that is not locked
     pair.check_contents()
-    assert _core_nodes(pair.core) == {("", tuple(range(16)))}
+    assert core_nodes(pair.core) == {("", tuple(range(16)))}
     pair.check_sizes()
