@@ -87,10 +87,17 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, single_iterations: i
                                  "routing policies that draw at random")
         parser.add_argument("--rate", type=float, default=None,
                             help="fleet: workflow instances arriving per second, Poisson (default 2; llmd 10)")
-        parser.add_argument("--tenants", type=int, default=8, help="fleet: tenants (each its own cache namespace)")
-        parser.add_argument("--preset", choices=["llmd"], default=None,
+        parser.add_argument("--tenants", type=int, default=None,
+                            help="fleet: tenants, each its own cache namespace (default 8; with --pressure, as many "
+                                 "as the pressure takes)")
+        parser.add_argument("--pressure", type=float, default=None, metavar="X",
+                            help="fleet: the applications' prompts over the fleet's device KV (working set / "
+                                 "replicas x device pool; 0.5, 1, 2, 4, 8): sets the tenants, or with --tenants "
+                                 "the prompt sizes; the report prints the ratio either way")
+        parser.add_argument("--preset", choices=["llmd", "tools"], default=None,
                             help="fleet: llmd = llm-d's benchmark shape (150 system prompts of 6,000 tokens, "
-                                 "1,200-token questions, 1,000 tokens out)")
+                                 "1,200-token questions, 1,000 tokens out); tools = agents' system prompts of "
+                                 "4-16k tokens (tool schemas), as agent frameworks send")
     parser.set_defaults(_single_iterations=single_iterations, _scenario_seeded=fleet)
 
 
@@ -115,20 +122,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
-def build_scenario(args: argparse.Namespace) -> workload.Scenario:
+def build_scenario(args: argparse.Namespace, fleet_kv_tokens: int | None = None) -> workload.Scenario:
+    """The scenario the flags name; `fleet_kv_tokens` (replicas x device pool) for the fleet's pressure."""
     def pick(value: int | None, default: int) -> int:
         return default if value is None else value
 
-    if getattr(args, "preset", None) is not None and args.scenario != "fleet":
-        raise ValueError("--preset goes with --scenario fleet")
+    for flag in ("preset", "pressure"):
+        if getattr(args, flag, None) is not None and args.scenario != "fleet":
+            raise ValueError(f"--{flag} goes with --scenario fleet")
     if args.scenario == "fleet":
         rate = args.rate
         if args.preset == "llmd":
+            if args.pressure is not None:
+                raise ValueError("--pressure does not go with --preset llmd (its prompts are llm-d's)")
             return workload.llmd(clients=pick(args.clients, 1024), rate=10.0 if rate is None else rate,
                                  output=pick(args.output, 1000), seed=args.seed)
-        return workload.fleet(tenants=args.tenants, apps=pick(args.apps, 2), clients=pick(args.clients, 256),
+        tenants = args.tenants if args.tenants is not None or args.pressure is not None else 8
+        return workload.fleet(tenants=tenants, apps=pick(args.apps, 2), clients=pick(args.clients, 256),
                               rate=2.0 if rate is None else rate, dynamic=pick(args.dynamic, 256),
-                              output=pick(args.output, 128), seed=args.seed)
+                              output=pick(args.output, 128), seed=args.seed, preset=args.preset or "default",
+                              pressure=args.pressure, fleet_kv_tokens=fleet_kv_tokens)
     seed = args.seed if args._scenario_seeded else 0
     if args.scenario == "burst":
         return workload.burst(requests=args.requests, prompts=args.prompts, system=args.system,
@@ -174,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--set {item}: expected FIELD=VALUE")
             overrides[key.strip()] = value.strip()
         profile = load_profile(args.profile, overrides)
-        scenario = build_scenario(args)
+        scenario = build_scenario(args, args.replicas * (args.gpu_kv_tokens or profile.gpu_kv_tokens))
     except (ValueError, SpecError) as exc:
         print(f"kvflow-ray sim: error: {exc}", file=sys.stderr)
         return 2
@@ -212,9 +225,13 @@ def format_table(out: dict) -> str:
     results = out["results"]
     base = results.get("lru") or next(iter(results.values()))
     width = max(18, *(len(name) + 2 for name in results))
-    lines = [f"scenario {out['scenario']} on {out['profile']} {out['params']}",
-             f"{'policy':<{width}}{'latency s':>11}{'p99 s':>9}{'vs lru':>8}{'gpu hit':>9}{'cpu hit':>9}"
-             f"{'recomputed':>12}{'loaded':>10}{'stall s':>9}{'ttft p50':>10}{'ttft p99':>10}{'max wait':>10}"]
+    params = out["params"]
+    lines = [f"scenario {out['scenario']} on {out['profile']} {params}"]
+    if params.get("pressure") is not None:
+        lines.append(f"working set {params['working_set_tokens']:,} tokens = {params['pressure']:.2f} x the fleet's "
+                     "device KV")
+    lines.append(f"{'policy':<{width}}{'latency s':>11}{'p99 s':>9}{'vs lru':>8}{'gpu hit':>9}{'cpu hit':>9}"
+                 f"{'recomputed':>12}{'loaded':>10}{'stall s':>9}{'ttft p50':>10}{'ttft p99':>10}{'max wait':>10}")
     for name, r in results.items():
         _policy, at, routing = name.partition("@")
         base = results.get(f"lru@{routing}" if at else "lru") or base  # lru under the same routing

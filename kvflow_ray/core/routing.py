@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -188,13 +189,16 @@ class WorkInFlight:
 @dataclass
 class Fleet:
     """What a router knows of its replicas: `loads`, the calls it routed there that have not ended
-    (its own count, always current); `usage` / `waiting`, the device KV utilization (0..1) and the
-    queue each replica last reported; `blocks`, their holdings from cache events."""
+    (its own count, always current); `usage` / `waiting` / `capacity`, the device KV utilization
+    (0..1), the queue and the device KV pool (tokens) each replica last reported; `blocks`, their
+    holdings from cache events."""
 
     loads: dict[str, int] = field(default_factory=dict)
     usage: dict[str, float] = field(default_factory=dict)
     waiting: dict[str, int] = field(default_factory=dict)
+    capacity: dict[str, int] = field(default_factory=dict)
     blocks: BlockIndex = field(default_factory=BlockIndex)
+    _capacity_total: int = 0
 
     def add(self, replica: str) -> None:
         self.loads.setdefault(replica, 0)
@@ -204,6 +208,7 @@ class Fleet:
     def remove(self, replica: str) -> None:
         for counts in (self.loads, self.usage, self.waiting):
             counts.pop(replica, None)
+        self._capacity_total -= self.capacity.pop(replica, 0)
         self.blocks.drop(replica)
 
     @classmethod
@@ -215,10 +220,17 @@ class Fleet:
             fleet.loads[replica] = load
         return fleet
 
-    def report(self, replica: str, *, usage: float, waiting: int) -> None:
+    def report(self, replica: str, *, usage: float, waiting: int, capacity: int | None = None) -> None:
         if replica in self.loads:
             self.usage[replica] = usage
             self.waiting[replica] = waiting
+            if capacity is not None:
+                self._capacity_total += capacity - self.capacity.get(replica, 0)
+                self.capacity[replica] = capacity
+
+    def device_capacity(self) -> int:
+        """The device KV tokens of the replicas that reported their pool (0: none did)."""
+        return self._capacity_total
 
     def prompt_blocks(self, request: RouteRequest, block: int) -> dict[str, tuple[int, int]]:
         """replica -> (leading `block`-token blocks of the call's prompt it holds on the device, blocks
@@ -239,7 +251,8 @@ class RouteRequest:
     knows only its fixed prefix's hash); `salt`: its cache namespace; `prefix_hash` /
     `prefix_tokens`: the agent's fixed prompt; `holders`: replica -> best tier holding that prompt
     (the router's location index); `home`: where the workflow's previous agent ran; `max_new`: its
-    output budget."""
+    output budget; `group`: the application the call belongs to (its tenant and workflow template),
+    empty when unknown."""
 
     tokens: Sequence[int] = ()
     salt: str = ""
@@ -248,6 +261,7 @@ class RouteRequest:
     holders: Mapping[str, str] = field(default_factory=dict)
     home: str | None = None
     max_new: int = 0
+    group: str = ""
     _blocks: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     def blocks(self, block: int = BLOCK_TOKENS) -> tuple[int, ...]:
@@ -407,32 +421,132 @@ class PrefixAffinityRouter(RoutingHooks):
         return RouteDecision(cheapest, outcome, live_holders.get(cheapest))
 
 
+@dataclass
+class _Application:
+    home: str | None = None
+    prompts: dict[str, int] = field(default_factory=dict)  # fixed-prompt hash -> its tokens
+    tokens: int = 0  # their sum: the application's working set
+    inflight: int = 0  # its calls routed and not yet ended
+
+
+class Applications:
+    """The applications a router has seen (a tenant's workflow template: `RouteRequest.group`): each
+    one's home replica, its working set (the distinct fixed prompts its calls sent, in tokens) and its
+    calls in flight; and the fleet's hot working set, the working sets of the applications with a call
+    in flight. O(1) per call. Idle applications beyond `max_idle` are forgotten, least recently used
+    first (their next call is placed afresh)."""
+
+    def __init__(self, max_idle: int = 1 << 16) -> None:
+        self.max_idle = max_idle
+        self.hot_tokens = 0
+        self._apps: dict[str, _Application] = {}
+        self._idle: dict[str, None] = {}  # applications without a call in flight, least recently used first
+
+    def home(self, group: str) -> str | None:
+        app = self._apps.get(group)
+        return app.home if app is not None else None
+
+    def busy(self, group: str) -> bool:
+        app = self._apps.get(group)
+        return app is not None and app.inflight > 0
+
+    def pressure(self, fleet: Fleet) -> float:
+        """The hot working set over the fleet's device KV (0 while no replica reported its pool)."""
+        capacity = fleet.device_capacity()
+        return self.hot_tokens / capacity if capacity > 0 else 0.0
+
+    def routed(self, request: RouteRequest, replica: str, rehome: bool) -> None:
+        """A call of `request.group` went to `replica`; it becomes the home of an application without
+        one, or of any when `rehome`."""
+        if not request.group:
+            return
+        app = self._apps.get(request.group)
+        if app is None:
+            app = self._apps[request.group] = _Application()
+        if app.home is None or rehome:
+            app.home = replica
+        if request.prefix_hash and request.prefix_hash not in app.prompts:
+            app.prompts[request.prefix_hash] = request.prefix_tokens
+            app.tokens += request.prefix_tokens
+            if app.inflight:
+                self.hot_tokens += request.prefix_tokens
+        if app.inflight == 0:
+            self._idle.pop(request.group, None)
+            self.hot_tokens += app.tokens
+        app.inflight += 1
+
+    def ended(self, request: RouteRequest) -> None:
+        app = self._apps.get(request.group) if request.group else None
+        if app is None or app.inflight == 0:
+            return
+        app.inflight -= 1
+        if app.inflight == 0:
+            self.hot_tokens -= app.tokens
+            self._idle[request.group] = None
+            while len(self._idle) > self.max_idle:
+                oldest = next(iter(self._idle))
+                del self._idle[oldest]
+                del self._apps[oldest]
+
+    def removed(self, replica: str) -> None:
+        """`replica` left: its applications have no home (O(applications), rare)."""
+        for app in self._apps.values():
+            if app.home == replica:
+                app.home = None
+
+
 class WorkflowRouter(WorkPricingRouter):
-    """The workflow router: each replica priced by the work the call would wait behind and bring
-    there, in tokens, the cheapest wins:
+    """The workflow router. Each replica is priced by the work the call would wait behind and bring
+    there, in tokens:
 
         prompt tokens still to prefill there (calls in flight)
         + the call's prompt tokens not cached there (host copies at `host_credit` of a device copy)
         + `kv_weight` x (KV tokens the calls in flight there hold, and the call's own not among them)
 
+    and every application (a tenant's workflow template) has a **home**, the replica its first call
+    was priced to. Which one wins depends on whether memory binds, which the router measures: the
+    *pressure* is the working sets of the applications with a call in flight (their distinct fixed
+    prompts) over the device KV of the fleet (the replicas report their pools).
+    - Pressure below `sticky_pressure` (every hot prompt fits): the cheapest replica, or the home
+      when it costs at most `slack` x the call's prompt tokens more. Spreading an application then
+      costs one prefill per replica, and the price counts it.
+    - Pressure at or above it: the home, while its calls in flight are within `load_bound` x the
+      fleet's mean (consistent hashing with bounded loads' rule; Mirrokni et al. 2018). A copy of a
+      prompt on a second replica would evict other applications' prompts that are needed again, a
+      cost the price cannot see, so an application stays in one place and is replicated only when its
+      load exceeds what the bound allows; the overflow goes to the cheapest replica. An idle
+      application whose home is over the bound moves to where its next call goes (homes follow
+      load, slowly).
+    The price is not computed for a call its home takes under pressure (O(1); the spilled calls,
+    and every call below the pressure, pay O(replicas + prompt blocks)).
+
     A token to prefill costs more than a token of KV a decode step reads (a prefill token is a
     matrix row through every layer; a context token, one KV read per step): `kv_weight` 0.25 was
-    chosen on `benchmarks/fleet.py`'s sweep (0.1-1.0 tried; Dynamo's `prefill_load_scale`, the same
-    knob inverted, is swept there too).
+    chosen on `benchmarks/fleet.py`'s rate sweep (0.1-1.0 tried; Dynamo's `prefill_load_scale`, the
+    same knob inverted, is swept there too); `load_bound` 2 and `sticky_pressure` 1 on its pressure
+    sweep (`docs/simulator.md`).
 
-    What it knows that the peers' routers do not: where each agent's fixed prompt is cached,
-    exactly, from the router's location index (a replica it just sent the prompt to counts as a
-    holder before its cache event arrives), and where the workflow's previous agent ran (`home`,
-    which wins ties). The prompt's leading blocks come from the fleet's block index, as Dynamo's.
-    Without the call's tokens (a router asking where an upcoming agent would go), the fixed prompt
-    alone is priced."""
+    What it knows that the peers' routers do not: which application a call belongs to, where each
+    agent's fixed prompt is cached, exactly, from the router's location index (a replica it just
+    sent the prompt to counts as a holder before its cache event arrives), and where the workflow's
+    previous agent ran (`home`, which wins ties). The prompt's leading blocks come from the fleet's
+    block index, as Dynamo's. Without the call's tokens (a router asking where an upcoming agent
+    would go), the fixed prompt alone is priced."""
 
-    def __init__(self, host_credit: float = 0.75, kv_weight: float = 0.25, block_tokens: int = BLOCK_TOKENS) -> None:
+    def __init__(self, host_credit: float = 0.75, kv_weight: float = 0.25, block_tokens: int = BLOCK_TOKENS,
+                 load_bound: float = 2.0, sticky_pressure: float = 1.0, slack: float = 1.0) -> None:
         if not 0 <= host_credit <= 1:
             raise ValueError(f"host_credit must be within [0, 1], got {host_credit}")
+        if load_bound < 1:
+            raise ValueError(f"load_bound must be >= 1, got {load_bound}")
         self.host_credit = host_credit
         self.kv_weight = kv_weight
+        self.load_bound = load_bound
+        self.sticky_pressure = sticky_pressure
+        self.slack = slack
         self.work = WorkInFlight(block_tokens)
+        self.apps = Applications()
+        self._rehome: RouteRequest | None = None  # the call whose replica becomes its application's home
 
     def cached_tokens(self, request: RouteRequest, fleet: Fleet) -> dict[str, float]:
         """replica -> the call's prompt tokens it would not compute (host copies at their credit)."""
@@ -440,9 +554,11 @@ class WorkflowRouter(WorkPricingRouter):
         out: dict[str, float] = {replica: (device + self.host_credit * host) * block
                                  for replica, (device, host) in fleet.prompt_blocks(request, block).items()}
         for replica, tier in request.holders.items():  # the fixed prompt, exactly
-            held = request.prefix_tokens * (1.0 if tier == "gpu" else self.host_credit)
-            out[replica] = max(out.get(replica, 0.0), held)
+            out[replica] = max(out.get(replica, 0.0), self._holder_credit(request, tier))
         return out
+
+    def _holder_credit(self, request: RouteRequest, tier: str | None) -> float:
+        return request.prefix_tokens * (1.0 if tier == "gpu" else self.host_credit if tier == "cpu" else 0.0)
 
     def costs(self, request: RouteRequest, fleet: Fleet) -> dict[str, float]:
         cached = self.cached_tokens(request, fleet)
@@ -453,10 +569,40 @@ class WorkflowRouter(WorkPricingRouter):
                 + self.kv_weight * (work.blocks(replica) + work.new_blocks(replica, request)) * block
                 for replica in live_replicas(fleet)}
 
-    def route(self, request: RouteRequest, fleet: Fleet) -> RouteDecision:
-        costs = self.costs(request, fleet)
-        return decision(request, min(costs, key=lambda r: (costs[r], r != request.home, r)))
+    def within_bound(self, replica: str, fleet: Fleet) -> bool:
+        """One more call there keeps its calls in flight within `load_bound` x the fleet's mean."""
+        loads = fleet.loads
+        return loads[replica] + 1 <= math.ceil(self.load_bound * (sum(loads.values()) + 1) / len(loads))
 
+    def route(self, request: RouteRequest, fleet: Fleet) -> RouteDecision:
+        self._rehome = None
+        home = self.apps.home(request.group)
+        sticky = self.apps.pressure(fleet) >= self.sticky_pressure
+        if home in fleet.loads:
+            if sticky and self.within_bound(home, fleet):
+                self._priced(request, {home: self._holder_credit(request, request.holders.get(home))})
+                return decision(request, home)
+            if sticky and not self.apps.busy(request.group):
+                self._rehome = request
+        costs = self.costs(request, fleet)
+        best = min(costs, key=lambda r: (costs[r], r != request.home, r))
+        if (home in costs and home != best and not sticky and self.within_bound(home, fleet)
+                and costs[home] <= costs[best] + self.slack * (len(request.tokens) or request.prefix_tokens)):
+            return decision(request, home)
+        return decision(request, best)
+
+    def routed(self, request: RouteRequest, replica: str) -> None:
+        super().routed(request, replica)
+        rehome, self._rehome = self._rehome is request, None
+        self.apps.routed(request, replica, rehome)
+
+    def ended(self, request: RouteRequest, replica: str) -> None:
+        super().ended(request, replica)
+        self.apps.ended(request)
+
+    def removed(self, replica: str) -> None:
+        super().removed(replica)
+        self.apps.removed(replica)
 
 
 # ---------------------------------------------------------------------------------------------- load only
@@ -534,9 +680,10 @@ def create_routing(text: str, seed: int = 0) -> RoutingPolicy:
 
 @partial(ROUTING.register, "workflow")
 def _workflow(context: PolicyContext, *, host_credit: float = 0.75, kv_weight: float = 0.25,
-              block_tokens: int = BLOCK_TOKENS) -> RoutingPolicy:
-    """the replica where the call waits behind and brings the least work, priced in tokens (the workflow router)"""
-    return WorkflowRouter(host_credit, kv_weight, block_tokens)
+              block_tokens: int = BLOCK_TOKENS, load_bound: float = 2.0, sticky_pressure: float = 1.0,
+              slack: float = 1.0) -> RoutingPolicy:
+    """the cheapest replica priced in tokens, or the application's home while memory binds (the workflow router)"""
+    return WorkflowRouter(host_credit, kv_weight, block_tokens, load_bound, sticky_pressure, slack)
 
 
 @partial(ROUTING.register, "prefix-affinity")
@@ -560,3 +707,4 @@ def _pow2(context: PolicyContext, *, seed: int = 0) -> RoutingPolicy:
 
 # the peers' prefix-aware rules register themselves (they build on the types above)
 from kvflow_ray.core import peer_routers as _peer_routers  # noqa: E402,F401
+

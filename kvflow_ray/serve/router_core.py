@@ -455,7 +455,8 @@ class RouterCore:
         self._learn(tenant, spec, state, record, agent)
         state.start(agent)
         request = RouteRequest(tokens, cache_salt, prefix_hash, prefix_tokens,
-                               self._holders(prefix_hash) if prefix_hash else {}, record.get("home"), max_new)
+                               self._holders(prefix_hash) if prefix_hash else {}, record.get("home"), max_new,
+                               group=f"{tenant}/{spec.name}")
         decision = self.policy.route(request, self.fleet)
         self.policy.routed(request, decision.replica)
         routed = self._routed.setdefault((tenant, client_id), [])
@@ -677,7 +678,7 @@ class RouterCore:
         upcoming agent runs `elsewhere`: it ranks the agent's prompt by its steps but does not load
         it. A replica learns the agents' prompts the first time it hears of the instance."""
         steps = self.forecast.steps(tenant, spec.name, state, record.get("history") or ())
-        targets = self._prefetch_targets(steps, record)
+        targets = self._prefetch_targets(steps, record, f"{tenant}/{spec.name}")
         salt = str(record.get("salt", ""))
         told = self._told.setdefault(key, set())
         new = {*record["placement"].values(), *targets.values()} - told
@@ -700,7 +701,7 @@ class RouterCore:
             out.append((replica, Hints(steps={key: steps}, salts={key: salt}, elsewhere={key: elsewhere})))
         return out
 
-    def _prefetch_targets(self, steps: dict[str, float], record: dict[str, Any]) -> dict[str, str]:
+    def _prefetch_targets(self, steps: dict[str, float], record: dict[str, Any], group: str) -> dict[str, str]:
         """Where each agent about to run (0 < E <= horizon) would be routed now: the same decision
         `start_call` makes, from where its prompt was seen last and the workflow's home. Agents
         never called yet, with no home to go to, have no target (every replica may prefetch)."""
@@ -718,7 +719,7 @@ class RouterCore:
             if prefix_hash is None and home not in self.loads:
                 continue
             holders = self._holders(prefix_hash) if prefix_hash else {}
-            ask = RouteRequest(prefix_hash=prefix_hash, prefix_tokens=tokens, holders=holders, home=home)
+            ask = RouteRequest(prefix_hash=prefix_hash, prefix_tokens=tokens, holders=holders, home=home, group=group)
             targets[agent] = self.policy.route(ask, self.fleet).replica
         return targets
 

@@ -105,7 +105,8 @@ class SimRouter:
                 if drained:
                     core.cache_events(name, drained)
             cache = replica.cache
-            core.fleet.report(name, usage=cache.used_tokens / cache.gpu_capacity, waiting=len(replica.waiting))
+            core.fleet.report(name, usage=cache.used_tokens / cache.gpu_capacity, waiting=len(replica.waiting),
+                              capacity=cache.gpu_capacity)
 
     def _deliver(self) -> None:
         """The router's outbox to the replicas it names (a replica new to a workflow gets its prompts)."""

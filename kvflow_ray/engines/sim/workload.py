@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvflow_ray.core.graph import AgentSpec, WorkflowSpec
 from kvflow_ray.engines.sim.simulator import Branching, ClientPlan, TokenSource
@@ -190,34 +190,109 @@ def _prompt_tokens(rng: random.Random, median: int) -> int:
     return int(min(max(rng.lognormvariate(math.log(median), 0.6), median / 8), median * 4))
 
 
-def fleet(tenants: int = 8, apps: int = 2, clients: int = 256, rate: float = 2.0, preamble: int = 1024,
-          prompt: int = 512, dynamic: int = 256, output: int = 128, seed: int = 0) -> Scenario:
+FLEET_PRESETS = ("default", "tools")
+TOOL_PROMPT_RANGE = (4096, 16384)  # the `tools` preset: each agent's system prompt, log-uniform
+
+
+@dataclass(frozen=True)
+class _App:
+    tenant: int
+    index: int  # its tenant's n-th application
+    spec: WorkflowSpec
+    preamble: int  # tokens every agent's prompt starts with
+    roles: dict[str, int]  # agent -> the tokens its prompt adds
+
+    @property
+    def working_set(self) -> int:
+        """The distinct tokens of its prompts (what caching all of them takes)."""
+        return self.preamble + sum(self.roles.values())
+
+
+def _draw_app(rng: random.Random, shapes: list[WorkflowSpec], tenant: int, index: int, apps: int, preset: str,
+              preamble: int, prompt: int) -> _App:
+    spec = shapes[(tenant * apps + index) % len(shapes)]
+    if preset == "tools":  # a shared preamble, then each agent's tool schemas and role: 4-16k tokens in all
+        common = _prompt_tokens(rng, preamble)
+        low, high = TOOL_PROMPT_RANGE
+        roles = {agent: max(prompt, int(math.exp(rng.uniform(math.log(low), math.log(high)))) - common)
+                 for agent in spec.agents}
+    else:
+        common = _prompt_tokens(rng, preamble)
+        roles = {agent: _prompt_tokens(rng, prompt) for agent in spec.agents}
+    return _App(tenant, index, spec, common, roles)
+
+
+def _scaled(app: _App, factor: float) -> _App:
+    return replace(app, preamble=max(1, round(app.preamble * factor)),
+                   roles={agent: max(1, round(n * factor)) for agent, n in app.roles.items()})
+
+
+def fleet_applications(rng: random.Random, tenants: int | None = 8, apps: int = 2, preamble: int = 1024,
+                       prompt: int = 512, preset: str = "default", pressure: float | None = None,
+                       fleet_kv_tokens: int | None = None) -> list[_App]:
+    """The fleet's applications, drawn from `rng`. With `pressure` (and the fleet's device KV,
+    `fleet_kv_tokens`), their working sets add up to `pressure` x the fleet's device KV: applications
+    are added, `apps` per tenant, until they do (`tenants` None: the last tenant may have fewer), or
+    the prompts of `tenants` x `apps` applications are scaled to it (`tenants` given)."""
+    if preset not in FLEET_PRESETS:
+        raise ValueError(f"unknown fleet preset {preset!r} (choose one of {', '.join(FLEET_PRESETS)})")
+    shapes = list(fleet_shapes().values())
+    if pressure is None or tenants is not None:
+        _check_positive(tenants=tenants or 0, apps=apps, preamble=preamble, prompt=prompt)
+        drawn = [_draw_app(rng, shapes, t, a, apps, preset, preamble, prompt) for t in range(tenants or 0)
+                 for a in range(apps)]
+        if pressure is None:
+            return drawn
+    _check_positive(apps=apps, preamble=preamble, prompt=prompt)
+    if not pressure > 0:
+        raise ValueError(f"--pressure must be positive, got {pressure}")
+    if not fleet_kv_tokens or fleet_kv_tokens < 1:
+        raise ValueError("--pressure needs the fleet's device KV (replicas x the profile's device pool)")
+    target = pressure * fleet_kv_tokens
+    if tenants is not None:
+        factor = target / sum(app.working_set for app in drawn)
+        return [_scaled(app, factor) for app in drawn]
+    drawn, total = [], 0
+    while total < target:
+        tenant, index = divmod(len(drawn), apps)
+        drawn.append(_draw_app(rng, shapes, tenant, index, apps, preset, preamble, prompt))
+        total += drawn[-1].working_set
+    return drawn
+
+
+def fleet(tenants: int | None = 8, apps: int = 2, clients: int = 256, rate: float = 2.0, preamble: int = 1024,
+          prompt: int = 512, dynamic: int = 256, output: int = 128, seed: int = 0, preset: str = "default",
+          pressure: float | None = None, fleet_kv_tokens: int | None = None) -> Scenario:
     """`tenants` x `apps` applications, each one workflow shape (in turn through `fleet_shapes`) with
     its own agents' prompts: an application preamble (log-normal around `preamble` tokens) then a
-    role prompt per agent (around `prompt`). Tenants share nothing (each is a cache namespace).
-    `clients` workflow instances, each of a random application, arrive as a Poisson process of
-    `rate` per second and run one pass."""
-    _check_positive(tenants=tenants, apps=apps, clients=clients, preamble=preamble, prompt=prompt)
+    role prompt per agent (around `prompt`; the `tools` preset: each agent's whole system prompt is
+    4-16k tokens, log-uniform, as agent frameworks send tool schemas). Tenants share nothing (each is
+    a cache namespace). `pressure`: the applications' working sets over the fleet's device KV
+    (`fleet_applications`). `clients` workflow instances, each of a random application, arrive as a
+    Poisson process of `rate` per second and run one pass. The params carry the pressure reached
+    (`pressure`, when the fleet's KV is known) and the working set in tokens."""
+    _check_positive(clients=clients)
     if not rate > 0:
         raise ValueError(f"--rate must be positive, got {rate}")
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # the applications' draws, then the arrivals'
+    drawn = fleet_applications(rng, tenants, apps, preamble, prompt, preset, pressure, fleet_kv_tokens)
     tokens = TokenSource(1)
-    shapes = list(fleet_shapes().values())
     applications = []
-    for t in range(tenants):
-        for a in range(apps):
-            spec = shapes[(t * apps + a) % len(shapes)]
-            common = tokens.fresh(_prompt_tokens(rng, preamble))
-            prompts = {agent: common + tokens.fresh(_prompt_tokens(rng, prompt)) for agent in spec.agents}
-            applications.append((f"t{t}", f"{spec.name}{a}", spec, prompts))
+    for app in drawn:
+        common = tokens.fresh(app.preamble)
+        prompts = {agent: common + tokens.fresh(n) for agent, n in app.roles.items()}
+        applications.append((f"t{app.tenant}", f"{app.spec.name}{app.index}", app.spec, prompts))
     plans, at = [], 0.0
     for c in range(clients):
         at += rng.expovariate(rate)
-        tenant, app, spec, prompts = rng.choice(applications)
-        plans.append(ClientPlan(key=f"{tenant}/{app}-{c}", spec=spec, prompts=prompts, dynamic=dynamic,
+        tenant, name, spec, prompts = rng.choice(applications)
+        plans.append(ClientPlan(key=f"{tenant}/{name}-{c}", spec=spec, prompts=prompts, dynamic=dynamic,
                                 output=output, iterations=1, start_at=at, salt=tenant))
-    return Scenario("fleet", plans, dict(tenants=tenants, apps=apps, clients=clients, rate=rate, preamble=preamble,
-                                         prompt=prompt, dynamic=dynamic, output=output, seed=seed))
+    working_set = sum(app.working_set for app in drawn)
+    return Scenario("fleet", plans, dict(
+        tenants=len({app.tenant for app in drawn}), apps=apps, clients=clients, rate=rate, preamble=preamble,
+        prompt=prompt, dynamic=dynamic, output=output, seed=seed, preset=preset, working_set_tokens=working_set,
+        pressure=round(working_set / fleet_kv_tokens, 3) if fleet_kv_tokens else None))
 
 
 def llmd(clients: int = 1024, rate: float = 10.0, groups: int = 150, system: int = 6000, question: int = 1200,
