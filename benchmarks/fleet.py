@@ -335,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     pressure_points: list[dict[str, Any]] = []
     if "pressure" in sections:
         for replicas in replica_counts:
-            pressures = ([0.5, 2.0] if args.quick else [float(p) for p in args.pressures.split(",")] if args.pressures
-                         else PRESSURES.get(replicas, PRESSURES[8]))
+            pressures = ([float(p) for p in args.pressures.split(",")] if args.pressures
+                         else [0.5, 2.0] if args.quick else PRESSURES.get(replicas, PRESSURES[8]))
             regimes = {"past knee": PRESSURE_RATES["past knee"]} if args.quick else PRESSURE_RATES
             for regime, rate in regimes.items():
                 for pressure in pressures:

@@ -160,3 +160,60 @@ def test_benchmarks_write_to_a_git_ignored_folder_unless_told_and_say_what_is_mi
                           cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "needs no_such_module_kv: pip install -e '.[bench]'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _fleet_module():  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fleet
+    finally:
+        sys.path.pop(0)
+    return fleet
+
+
+def test_fleet_targets_follow_issue_29() -> None:
+    """T = max(1.01 B, min(0.97 K, B + 0.3 (N - B))) from the point's own runs: B the lowest `infinite`
+    latency over every router (ours too), K the best peer router on kvflow, N the best peer router
+    on lru or hicache; the TTFT target max(0.7 x N's, 1.05 x B's); below pressure 1, 1.02 x the best
+    baseline."""
+    fleet = _fleet_module()
+    point = {"replicas": 8, "pressure": 2.0, "measured_pressure": 2.01, "rate": 4.0, "regime": "past knee"}
+
+    def row(policy: str, routing: str, latency: float, ttft: float = 1.0) -> dict[str, object]:
+        return {**point, "policy": policy, "routing": routing, "latency_s": latency, "ttft_p90_s": ttft,
+                "decision_p99_ms": 0.1}
+
+    rows = [row("kvflow", "workflow", 66.0, 6.0), row("infinite", "workflow", 62.0, 0.9),
+            row("infinite", "llmd-precise", 63.0, 0.8), row("kvflow", "llmd-precise", 68.9, 7.0),
+            row("hicache", "sglang-cache-aware", 76.9, 9.8), row("lru", "sglang-cache-aware", 120.0, 20.0),
+            row("kvflow", "sglang-cache-aware", 69.0, 8.0), row("lru", "workflow", 50.0, 0.1)]
+    e = fleet.targets(rows)
+    assert (e["B"], e["K"], e["N"]) == (62.0, 68.9, 76.9)
+    assert (e["K_is"], e["N_is"], e["B_is"]) == ("llmd-precise", "hicache@sglang-cache-aware", "infinite@workflow")
+    assert e["T"] == pytest.approx(max(1.01 * 62.0, min(0.97 * 68.9, 62.0 + 0.3 * (76.9 - 62.0))))
+    assert e["ttft_target_s"] == pytest.approx(max(0.7 * 9.8, 1.05 * 0.9))
+    assert e["met"] is True  # 66.0 s <= T = 66.47 s, TTFT p90 6.0 s <= 6.86 s
+    slow_first_token = fleet.targets([row("kvflow", "workflow", 66.0, 7.0), *rows[1:]])
+    assert slow_first_token["met"] is False
+    low = fleet.targets([{**r, "pressure": 0.5} for r in rows])
+    assert low["T"] == pytest.approx(1.02 * 68.9) and low["ttft_target_s"] is None  # best baseline: kvflow@llmd
+
+
+def test_fleet_quick_pressure_point(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fleet.py"), "--quick", "--sections", "pressure",
+                           "--pressures", "2", "--no-progress", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "issue 29's target" in proc.stdout
+    report = json.loads((tmp_path / "fleet.json").read_text())
+    (entry,) = report["pressure"]
+    assert entry["measured_pressure"] == pytest.approx(2.0, rel=0.05)
+    assert entry["B"] <= min(r["latency_s"] for r in report["pressure_runs"] if r["policy"] == "infinite")
+    runs = {(r["policy"], r["routing"]) for r in report["pressure_runs"]}
+    assert runs == {(p, r) for p in ["lru", "hicache", "kvflow", "infinite"] for r in fleet_routers()}
+    assert (tmp_path / "fleet.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def fleet_routers() -> list[str]:
+    return _fleet_module().ROUTERS

@@ -40,6 +40,9 @@ def test_router_actor_survives_a_kill(ray_cluster: None, redis_url: str) -> None
     router = get_router(redis_url)
     assert get_router(redis_url, create=False)._actor_id == router._actor_id  # one router, found by name
     ray.get([router.add_replica.remote("r1"), router.add_replica.remote("r2")])
+    # a replica's report carries its load (replica.load_report): the fleet's device KV is what they report
+    ray.get(router.report.remote("r1", None, {"capacity": 1000, "usage": 0.5, "waiting": 2}))
+    assert ray.get(router.stats.remote())["device_kv_tokens"] == 1000
     ray.get(router.put_template.remote("acme", PEER))
     route = ray.get(router.start_call.remote("acme", "c1", "planner", workflow="peer"))
     assert route["workflow_key"] == "acme/c1" and route["replica"] in ("r1", "r2")

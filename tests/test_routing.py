@@ -99,3 +99,111 @@ def test_workflow_router_uses_exact_holders_host_credit_and_home() -> None:
     assert router.route(RouteRequest(prefix_tokens=10), f).replica == "a"
     with pytest.raises(ValueError, match="host_credit"):
         WorkflowRouter(host_credit=2)
+
+
+# ---------------------------------------------------------------------------------------------- application homes
+def _pressed_fleet(loads: dict[str, int], capacity: int) -> Fleet:
+    """A fleet whose replicas reported `capacity` device KV tokens each."""
+    f = Fleet.of(loads)
+    for replica in loads:
+        f.report(replica, usage=0.0, waiting=0, capacity=capacity)
+    return f
+
+
+def _call(group: str, prefix: str, tokens: int = 1000, home: str | None = None) -> RouteRequest:
+    """A call of application `group` whose whole prompt is its fixed prompt `prefix` (fresh tokens)."""
+    start = 1 + sum(map(ord, prefix)) * 100_000
+    return RouteRequest(tokens=tuple(range(start, start + tokens)), prefix_hash=prefix, prefix_tokens=tokens,
+                        group=group, home=home)
+
+
+def test_applications_keep_their_working_set_and_the_fleets_hot_set() -> None:
+    from kvflow_ray.core.routing import Applications
+
+    apps = Applications(max_idle=1)
+    f = _pressed_fleet({"a": 0, "b": 0}, capacity=1000)
+    first, second = _call("t/app", "p1", 300), _call("t/app", "p2", 200)
+    apps.routed(first, "a", rehome=False)
+    assert apps.home("t/app") == "a" and apps.hot_tokens == 300 and apps.busy("t/app")
+    apps.routed(second, "b", rehome=False)  # a second prompt joins the working set; the home stays
+    assert apps.home("t/app") == "a" and apps.hot_tokens == 500
+    assert apps.pressure(f) == 500 / 2000
+    apps.routed(_call("t/app", "p1", 300), "a", rehome=False)  # a prompt counts once
+    assert apps.hot_tokens == 500
+    for call in (first, second, first):
+        apps.ended(call)
+    assert apps.hot_tokens == 0 and not apps.busy("t/app") and apps.home("t/app") == "a"
+    apps.routed(_call("t/other", "q", 50), "b", rehome=False)
+    apps.ended(_call("t/other", "q", 50))  # two idle applications over max_idle=1: the older is forgotten
+    assert apps.home("t/app") is None and apps.home("t/other") == "b"
+    apps.removed("b")
+    assert apps.home("t/other") is None
+    assert apps.pressure(Fleet.of({"a": 0})) == 0.0  # no pool reported: no pressure
+
+
+def test_under_pressure_an_application_goes_home_until_its_load_bound() -> None:
+    from kvflow_ray.core.routing import WorkflowRouter
+
+    router = WorkflowRouter(load_bound=2.0, sticky_pressure=1.0)
+    # 2,000 device tokens in all; b, c, d each run 2 calls of other routers' clients
+    f = _pressed_fleet({"a": 0, "b": 2, "c": 2, "d": 2}, capacity=500)
+    hot = _call("t/hot", "p", 4000)  # its working set alone is 2x the fleet: memory binds
+    assert router.route(hot, f).replica == "a"  # first call: the cheapest (ties by name)
+    router.routed(hot, "a")
+    f.loads["a"] += 1
+    assert router.apps.pressure(f) == 2.0
+    # b is cheaper for a new prompt of the application (a has work in flight), but the home wins
+    nxt = _call("t/hot", "p2", 4000)
+    assert router.costs(nxt, f)["b"] < router.costs(nxt, f)["a"]
+    assert router.route(nxt, f) == RouteDecision("a", "cold", None)
+    # the bound: the home's calls in flight, this one counted, within ceil(2 x the fleet's mean)
+    f.loads["a"] = 4  # 5 <= ceil(2 x (10 + 1) / 4) = 6
+    assert router.route(nxt, f).replica == "a"
+    f.loads["a"] = 6  # 7 <= ceil(2 x (12 + 1) / 4) = 7
+    assert router.route(nxt, f).replica == "a"
+    f.loads["a"] = 7  # 8 > ceil(2 x (13 + 1) / 4) = 7: the call spills to the cheapest replica
+    spill = router.route(nxt, f)
+    assert spill.replica == "b"
+    router.routed(nxt, spill.replica)
+    assert router.apps.home("t/hot") == "a"  # the home stays while the application is busy
+
+
+def test_below_pressure_the_price_decides_and_an_idle_application_moves_from_a_busy_home() -> None:
+    from kvflow_ray.core.routing import WorkflowRouter
+
+    router = WorkflowRouter(load_bound=2.0, sticky_pressure=1.0, slack=0.0)
+    roomy = _pressed_fleet({"a": 0, "b": 0}, capacity=1_000_000)
+    router.routed(_call("t/app", "p", 1000), "a")
+    roomy.loads["a"] += 1
+    # memory does not bind: the cheaper replica (a still prefills the first call) wins over the home
+    assert router.route(_call("t/app", "p2", 1000), roomy).replica == "b"
+
+    router = WorkflowRouter(load_bound=2.0, sticky_pressure=1.0)
+    tight = _pressed_fleet({"a": 0, "b": 0, "c": 0, "d": 0}, capacity=100)
+    router.routed(_call("t/app", "p", 1000), "a")
+    router.ended(_call("t/app", "p", 1000), "a")  # the application is idle, at home on a
+    for i in range(6):  # another application keeps memory bound and a busy: a is over its bound
+        router.routed(_call("t/busy", f"q{i}", 1000), "a")
+        tight.loads["a"] += 1
+    later = _call("t/app", "p", 1000)
+    d = router.route(later, tight)
+    assert d.replica != "a"
+    router.routed(later, d.replica)
+    assert router.apps.home("t/app") == d.replica  # it moved with its call
+    with pytest.raises(ValueError, match="load_bound"):
+        WorkflowRouter(load_bound=0.5)
+
+
+def test_a_home_that_left_is_replaced() -> None:
+    from kvflow_ray.core.routing import WorkflowRouter
+
+    router = WorkflowRouter()
+    f = _pressed_fleet({"a": 0, "b": 0}, capacity=10)
+    call = _call("t/app", "p", 1000)
+    router.routed(call, "a")
+    router.removed("a")
+    f.remove("a")
+    d = router.route(_call("t/app", "p", 1000), f)
+    assert d.replica == "b"
+    router.routed(_call("t/app", "p", 1000), "b")
+    assert router.apps.home("t/app") == "b"

@@ -230,3 +230,18 @@ def test_ray_wrapped_router_errors_lose_their_wrapper() -> None:
     assert error is not None and error.status == 404 and error.message == "unknown client 'c9'"
     assert json_too_deep([[[[1]]]], 3) and not json_too_deep([[[1]]], 3)
     assert not json_too_deep({"a": [1, 2, {"b": "c"}]}, 3)
+
+
+def test_a_replicas_load_report_is_its_engines_pool_usage_and_queue() -> None:
+    from kvflow_ray.engines.base import GenerateRequest
+    from kvflow_ray.engines.sim.serving import SimEngine
+    from kvflow_ray.serve.replica import load_report
+
+    engine = SimEngine(time_scale=0.01, device_kv_tokens=4096)
+    try:
+        assert load_report(engine.stats()) == {"capacity": 4096, "usage": 0.0, "waiting": 0}
+        engine.generate(GenerateRequest(tokens=[i % 250 + 1 for i in range(1024)], max_tokens=4))
+        load = load_report(engine.stats())
+    finally:
+        engine.close()
+    assert load["capacity"] == 4096 and 1024 / 4096 <= load["usage"] <= 1.0 and load["waiting"] == 0

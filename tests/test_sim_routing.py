@@ -111,3 +111,97 @@ def test_llmd_preset_is_their_benchmark_shape() -> None:
     assert {len(p.prompts["user"]) for p in s.plans} == {6000}
     assert {(p.dynamic, p.output) for p in s.plans} == {(1200, 1000)}
     assert len({p.prompts["user"] for p in s.plans}) <= 150
+
+
+def _working_set(s: workload.Scenario) -> int:
+    """The distinct fixed-prompt tokens of a fleet's applications (each counted once)."""
+    seen: dict[tuple[str, str], set[int]] = {}
+    for p in s.plans:
+        app = (p.salt, p.key.split("/")[1].rsplit("-", 1)[0])
+        seen.setdefault(app, set()).update(t for prompt in p.prompts.values() for t in prompt)
+    return sum(len(tokens) for tokens in seen.values())
+
+
+@pytest.mark.parametrize("pressure", [0.5, 2.0, 8.0])
+def test_fleet_pressure_sets_the_working_set_over_the_fleets_device_kv(pressure: float) -> None:
+    fleet_kv = 8 * 39_585
+    s = workload.fleet(tenants=None, apps=4, clients=2000, rate=4.0, seed=5, pressure=pressure,
+                       fleet_kv_tokens=fleet_kv)
+    # applications are added until their working sets reach the pressure: at most one more than it takes
+    assert s.params["pressure"] == pytest.approx(pressure, rel=0.05)
+    assert s.params["working_set_tokens"] >= pressure * fleet_kv
+    assert s.params["tenants"] >= (pressure * fleet_kv) // (4 * 16 * 1024)  # apps hold at most 16k tokens each
+    # the instances draw their applications from all of them, and the working set is what the prompts hold
+    assert _working_set(s) <= s.params["working_set_tokens"]
+    # with --tenants, the applications are those, their prompts scaled to the pressure
+    fixed = workload.fleet(tenants=3, apps=2, clients=600, rate=4.0, seed=5, pressure=pressure,
+                           fleet_kv_tokens=fleet_kv)
+    assert fixed.params["tenants"] == 3 and fixed.params["pressure"] == pytest.approx(pressure, rel=0.01)
+    assert len({p.key.split("/")[1].rsplit("-", 1)[0] + p.salt for p in fixed.plans}) == 6
+
+
+def test_fleet_without_pressure_is_unchanged_and_reports_its_ratio() -> None:
+    plain = workload.fleet(tenants=8, apps=2, clients=100, rate=2.0, seed=1)
+    known = workload.fleet(tenants=8, apps=2, clients=100, rate=2.0, seed=1, fleet_kv_tokens=8 * 39_585)
+    def shape(s: workload.Scenario) -> list[tuple[str, float, dict[str, tuple[int, ...]]]]:
+        return [(p.key, p.start_at, p.prompts) for p in s.plans]
+
+    assert shape(plain) == shape(known)
+    assert plain.params["pressure"] is None and 0.1 < known.params["pressure"] < 0.5  # today's fleet
+    with pytest.raises(ValueError, match="--pressure needs the fleet's device KV"):
+        workload.fleet(tenants=None, pressure=2.0)
+    with pytest.raises(ValueError, match="--pressure must be positive"):
+        workload.fleet(tenants=None, pressure=0.0, fleet_kv_tokens=1000)
+    with pytest.raises(ValueError, match="unknown fleet preset"):
+        workload.fleet(preset="nope")
+
+
+def test_tools_preset_sends_4_to_16k_token_system_prompts() -> None:
+    s = workload.fleet(tenants=None, apps=4, clients=300, rate=4.0, seed=2, preset="tools", pressure=1.0,
+                       fleet_kv_tokens=8 * 39_585)
+    lengths = {len(prompt) for p in s.plans for prompt in p.prompts.values()}
+    assert min(lengths) >= 4096 * 0.95 and max(lengths) <= 16384 * 1.05
+    assert max(lengths) - min(lengths) > 4096  # spread over the range, not one size
+    # applications of up to 10 agents x 16k tokens are added whole: the last one may overshoot by half the fleet
+    assert s.params["preset"] == "tools" and 1.0 <= s.params["pressure"] <= 1.5
+
+
+def test_cli_fleet_pressure_prints_the_ratio_and_refuses_misuse() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvflow_ray.cli", "sim", "--scenario", "fleet", "--pressure", "2",
+                          "--apps", "4", "--clients", "24", "--rate", "4", "--replicas", "4", "--policies", "kvflow",
+                          "--routing", "workflow,llmd-precise"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    assert "x the fleet's device KV" in out.stdout and "2.0" in out.stdout.split("x the fleet's")[0].split()[-1]
+    for args, message in [(["--scenario", "peer", "--pressure", "2"], "--pressure goes with --scenario fleet"),
+                          (["--scenario", "fleet", "--preset", "llmd", "--pressure", "2"],
+                           "--pressure does not go with --preset llmd")]:
+        bad = subprocess.run([sys.executable, "-m", "kvflow_ray.cli", "sim", *args], capture_output=True, text=True,
+                             timeout=120)
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_under_pressure_the_workflow_router_keeps_each_application_on_fewer_replicas() -> None:
+    """The memory-bound fleet, simulated: the workflow router runs each application's calls on fewer
+    replicas than the load-only pow2 does, and computes less of its prompts again."""
+    s = workload.fleet(tenants=None, apps=4, clients=96, rate=4.0, seed=3, pressure=2.0, fleet_kv_tokens=4 * 39_585)
+
+    def spread(routing: str) -> tuple[float, int]:
+        sim = Simulation(load_profile("a10g-llama3.1-8b"), resolve_policy("kvflow"), replicas=4, routing=routing,
+                         seed=3)
+        for plan in s.plans:
+            sim.add_client(plan)
+        assert sim.router is not None
+        core, start_call = sim.router.core, sim.router.core.start_call
+        places: dict[str, set[str]] = {}
+
+        def observed(tenant: str, client: str, agent: str, **kw: Any) -> Any:
+            route = start_call(tenant, client, agent, **kw)
+            places.setdefault(f"{tenant}/{client.rsplit('-', 1)[0]}", set()).add(route.replica)  # its application
+            return route
+
+        core.start_call = observed  # type: ignore[method-assign]
+        sim.run()
+        return sum(map(len, places.values())) / len(places), summarise(sim)["recomputed_tokens"]
+
+    ours, theirs = spread("workflow"), spread("pow2")
+    assert ours[0] < theirs[0] and ours[1] < theirs[1]

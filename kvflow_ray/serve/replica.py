@@ -4,7 +4,8 @@ The replica serves `generate` / `stream` calls from the ingress and keeps two co
 the workflow router going on background threads:
 - hints: a long poll (`pull_hints`) that returns as soon as the router has new steps-to-execution,
   agents' prompts or retired workflows for this replica; they go straight to `engine.apply_hints`;
-- reports: every second a heartbeat with this replica's metrics; every 250 ms (when there are any)
+- reports: every second a heartbeat with this replica's metrics and its load (device KV pool, usage
+  and queue, which routing policies read); every 250 ms (when there are any)
   the engine's cache events, so the router knows which prefixes live here.
 Router calls that fail (the router restarting) are retried; serving never waits on the router.
 
@@ -20,7 +21,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import ray
@@ -28,7 +29,7 @@ from ray import serve
 
 from kvflow_ray.engines.base import GenerateRequest, Hints
 from kvflow_ray.serve.config import AppConfig
-from kvflow_ray.serve.metrics import ReplicaMetrics
+from kvflow_ray.serve.metrics import ReplicaMetrics, as_snapshot
 from kvflow_ray.serve.openai_api import agent_prefix
 from kvflow_ray.serve.router_actor import get_router
 
@@ -61,6 +62,15 @@ def make_engine(config: AppConfig) -> Any:
         # one in-process SGLang engine on this replica's GPU (Ray sets CUDA_VISIBLE_DEVICES for the actor)
         return SglangEngine(**config.sglang_engine_kwargs())
     raise ValueError(f"engine {config.engine!r} cannot run in an EngineReplica yet")
+
+
+def load_report(stats: Mapping[str, Any]) -> dict[str, float]:
+    """What the router's routing policies read of an engine's `stats()`: its device KV pool in tokens
+    (`capacity`), the share of it in use (`usage`) and its waiting queue (`waiting`)."""
+    snapshot = as_snapshot(stats)
+    capacity = int(snapshot.capacity_tokens.get("gpu", 0))
+    used = snapshot.cache_tokens.get("gpu", 0)
+    return {"capacity": capacity, "usage": used / capacity if capacity > 0 else 0.0, "waiting": snapshot.waiting}
 
 
 class EngineReplica:
@@ -205,6 +215,7 @@ class EngineReplica:
         while not self._stop.wait(REPORT_PERIOD_S):
             try:
                 self._push_events()
-                ray.get(self.router.report.remote(self.name, self.metrics.exposition()), timeout=10)
+                load = load_report(self.engine.stats())
+                ray.get(self.router.report.remote(self.name, self.metrics.exposition(), load), timeout=10)
             except Exception as exc:  # the router is restarting: report again next period
                 logger.debug("report to the router failed: %s", exc)

@@ -96,14 +96,18 @@ class WorkflowRouterActor:
         self._start_maintenance()
         return dict(self.core.loads)
 
-    async def report(self, name: str, exposition: bytes | None = None) -> None:
+    async def report(self, name: str, exposition: bytes | None = None, load: dict[str, float] | None = None) -> None:
         """A replica's periodic report: its heartbeat (which also re-registers it with a restarted
-        router) and its metrics, which `/metrics` serves merged with the router's."""
+        router), its metrics, which `/metrics` serves merged with the router's, and its load
+        (`replica.load_report`: device KV pool, usage, waiting queue), which routing policies read."""
         self.other_calls["report"] += 1
         self._heard_from(name)
         self.store.heartbeat(name, {"load": self.core.loads[name]})
         if exposition is not None:
             self.expositions[name] = exposition
+        if load is not None:
+            self.core.fleet.report(name, usage=float(load["usage"]), waiting=int(load["waiting"]),
+                                   capacity=int(load["capacity"]))
 
     async def cache_events(self, replica: str, events: list[tuple[Any, ...]]) -> None:
         self.other_calls["cache_events"] += 1
@@ -197,7 +201,7 @@ class WorkflowRouterActor:
                 "finish_seconds": list(self.core.finish_seconds),
                 "finish_cpu_seconds": list(self.core.finish_cpu_seconds),
                 **self.core.sizes(), "store_up": self.store.up, "pending_writes": self.store.pending,
-                "reconciles": dict(self.store.reconciles)}
+                "reconciles": dict(self.store.reconciles), "device_kv_tokens": self.core.fleet.device_capacity()}
 
     async def ping(self) -> str:
         """This incarnation's id: it changes when Ray restarts the actor."""
