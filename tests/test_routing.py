@@ -207,3 +207,30 @@ def test_a_home_that_left_is_replaced() -> None:
     assert d.replica == "b"
     router.routed(_call("t/app", "p", 1000), "b")
     assert router.apps.home("t/app") == "b"
+
+
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 5), st.booleans()), max_size=40))
+def test_work_in_flight_counts_new_blocks_as_a_rescan_would(ops: list[tuple[str, int, bool]]) -> None:
+    """The block -> replicas index gives each replica's new blocks for a call exactly as counting the
+    call's blocks against that replica's in-flight set does, through adds, ends and a dropped replica."""
+    from kvflow_ray.core.routing import WorkInFlight
+
+    work = WorkInFlight(block=4)
+    prompts = [tuple(range(k * 8, k * 8 + 4 * (k + 1))) for k in range(6)]  # prompts of 1-6 blocks, shared starts
+    live: list[tuple[RouteRequest, str]] = []
+    for replica, k, end in ops:
+        if end and live:
+            request, at = live.pop(k % len(live))
+            work.ended(request, at)
+        else:
+            request = RouteRequest(tokens=prompts[k])
+            work.add(request, replica, 0)
+            live.append((request, replica))
+        if replica == "c" and k == 5:
+            work.drop("c")
+            live = [(r, at) for r, at in live if at != "c"]
+        for other in prompts:
+            call = RouteRequest(tokens=other)
+            held = {at: {h for r, x in live if x == at for h in r.blocks(4)} for at in "abc"}
+            for at in "abc":
+                assert work.new_blocks(at, call) == sum(1 for h in call.blocks(4) if h not in held[at])

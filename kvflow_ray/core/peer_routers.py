@@ -308,10 +308,11 @@ class DynamoKvRouter(WorkPricingRouter):
         bs, host_w = self.block_tokens, self.host_cache_hit_weight
         self._priced(request, {r: (device + host_w * host) * bs for r, (device, host) in cached.items()})
         work = self.work
+        shared = work.shared_blocks(request)
         out = {}
         for replica in live_replicas(fleet):
             device, host = cached.get(replica, (0, 0))
-            decode = work.blocks(replica) + work.new_blocks(replica, request)
+            decode = work.blocks(replica) + work.new_blocks(replica, request, shared)
             out[replica] = dynamo_cost(len(request.tokens), self.block_tokens, work.prefill_tokens(replica), device,
                                        host, decode, self.overlap_score_credit, self.prefill_load_scale,
                                        self.host_cache_hit_weight)

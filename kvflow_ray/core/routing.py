@@ -134,12 +134,15 @@ class WorkInFlight:
     """Per replica, the work of the calls a router sent there that have not ended (Dynamo's
     `ActiveSequences`, lib/kv-router/src/sequences/single.rs): the prompt tokens still to prefill
     (what was not cached when routed; until the first token), and the KV blocks of the calls' prompts,
-    each counted once however many calls share it."""
+    each counted once however many calls share it. An index from each block to the replicas whose
+    calls hold it makes pricing a call on every replica O(its blocks x their holders), not
+    O(replicas x its blocks)."""
 
     def __init__(self, block: int = BLOCK_TOKENS) -> None:
         self.block = block
         self._replicas: dict[str, _Work] = {}
         self._prefill: dict[int, tuple[str, int]] = {}  # id(request) -> (replica, prefill tokens it added)
+        self._where: dict[int, set[str]] = {}  # block hash -> replicas whose calls in flight hold it
 
     def prefill_tokens(self, replica: str) -> int:
         work = self._replicas.get(replica)
@@ -149,20 +152,34 @@ class WorkInFlight:
         work = self._replicas.get(replica)
         return len(work.blocks) if work else 0
 
-    def new_blocks(self, replica: str, request: RouteRequest) -> int:
-        """The call's prompt blocks not already held by calls in flight there."""
+    def shared_blocks(self, request: RouteRequest) -> dict[str, int]:
+        """replica -> the call's prompt blocks that calls in flight there already hold."""
+        out: dict[str, int] = {}
+        if not request.tokens:
+            return out
+        where = self._where
+        for h in request.blocks(self.block):
+            for replica in where.get(h, ()):
+                out[replica] = out.get(replica, 0) + 1
+        return out
+
+    def new_blocks(self, replica: str, request: RouteRequest, shared: Mapping[str, int] | None = None) -> int:
+        """The call's prompt blocks not already held by calls in flight there (`shared`: this call's
+        `shared_blocks`, when the caller prices several replicas)."""
         if not request.tokens:
             return 0
-        work = self._replicas.get(replica)
-        held = work.blocks if work else {}
-        return sum(1 for h in request.blocks(self.block) if h not in held)
+        held = (self.shared_blocks(request) if shared is None else shared).get(replica, 0)
+        return len(request.blocks(self.block)) - held
 
     def add(self, request: RouteRequest, replica: str, prefill_tokens: int) -> None:
         work = self._replicas.setdefault(replica, _Work())
         work.prefill_tokens += prefill_tokens
         self._prefill[id(request)] = (replica, prefill_tokens)
         for h in request.blocks(self.block) if request.tokens else ():
-            work.blocks[h] = work.blocks.get(h, 0) + 1
+            count = work.blocks.get(h, 0)
+            work.blocks[h] = count + 1
+            if count == 0:
+                self._where.setdefault(h, set()).add(replica)
 
     def prefilled(self, request: RouteRequest) -> None:
         entry = self._prefill.pop(id(request), None)
@@ -178,11 +195,20 @@ class WorkInFlight:
             left = work.blocks.get(h, 0) - 1
             if left > 0:
                 work.blocks[h] = left
-            else:
-                work.blocks.pop(h, None)
+            elif work.blocks.pop(h, None) is not None:
+                self._unhold(h, replica)
 
     def drop(self, replica: str) -> None:
-        self._replicas.pop(replica, None)
+        work = self._replicas.pop(replica, None)
+        for h in work.blocks if work else ():
+            self._unhold(h, replica)
+
+    def _unhold(self, h: int, replica: str) -> None:
+        holders = self._where.get(h)
+        if holders is not None:
+            holders.discard(replica)
+            if not holders:
+                del self._where[h]
 
 
 # ---------------------------------------------------------------------------------------------- the fleet
@@ -565,8 +591,9 @@ class WorkflowRouter(WorkPricingRouter):
         self._priced(request, cached)
         work, block = self.work, self.work.block
         prompt = len(request.tokens) or request.prefix_tokens
+        shared = work.shared_blocks(request)
         return {replica: work.prefill_tokens(replica) + max(0.0, prompt - cached.get(replica, 0.0))
-                + self.kv_weight * (work.blocks(replica) + work.new_blocks(replica, request)) * block
+                + self.kv_weight * (work.blocks(replica) + work.new_blocks(replica, request, shared)) * block
                 for replica in live_replicas(fleet)}
 
     def within_bound(self, replica: str, fleet: Fleet) -> bool:
