@@ -130,14 +130,18 @@ def test_applications_keep_their_working_set_and_the_fleets_hot_set() -> None:
     assert apps.pressure(f) == 500 / 2000
     apps.routed(_call("t/app", "p1", 300), "a", rehome=False)  # a prompt counts once
     assert apps.hot_tokens == 500
-    for call in (first, second, first):
-        apps.ended(call)
+    for call, at in ((first, "a"), (second, "b"), (first, "a")):
+        apps.ended(call, at)
     assert apps.hot_tokens == 0 and not apps.busy("t/app") and apps.home("t/app") == "a"
+    apps.ended(first, "a")  # an end it does not know of changes nothing
+    assert apps.hot_tokens == 0
     apps.routed(_call("t/other", "q", 50), "b", rehome=False)
-    apps.ended(_call("t/other", "q", 50))  # two idle applications over max_idle=1: the older is forgotten
+    apps.ended(_call("t/other", "q", 50), "b")  # two idle applications over max_idle=1: the older is forgotten
     assert apps.home("t/app") is None and apps.home("t/other") == "b"
-    apps.removed("b")
-    assert apps.home("t/other") is None
+    apps.routed(_call("t/other", "q", 50), "b", rehome=False)
+    assert apps.hot_tokens == 50
+    apps.removed("b")  # its calls died with it: no home, nothing hot
+    assert apps.home("t/other") is None and apps.hot_tokens == 0 and not apps.busy("t/other")
     assert apps.pressure(Fleet.of({"a": 0})) == 0.0  # no pool reported: no pressure
 
 
@@ -180,8 +184,9 @@ def test_below_pressure_the_price_decides_and_an_idle_application_moves_from_a_b
 
     router = WorkflowRouter(load_bound=2.0, sticky_pressure=1.0)
     tight = _pressed_fleet({"a": 0, "b": 0, "c": 0, "d": 0}, capacity=100)
-    router.routed(_call("t/app", "p", 1000), "a")
-    router.ended(_call("t/app", "p", 1000), "a")  # the application is idle, at home on a
+    first = _call("t/app", "p", 1000)
+    router.routed(first, "a")
+    router.ended(first, "a")  # the application is idle, at home on a
     for i in range(6):  # another application keeps memory bound and a busy: a is over its bound
         router.routed(_call("t/busy", f"q{i}", 1000), "a")
         tight.loads["a"] += 1

@@ -452,7 +452,7 @@ class _Application:
     home: str | None = None
     prompts: dict[str, int] = field(default_factory=dict)  # fixed-prompt hash -> its tokens
     tokens: int = 0  # their sum: the application's working set
-    inflight: int = 0  # its calls routed and not yet ended
+    inflight: dict[str, int] = field(default_factory=dict)  # replica -> its calls routed there, not yet ended
 
 
 class Applications:
@@ -474,7 +474,7 @@ class Applications:
 
     def busy(self, group: str) -> bool:
         app = self._apps.get(group)
-        return app is not None and app.inflight > 0
+        return app is not None and bool(app.inflight)
 
     def pressure(self, fleet: Fleet) -> float:
         """The hot working set over the fleet's device KV (0 while no replica reported its pool)."""
@@ -496,29 +496,38 @@ class Applications:
             app.tokens += request.prefix_tokens
             if app.inflight:
                 self.hot_tokens += request.prefix_tokens
-        if app.inflight == 0:
+        if not app.inflight:
             self._idle.pop(request.group, None)
             self.hot_tokens += app.tokens
-        app.inflight += 1
+        app.inflight[replica] = app.inflight.get(replica, 0) + 1
 
-    def ended(self, request: RouteRequest) -> None:
+    def ended(self, request: RouteRequest, replica: str) -> None:
         app = self._apps.get(request.group) if request.group else None
-        if app is None or app.inflight == 0:
+        if app is not None and replica in app.inflight:
+            self._leave(request.group, app, replica, 1)
+
+    def removed(self, replica: str) -> None:
+        """`replica` left: its applications have no home, and its calls are no longer in flight
+        (O(applications), rare)."""
+        for group, app in list(self._apps.items()):
+            if app.home == replica:
+                app.home = None
+            if replica in app.inflight:
+                self._leave(group, app, replica, app.inflight[replica])
+
+    def _leave(self, group: str, app: _Application, replica: str, calls: int) -> None:
+        left = app.inflight[replica] - calls
+        if left > 0:
+            app.inflight[replica] = left
             return
-        app.inflight -= 1
-        if app.inflight == 0:
+        del app.inflight[replica]
+        if not app.inflight:
             self.hot_tokens -= app.tokens
-            self._idle[request.group] = None
+            self._idle[group] = None
             while len(self._idle) > self.max_idle:
                 oldest = next(iter(self._idle))
                 del self._idle[oldest]
                 del self._apps[oldest]
-
-    def removed(self, replica: str) -> None:
-        """`replica` left: its applications have no home (O(applications), rare)."""
-        for app in self._apps.values():
-            if app.home == replica:
-                app.home = None
 
 
 class WorkflowRouter(WorkPricingRouter):
@@ -625,7 +634,7 @@ class WorkflowRouter(WorkPricingRouter):
 
     def ended(self, request: RouteRequest, replica: str) -> None:
         super().ended(request, replica)
-        self.apps.ended(request)
+        self.apps.ended(request, replica)
 
     def removed(self, replica: str) -> None:
         super().removed(replica)
