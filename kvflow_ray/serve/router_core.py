@@ -138,7 +138,8 @@ class RouterCore:
         self.decisions: Counter[str] = Counter()
         self.deviations = 0
         self.calls = Counter[str]()  # start_call / end_call / finish_client invocations (for per-call cost)
-        self.decision_seconds: deque[float] = deque(maxlen=10_000)  # recent decision latencies
+        self.decision_seconds: deque[float] = deque(maxlen=10_000)  # recent decision latencies (all of start_call)
+        self.policy_seconds: deque[float] = deque(maxlen=10_000)  # ... of which the routing policy's `route`
         self.finish_seconds: deque[float] = deque(maxlen=10_000)  # recent finish_client latencies (wall)
         self.finish_cpu_seconds: deque[float] = deque(maxlen=10_000)  # ... and the CPU each took (this thread)
         # per tenant: current templates, least recently used first (idle ones leave from the front)
@@ -457,7 +458,9 @@ class RouterCore:
         request = RouteRequest(tokens, cache_salt, prefix_hash, prefix_tokens,
                                self._holders(prefix_hash) if prefix_hash else {}, record.get("home"), max_new,
                                group=f"{tenant}/{spec.name}")
+        asked = time.perf_counter()
         decision = self.policy.route(request, self.fleet)
+        self.policy_seconds.append(time.perf_counter() - asked)
         self.policy.routed(request, decision.replica)
         routed = self._routed.setdefault((tenant, client_id), [])
         if retry:  # the call's entry on the replica that died goes (the policy has forgotten that replica)
