@@ -224,7 +224,7 @@ class Fleet:
     waiting: dict[str, int] = field(default_factory=dict)
     capacity: dict[str, int] = field(default_factory=dict)
     blocks: BlockIndex = field(default_factory=BlockIndex)
-    _capacity_total: int = 0
+    _capacity_total: int = field(default=0, init=False, repr=False)  # the sum of `capacity`
 
     def add(self, replica: str) -> None:
         self.loads.setdefault(replica, 0)
