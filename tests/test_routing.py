@@ -175,7 +175,7 @@ def test_under_pressure_an_application_goes_home_until_its_load_bound() -> None:
 def test_below_pressure_the_price_decides_and_an_idle_application_moves_from_a_busy_home() -> None:
     from kvflow_ray.core.routing import WorkflowRouter
 
-    router = WorkflowRouter(load_bound=2.0, sticky_pressure=1.0)
+    router = WorkflowRouter(load_bound=2.0, sticky_pressure=1.0, slack=0.0)
     roomy = _pressed_fleet({"a": 0, "b": 0}, capacity=1_000_000)
     router.routed(_call("t/app", "p", 1000), "a")
     roomy.loads["a"] += 1

@@ -542,8 +542,9 @@ class WorkflowRouter(WorkPricingRouter):
     was priced to. Which one wins depends on whether memory binds, which the router measures: the
     *pressure* is the working sets of the applications with a call in flight (their distinct fixed
     prompts) over the device KV of the fleet (the replicas report their pools).
-    - Pressure below `sticky_pressure` (every hot prompt fits): the cheapest replica. Spreading an
-      application then costs one prefill per replica, and the price counts it.
+    - Pressure below `sticky_pressure` (every hot prompt fits): the cheapest replica, or the home
+      when it costs at most `slack` x the call's prompt tokens more. Spreading an application then
+      costs one prefill per replica, and the price counts it.
     - Pressure at or above it: the home, while its calls in flight are within `load_bound` x the
       fleet's mean (consistent hashing with bounded loads' rule; Mirrokni et al. 2018). A copy of a
       prompt on a second replica would evict other applications' prompts that are needed again, a
@@ -568,7 +569,7 @@ class WorkflowRouter(WorkPricingRouter):
     would go), the fixed prompt alone is priced."""
 
     def __init__(self, host_credit: float = 0.75, kv_weight: float = 0.25, block_tokens: int = BLOCK_TOKENS,
-                 load_bound: float = 2.0, sticky_pressure: float = 1.0) -> None:
+                 load_bound: float = 2.0, sticky_pressure: float = 1.0, slack: float = 1.0) -> None:
         if not 0 <= host_credit <= 1:
             raise ValueError(f"host_credit must be within [0, 1], got {host_credit}")
         if load_bound < 1:
@@ -577,6 +578,7 @@ class WorkflowRouter(WorkPricingRouter):
         self.kv_weight = kv_weight
         self.load_bound = load_bound
         self.sticky_pressure = sticky_pressure
+        self.slack = slack
         self.work = WorkInFlight(block_tokens)
         self.apps = Applications()
         self._rehome: RouteRequest | None = None  # the call whose replica becomes its application's home
@@ -619,7 +621,11 @@ class WorkflowRouter(WorkPricingRouter):
             if sticky and not self.apps.busy(request.group):
                 self._rehome = request
         costs = self.costs(request, fleet)
-        return decision(request, min(costs, key=lambda r: (costs[r], r != request.home, r)))
+        best = min(costs, key=lambda r: (costs[r], r != request.home, r))
+        if (home in costs and home != best and not sticky and self.within_bound(home, fleet)
+                and costs[home] <= costs[best] + self.slack * (len(request.tokens) or request.prefix_tokens)):
+            return decision(request, home)
+        return decision(request, best)
 
     def routed(self, request: RouteRequest, replica: str) -> None:
         super().routed(request, replica)
@@ -710,10 +716,10 @@ def create_routing(text: str, seed: int = 0) -> RoutingPolicy:
 
 @partial(ROUTING.register, "workflow")
 def _workflow(context: PolicyContext, *, host_credit: float = 0.75, kv_weight: float = 0.25,
-              block_tokens: int = BLOCK_TOKENS, load_bound: float = 2.0,
-              sticky_pressure: float = 1.0) -> RoutingPolicy:
+              block_tokens: int = BLOCK_TOKENS, load_bound: float = 2.0, sticky_pressure: float = 1.0,
+              slack: float = 1.0) -> RoutingPolicy:
     """the cheapest replica priced in tokens, or the application's home while memory binds (the workflow router)"""
-    return WorkflowRouter(host_credit, kv_weight, block_tokens, load_bound, sticky_pressure)
+    return WorkflowRouter(host_credit, kv_weight, block_tokens, load_bound, sticky_pressure, slack)
 
 
 @partial(ROUTING.register, "prefix-affinity")
