@@ -118,6 +118,11 @@ def workflow_key(tenant: str, client_id: str) -> str:
     return f"{tenant}/{client_id}"
 
 
+def application_key(tenant: str, workflow: str) -> str:
+    """The application a call belongs to, as routing policies see it (`RouteRequest.group`)."""
+    return f"{tenant}/{workflow}"
+
+
 class RouterCore:
     def __init__(self, store: Store | BufferedStore, policy: RoutingPolicy | None = None,
                  prefetch_horizon: int = 1, limits: TenantLimits | None = None,
@@ -457,7 +462,7 @@ class RouterCore:
         state.start(agent)
         request = RouteRequest(tokens, cache_salt, prefix_hash, prefix_tokens,
                                self._holders(prefix_hash) if prefix_hash else {}, record.get("home"), max_new,
-                               group=f"{tenant}/{spec.name}")
+                               group=application_key(tenant, spec.name))
         asked = time.perf_counter()
         decision = self.policy.route(request, self.fleet)
         self.policy_seconds.append(time.perf_counter() - asked)
@@ -681,7 +686,7 @@ class RouterCore:
         upcoming agent runs `elsewhere`: it ranks the agent's prompt by its steps but does not load
         it. A replica learns the agents' prompts the first time it hears of the instance."""
         steps = self.forecast.steps(tenant, spec.name, state, record.get("history") or ())
-        targets = self._prefetch_targets(steps, record, f"{tenant}/{spec.name}")
+        targets = self._prefetch_targets(steps, record, application_key(tenant, spec.name))
         salt = str(record.get("salt", ""))
         told = self._told.setdefault(key, set())
         new = {*record["placement"].values(), *targets.values()} - told
