@@ -81,7 +81,7 @@ class EngineReplica:
         self.name: str = serve.get_replica_context().replica_id.unique_id
         self.engine = make_engine(self.config)
         self.tokenizer = self.engine.tokenizer
-        self.metrics = ReplicaMetrics(self.name, stats=self.engine.stats)  # engine series read at each report
+        self.metrics = ReplicaMetrics(self.name)  # engine series from the stats each report reads
         self.router = get_router(**self.config.router_options())
         # agent prompt text -> its token ids, least recently used first; bounded in tokens, since every
         # workflow instance may bring prompts of its own
@@ -215,7 +215,9 @@ class EngineReplica:
         while not self._stop.wait(REPORT_PERIOD_S):
             try:
                 self._push_events()
-                load = load_report(self.engine.stats())
-                ray.get(self.router.report.remote(self.name, self.metrics.exposition(), load), timeout=10)
+                stats = self.engine.stats()  # once per report: the metrics and the load read the same
+                self.metrics.observe_stats(stats)
+                ray.get(self.router.report.remote(self.name, self.metrics.exposition(), load_report(stats)),
+                        timeout=10)
             except Exception as exc:  # the router is restarting: report again next period
                 logger.debug("report to the router failed: %s", exc)
