@@ -44,8 +44,8 @@ from kvflow_ray.engines.base import CacheEvent
 from kvflow_ray.engines.sim import workload
 from kvflow_ray.engines.sim.profile import load_profile
 from kvflow_ray.engines.sim.runner import simulate
-from kvflow_ray.serve.router_core import RouterCore
-from kvflow_ray.serve.store import BufferedStore, MemoryStore
+from kvflow_ray.router.core import RouterCore
+from kvflow_ray.router.store import BufferedStore, MemoryStore
 
 PAGE = 16  # tokens per leaf
 

@@ -115,7 +115,7 @@ def local_redis() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
 
 
 def key_kind(key: str) -> str:
-    """What a store key holds (kvflow_ray/serve/store.py's layout)."""
+    """What a store key holds (kvflow_ray/router/store.py's layout)."""
     parts = key.split(":")
     if parts == ["kvflow", "router"]:
         return "marker"  # written once: its absence tells the router the store lost its data
@@ -503,8 +503,8 @@ def core_scale(counts: list[int], finishes: int = 1000) -> list[dict[str, Any]]:
     store written behind as in the actor) with this many live clients: p50/p99 of wall and CPU time.
     The soak's own load never holds more than a few dozen clients live at once."""
     from kvflow_ray.client import Workflow
-    from kvflow_ray.serve.router_core import RouterCore
-    from kvflow_ray.serve.store import BufferedStore, MemoryStore
+    from kvflow_ray.router.core import RouterCore
+    from kvflow_ray.router.store import BufferedStore, MemoryStore
 
     peer = Workflow.from_yaml(ROOT / "workflows" / "peer.yaml").spec
     out = []
@@ -765,7 +765,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def app_config(args: argparse.Namespace, redis_url: str) -> tuple[Any, dict[str, Any]]:
-    from kvflow_ray.serve.config import AppConfig, TenantLimits
+    from kvflow_ray.router.limits import TenantLimits
+    from kvflow_ray.serve.config import AppConfig
 
     limits = TenantLimits(max_live_clients=max(10_000, args.workflows + 1000),
                           max_templates=max(1000, args.workflows + 100),

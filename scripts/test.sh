@@ -24,6 +24,9 @@ bash scripts/install-sglang-cpu.sh
 echo "== ruff"
 python3 -m ruff check kvflow_ray tests benchmarks workflows dashboards deploy
 
+echo "== plain install"
+bash scripts/check-plain-install.sh
+
 echo "== pytest"
 # -v: each test's name as it starts, so a slow one (the end-to-end tests take a minute each) reads as slow, not stuck
 python3 -m pytest -v "$@"

@@ -83,8 +83,8 @@ def test_replica_metrics_follow_a_real_engine(replica_metrics: tuple[ReplicaMetr
 
 
 def test_router_metrics_follow_the_router() -> None:
-    from kvflow_ray.serve.router_core import RouterCore
-    from kvflow_ray.serve.store import MemoryStore
+    from kvflow_ray.router.core import RouterCore
+    from kvflow_ray.router.store import MemoryStore
 
     core = RouterCore(MemoryStore())
     core.add_replica("r1")

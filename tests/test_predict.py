@@ -22,8 +22,8 @@ from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream, KVPool
 from kvflow_ray.engines.sim import workload
 from kvflow_ray.engines.sim.profile import load_profile
 from kvflow_ray.engines.sim.runner import run_policies, simulate
-from kvflow_ray.serve.router_core import RouterCore
-from kvflow_ray.serve.store import MemoryStore, RedisStore, Store
+from kvflow_ray.router.core import RouterCore
+from kvflow_ray.router.store import MemoryStore, RedisStore, Store
 
 SUPPORT = {"name": "support", "entry": "intake", "agents": {
     "intake": {"prompt": "intake"},

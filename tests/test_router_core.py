@@ -13,8 +13,8 @@ from redis_proc import RedisProcess
 from kvflow_ray.core.graph import SpecError, UnknownAgentError
 from kvflow_ray.core.policies import StepBook
 from kvflow_ray.engines.base import CacheEvent, Hints
-from kvflow_ray.serve.router_core import NoReplicaError, RouterCore, UnknownClientError, UnknownWorkflowError
-from kvflow_ray.serve.store import BufferedStore, MemoryStore, RedisStore, Store
+from kvflow_ray.router.core import NoReplicaError, RouterCore, UnknownClientError, UnknownWorkflowError
+from kvflow_ray.router.store import BufferedStore, MemoryStore, RedisStore, Store
 
 PEER = {"name": "peer", "entry": "planner", "agents": {
     "planner": {"prompt": "You are the Planner.", "after": ["reviewer"]},
@@ -216,7 +216,7 @@ def test_prefetch_is_hinted_only_where_the_next_agent_will_run(router: RouterCor
 
 # ---------------------------------------------------------------------------------------------- tenant limits
 def _limited(store: Store, **limits: float) -> RouterCore:
-    from kvflow_ray.serve.config import TenantLimits
+    from kvflow_ray.router.limits import TenantLimits
 
     core = RouterCore(store, limits=TenantLimits(**limits))
     core.add_replica("r1")
@@ -224,7 +224,7 @@ def _limited(store: Store, **limits: float) -> RouterCore:
 
 
 def test_templates_per_tenant_are_bounded_and_an_unchanged_spec_writes_nothing(store: Store) -> None:
-    from kvflow_ray.serve.router_core import TenantLimitError
+    from kvflow_ray.router.core import TenantLimitError
 
     core = _limited(store, max_templates=2, template_writes_per_s=100)
     core.put_template("acme", {"name": "a", "agents": {"x": {}}})
@@ -259,7 +259,7 @@ def test_spec_size_limits_apply_to_specs_from_the_network(store: Store) -> None:
 
 
 def test_live_clients_per_tenant_are_bounded_and_a_refused_call_changes_nothing(store: Store) -> None:
-    from kvflow_ray.serve.router_core import TenantLimitError
+    from kvflow_ray.router.core import TenantLimitError
 
     core = _limited(store, max_live_clients=2)
     core.put_template("acme", PEER)

@@ -150,9 +150,9 @@ def test_percentile_is_nearest_rank() -> None:
 
 def test_router_errors_map_to_http_statuses() -> None:
     from kvflow_ray.core.graph import SpecError, UnknownAgentError
+    from kvflow_ray.router.core import NoReplicaError, UnknownClientError, UnknownWorkflowError
+    from kvflow_ray.router.store import StoreUnavailableError
     from kvflow_ray.serve.ingress import _to_api_error
-    from kvflow_ray.serve.router_core import NoReplicaError, UnknownClientError, UnknownWorkflowError
-    from kvflow_ray.serve.store import StoreUnavailableError
 
     cases = [(NoReplicaError("no live engine replica"), 503), (UnknownClientError("unknown client 'c'"), 404),
              (StoreUnavailableError("the state store has been unreachable"), 503),
@@ -220,8 +220,8 @@ def test_ray_wrapped_router_errors_lose_their_wrapper() -> None:
     actor repr, traceback, colour codes); the client sees only the cause's message."""
     from ray.exceptions import RayTaskError
 
+    from kvflow_ray.router.core import UnknownClientError
     from kvflow_ray.serve.ingress import _to_api_error, json_too_deep
-    from kvflow_ray.serve.router_core import UnknownClientError
 
     cause = UnknownClientError("unknown client 'c9'")
     wrapped = RayTaskError("WorkflowRouterActor.start_call", "Traceback (most recent call last):\n  pid=1 ip=2",

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from redis_proc import RedisProcess
 
-from kvflow_ray.serve.store import (
+from kvflow_ray.router.store import (
     BufferedStore,
     MemoryStore,
     RedisStore,

@@ -40,6 +40,8 @@ from kvflow_ray.core.graph import SpecError, SpecLimitError, UnknownAgentError, 
 from kvflow_ray.engines.base import GenerateResult, prefix_hash
 from kvflow_ray.engines.cpu.config import ModelConfig
 from kvflow_ray.engines.tokenizer import load_tokenizer
+from kvflow_ray.router.core import NoReplicaError, TenantLimitError, UnknownClientError, UnknownWorkflowError
+from kvflow_ray.router.store import StoreUnavailableError, check_name
 from kvflow_ray.serve.config import AppConfig
 from kvflow_ray.serve.openai_api import (
     ApiError,
@@ -53,8 +55,6 @@ from kvflow_ray.serve.openai_api import (
 )
 from kvflow_ray.serve.request_router import ROUTE_KWARG
 from kvflow_ray.serve.router_actor import Ended, get_router
-from kvflow_ray.serve.router_core import NoReplicaError, TenantLimitError, UnknownClientError, UnknownWorkflowError
-from kvflow_ray.serve.store import StoreUnavailableError, check_name
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="kvflow-ray", description="OpenAI-compatible, workflow-aware LLM serving")

@@ -37,10 +37,10 @@ import ray
 
 from kvflow_ray.core.routing import ROUTING
 from kvflow_ray.engines.base import CacheEvent
-from kvflow_ray.serve.config import TenantLimits
+from kvflow_ray.router.core import RouterCore
+from kvflow_ray.router.limits import TenantLimits
+from kvflow_ray.router.store import BufferedStore, RedisStore, open_store
 from kvflow_ray.serve.metrics import RouterMetrics, merge_expositions
-from kvflow_ray.serve.router_core import RouterCore
-from kvflow_ray.serve.store import BufferedStore, RedisStore, open_store
 
 ROUTER_NAME = "kvflow-router"
 ROUTER_NAMESPACE = "kvflow"

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 from kvflow_ray.core.routing import create_routing
 from kvflow_ray.engines.base import prefix_hash
-from kvflow_ray.serve.config import TenantLimits
-from kvflow_ray.serve.router_core import RouterCore
-from kvflow_ray.serve.store import BufferedStore, MemoryStore
+from kvflow_ray.router.core import RouterCore
+from kvflow_ray.router.limits import TenantLimits
+from kvflow_ray.router.store import BufferedStore, MemoryStore
 
 if TYPE_CHECKING:
     from kvflow_ray.engines.sim.replica import SimReplica, SimRequest

@@ -33,8 +33,8 @@ from kvflow_ray.core.graph import UnknownAgentError, WorkflowSpec, WorkflowState
 from kvflow_ray.core.predict import Forecaster, likely_reach
 from kvflow_ray.core.routing import ROUTING, Fleet, RouteRequest, RoutingPolicy
 from kvflow_ray.engines.base import CacheEvent, Hints
-from kvflow_ray.serve.config import TenantLimits
-from kvflow_ray.serve.store import BufferedStore, Store, check_name
+from kvflow_ray.router.limits import TenantLimits
+from kvflow_ray.router.store import BufferedStore, Store, check_name
 
 
 class _NotFound(KeyError, ValueError):
