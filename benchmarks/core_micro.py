@@ -40,6 +40,7 @@ from tqdm import tqdm
 from kvflow_ray.core.cache import TieredCache
 from kvflow_ray.core.graph import WorkflowState
 from kvflow_ray.core.policies import KVFlowPolicy, LRUPolicy, StepBook, make_eviction_policy
+from kvflow_ray.core.stats import percentile
 from kvflow_ray.engines.sim import workload
 from kvflow_ray.engines.sim.profile import load_profile
 from kvflow_ray.engines.sim.replica import SimReplica, SimRequest
@@ -100,13 +101,6 @@ class OpStats:
             "p99_us": percentile(self.samples, 0.99) / 1e3 if n else None,
             "max_us": max(self.samples) / 1e3 if n else None,
         }
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (the same rule as the simulator's runner)."""
-    ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, round(q * (len(ordered) - 1))))
-    return ordered[k]
 
 
 def timer_overhead_ns(n: int = 20_000) -> float:

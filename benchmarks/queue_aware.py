@@ -39,6 +39,7 @@ from kvflow_ray.core.cache import TieredCache
 from kvflow_ray.core.policies import EVICTION
 from kvflow_ray.core.registry import PolicyContext
 from kvflow_ray.core.scheduler import PolicyConfig, register_policy
+from kvflow_ray.core.stats import percentile
 from kvflow_ray.engines.sim import workload
 from kvflow_ray.engines.sim.profile import load_profile
 from kvflow_ray.engines.sim.runner import run_policies
@@ -199,9 +200,7 @@ def decision_cost(policy: str, queued: int, decisions: int) -> dict[str, float]:
         next(iter(admission.order(waiting, waiting)), None)
         times.append(time.perf_counter() - started)
         admission.done(waiting.pop(0))
-    times.sort()
-    return {"p50_ms": statistics.median(times) * 1e3,
-            "p99_ms": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))] * 1e3}
+    return {"p50_ms": percentile(times, 0.5) * 1e3, "p99_ms": percentile(times, 0.99) * 1e3}
 
 
 def cost_rows(quick: bool) -> list[dict[str, Any]]:

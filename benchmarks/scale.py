@@ -26,7 +26,6 @@ figures come from --out benchmarks/results).
 from __future__ import annotations
 
 import random
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from tqdm import tqdm
 from kvflow_ray.core.cache import TieredCache
 from kvflow_ray.core.policies import StepBook, make_eviction_policy
 from kvflow_ray.core.prefetch import PrefetchCandidates, StepsAheadPrefetch, plan_prefetch
+from kvflow_ray.core.stats import percentile
 from kvflow_ray.engines.base import CacheEvent
 from kvflow_ray.engines.sim import workload
 from kvflow_ray.engines.sim.profile import load_profile
@@ -51,9 +51,7 @@ PAGE = 16  # tokens per leaf
 
 
 def _percentiles(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-    return {"p50_ms": statistics.median(ordered) * 1e3, "p99_ms": p99 * 1e3}
+    return {"p50_ms": percentile(samples, 0.5) * 1e3, "p99_ms": percentile(samples, 0.99) * 1e3}
 
 
 # ---------------------------------------------------------------------------------------------- 1. eviction

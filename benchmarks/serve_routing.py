@@ -141,8 +141,8 @@ async def _decisions(router: Any, clients: int, iterations: int, think_s: float,
 def decision_latency(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from kvflow_ray.client.loadgen import percentile
     from kvflow_ray.core.graph import load_spec
+    from kvflow_ray.core.stats import percentile
     from kvflow_ray.serve.router_actor import WorkflowRouterActor
 
     spec = load_spec(ROOT / "workflows" / "peer.yaml").to_dict()
@@ -174,10 +174,10 @@ def decision_latency(args: argparse.Namespace) -> dict[str, Any]:
                 inside = ray.get(router.decision_latencies.remote())[-len(trips):]
                 out[name][mode] = {
                     "think_s": think, "decisions": len(trips), "decisions_per_s": round(len(trips) / wall, 1),
-                    "decision_ms": {"p50": round(1e3 * percentile(inside, 50), 4),
-                                    "p99": round(1e3 * percentile(inside, 99), 4)},
-                    "round_trip_ms": {"p50": round(1e3 * percentile(trips, 50), 3),
-                                      "p99": round(1e3 * percentile(trips, 99), 3)}}
+                    "decision_ms": {"p50": round(1e3 * percentile(inside, 0.5), 4),
+                                    "p99": round(1e3 * percentile(inside, 0.99), 4)},
+                    "round_trip_ms": {"p50": round(1e3 * percentile(trips, 0.5), 3),
+                                      "p99": round(1e3 * percentile(trips, 0.99), 3)}}
             ray.kill(router)
     finally:
         ray.shutdown()

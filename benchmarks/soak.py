@@ -60,6 +60,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: the package is t
     sys.path.insert(0, str(ROOT))
 import results_file  # noqa: E402 (benchmarks/, beside this script)
 
+from kvflow_ray.core.stats import percentile  # noqa: E402
+
 TENANT = "default"  # no API keys: the one tenant
 KINDS = ("plain", "abandoned", "unique", "reregister")
 MB = 1 << 20
@@ -70,13 +72,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def ms(seconds: float | None, digits: int = 3) -> float | None:
@@ -430,8 +425,8 @@ class Sampler:
             self.finish_router += window
             self.finish_router_cpu += cpu_seconds[-new:] if new > 0 else []
             entry["router"] = stats
-            entry["finish_window"] = {"n": len(window), "p50_ms": ms(percentile(window, 50), 4),
-                                      "p99_ms": ms(percentile(window, 99), 4),
+            entry["finish_window"] = {"n": len(window), "p50_ms": ms(percentile(window, 0.5, None), 4),
+                                      "p99_ms": ms(percentile(window, 0.99, None), 4),
                                       "max_ms": ms(max(window) if window else None, 4)}
             router_cpu, starts = float(stats["cpu_s"]), int(stats["start_calls"])
             entry["live_clients"] = stats.get("live_clients")
@@ -529,8 +524,8 @@ def core_scale(counts: list[int], finishes: int = 1000) -> list[dict[str, Any]]:
         for i in range(0, count, max(1, count // finishes)):
             core.finish_client("acme", f"c{i}")
         wall, cpu = list(core.finish_seconds), list(core.finish_cpu_seconds)
-        out.append({"live_clients": count, "finishes": len(wall), "p50_ms": ms(percentile(wall, 50), 4),
-                    "p99_ms": ms(percentile(wall, 99), 4), "cpu_p99_ms": ms(percentile(cpu, 99), 4)})
+        out.append({"live_clients": count, "finishes": len(wall), "p50_ms": ms(percentile(wall, 0.5, None), 4),
+                    "p99_ms": ms(percentile(wall, 0.99, None), 4), "cpu_p99_ms": ms(percentile(cpu, 0.99, None), 4)})
     return out
 
 
@@ -590,16 +585,18 @@ def summarise(args: argparse.Namespace, load: Load, sampler: Sampler, wall: dict
                   "expected_final": expected, "left_over": leftover, "verdict": not leftover},
         "finish_client": {
             "source": "router stats()",
-            "n": len(finish_all), "p50_ms": ms(percentile(finish_all, 50), 4),
-            "p99_ms": ms(percentile(finish_all, 99), 4),
+            "n": len(finish_all), "p50_ms": ms(percentile(finish_all, 0.5, None), 4),
+            "p99_ms": ms(percentile(finish_all, 0.99, None), 4),
             # the work itself (the router thread's CPU time): the wall time above also holds the
             # moments the router was descheduled, two cores being shared by every process here
-            "cpu_p50_ms": ms(percentile(finish_cpu, 50), 4), "cpu_p99_ms": ms(percentile(finish_cpu, 99), 4),
+            "cpu_p50_ms": ms(percentile(finish_cpu, 0.5, None), 4),
+            "cpu_p99_ms": ms(percentile(finish_cpu, 0.99, None), 4),
             "worst_window_p99_ms": worst_window["finish_window"]["p99_ms"] if worst_window else None,
             "worst_window_live_clients": worst_window.get("live_clients") if worst_window else None,
             "live_clients_range": [min(lives), max(lives)] if lives else None,
             "verdict": (worst_window["finish_window"]["p99_ms"] <= 1.0) if worst_window else None,
-            "round_trip_ms": {"p50": ms(percentile(load.finish_rtt, 50)), "p99": ms(percentile(load.finish_rtt, 99))}},
+            "round_trip_ms": {"p50": ms(percentile(load.finish_rtt, 0.5, None)),
+                              "p99": ms(percentile(load.finish_rtt, 0.99, None))}},
         "router_cpu": {"source": "router stats()",
                        "start_calls": calls, "ms_per_call": ms(cpu_per_call, 4),
                        "max_window_ms_per_call": max(per_window) if per_window else None,
@@ -607,7 +604,8 @@ def summarise(args: argparse.Namespace, load: Load, sampler: Sampler, wall: dict
                        # this sampler), and the mean per call once that background is taken out
                        "idle_ms_per_s": ms(idle_rate, 2), "marginal_ms_per_call": ms(marginal, 4),
                        "verdict": None if cpu_per_call is None else cpu_per_call <= 1e-3},
-        "agent_call_ms": {"p50": ms(percentile(load.call_latency, 50)), "p99": ms(percentile(load.call_latency, 99))},
+        "agent_call_ms": {"p50": ms(percentile(load.call_latency, 0.5, None)),
+                          "p99": ms(percentile(load.call_latency, 0.99, None))},
         "router_final": final.get("router"),
     }
 

@@ -23,7 +23,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -35,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import results_file  # benchmarks/, beside this script
+
+from kvflow_ray.core.stats import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("scrape", "register", "giant", "all")
@@ -122,7 +123,7 @@ def register_quiet(url: str, key: str = "key-a", workflow: str = "quiet") -> Non
 
 
 def p99(seconds: list[float]) -> float:
-    return statistics.quantiles(seconds, n=100)[98]
+    return percentile(seconds, 0.99)
 
 
 def measure(url: str, kind: str, calls: int) -> dict[str, Any]:
@@ -133,7 +134,7 @@ def measure(url: str, kind: str, calls: int) -> dict[str, Any]:
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=60)
-    return {"p50_s": statistics.median(seconds), "p99_s": p99(seconds),
+    return {"p50_s": percentile(seconds, 0.5), "p99_s": p99(seconds),
             "noise_statuses": json.loads(out or b"{}")}
 
 
@@ -177,7 +178,7 @@ def main() -> int:
         register_quiet(server.url)
         quiet_calls(server.url, 10)  # warm
         solo = quiet_calls(server.url, args.calls)
-        out["results"]["solo"] = {"p50_s": statistics.median(solo), "p99_s": p99(solo)}
+        out["results"]["solo"] = {"p50_s": percentile(solo, 0.5), "p99_s": p99(solo)}
         print(f"solo: p50 {out['results']['solo']['p50_s']:.3f} s  p99 {out['results']['solo']['p99_s']:.3f} s",
               file=sys.stderr)
         for kind in KINDS:

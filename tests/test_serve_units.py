@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow_ray.cli import main
 from kvflow_ray.client import Workflow
-from kvflow_ray.client.loadgen import _calls_per_iteration, application_variants, percentile
+from kvflow_ray.client.loadgen import _calls_per_iteration, application_variants
 from kvflow_ray.commands import serve as serve_command
 from kvflow_ray.engines.base import GenerateResult
 from kvflow_ray.engines.tokenizer import ByteTokenizer
@@ -141,11 +141,6 @@ def test_the_load_generator_walks_each_example_workflow(name: str, calls: int | 
     prompts = [a.spec.agents[workflow.spec.entry or sorted(workflow.spec.start_agents())[0]].prompt for a in apps]
     assert len(set(prompts)) == 3 and all(p and len(p) > 200 for p in prompts)
     assert all(a.spec.agents.keys() == workflow.spec.agents.keys() for a in apps)
-
-
-def test_percentile_is_nearest_rank() -> None:
-    values = [float(v) for v in range(1, 101)]
-    assert percentile(values, 50) == 50 and percentile(values, 99) == 99 and percentile(values, 100) == 100
 
 
 def test_router_errors_map_to_http_statuses() -> None:

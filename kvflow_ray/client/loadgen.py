@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow_ray.client.workflow import Workflow
 from kvflow_ray.core.graph import WorkflowState
+from kvflow_ray.core.stats import percentile
 from kvflow_ray.progress import progress as progress_bar
 
 
@@ -69,14 +70,6 @@ class LoadResult:
     wall_s: float = 0.0
     metrics_before: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
     metrics_after: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(0, math.ceil(q / 100 * len(ordered)) - 1)
-    return ordered[rank]
 
 
 def check_server(url: str, api_key: str | None = None, timeout: float = 10.0) -> None:
@@ -307,5 +300,5 @@ def _ratio(num: float, den: float) -> float | None:
 def _stats(values: Sequence[float]) -> dict[str, float | None]:
     if not values:
         return {"mean": None, "p50": None, "p99": None}
-    return {"mean": round(sum(values) / len(values), 4), "p50": round(percentile(values, 50), 4),
-            "p99": round(percentile(values, 99), 4)}
+    return {"mean": round(sum(values) / len(values), 4), "p50": round(percentile(values, 0.5), 4),
+            "p99": round(percentile(values, 0.99), 4)}

@@ -9,6 +9,7 @@ from typing import Any
 from kvflow_ray.core.radix import Tag
 from kvflow_ray.core.routing import parse_routing
 from kvflow_ray.core.scheduler import POLICIES, ReplicaStats, resolve_policy
+from kvflow_ray.core.stats import percentile
 from kvflow_ray.engines.sim.profile import Profile
 from kvflow_ray.engines.sim.simulator import IterationRecord, Simulation
 from kvflow_ray.engines.sim.workload import Scenario
@@ -35,14 +36,6 @@ def parse_routings(text: str) -> list[str]:
         except ValueError as exc:
             raise ValueError(f"--routing: {exc}") from None
     return list(dict.fromkeys(names))
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, round(q * (len(ordered) - 1))))
-    return ordered[k]
 
 
 def simulate(scenario: Scenario, profile: Profile, policy: str, *, replicas: int = 1, horizon: int = 1,
@@ -74,13 +67,14 @@ def fleet_measures(sim: Simulation) -> dict[str, Any]:
     core = sim.router.core
     decisions, policy = list(core.decision_seconds), list(core.policy_seconds)
     return {
-        "ttft_p90_s": _percentile(ttfts, 0.9),
+        "ttft_p90_s": percentile(ttfts, 0.9, 0.0),
         "output_tokens_per_s": sum(r.output_tokens for r in sim.replicas) / sim.now if sim.now else 0.0,
         "imbalance": max(busy) / statistics.fmean(busy) if any(busy) else 1.0,
-        "routing": {"decisions": dict(core.decisions), "decision_p50_ms": _percentile(decisions, 0.5) * 1e3,
-                    "decision_p99_ms": _percentile(decisions, 0.99) * 1e3,
+        "routing": {"decisions": dict(core.decisions), "decision_p50_ms": percentile(decisions, 0.5, 0.0) * 1e3,
+                    "decision_p99_ms": percentile(decisions, 0.99, 0.0) * 1e3,
                     # the policy's own `route` (the rest of a decision is the router's bookkeeping and hints)
-                    "policy_p50_ms": _percentile(policy, 0.5) * 1e3, "policy_p99_ms": _percentile(policy, 0.99) * 1e3},
+                    "policy_p50_ms": percentile(policy, 0.5, 0.0) * 1e3,
+                    "policy_p99_ms": percentile(policy, 0.99, 0.0) * 1e3},
     }
 
 
@@ -95,7 +89,7 @@ def summarise_run(iterations: Sequence[IterationRecord], stats: Sequence[Replica
     ttfts = [t for s in stats for t in s.ttfts]
     return {
         "latency_s": statistics.fmean(measured) if measured else 0.0,
-        "p99_latency_s": _percentile(measured, 0.99),
+        "p99_latency_s": percentile(measured, 0.99, 0.0),
         "gpu_hit_ratio": gpu / total if total else 0.0,
         "cpu_hit_ratio": cpu / total if total else 0.0,
         "recomputed_tokens": miss,
@@ -110,9 +104,9 @@ def summarise_run(iterations: Sequence[IterationRecord], stats: Sequence[Replica
         "prefetch_wasted": sum(s.prefetch.wasted for s in stats),
         "device_kv_tokens": device_kv_tokens,
         # every measured request's time to first token, and its time in the waiting queue
-        "ttft_p50_s": _percentile(ttfts, 0.5),
-        "ttft_p99_s": _percentile(ttfts, 0.99),
-        "wait_p99_s": _percentile([w for s in stats for w in s.waits], 0.99),
+        "ttft_p50_s": percentile(ttfts, 0.5, 0.0),
+        "ttft_p99_s": percentile(ttfts, 0.99, 0.0),
+        "wait_p99_s": percentile([w for s in stats for w in s.waits], 0.99, 0.0),
         "max_wait_s": max((s.max_wait_s for s in stats), default=0.0),
     }
 
