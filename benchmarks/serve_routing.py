@@ -2,13 +2,14 @@
 decision latency with 1,000 concurrent clients.
 
 Part 1 (end to end): local Ray, 2 CPU-engine replicas, the same multi-application PEER load
-through the OpenAI SDK (`kvflow-ray run`'s load generator), first with the workflow router's choice
-honoured (`routing=workflow`), then with Serve's default power-of-two-choices router
-(`routing=default`); under the kvflow cache policy (host tier, prefetch) and under lru (device
-only, like an engine without a host tier). Each application has its own prompt preamble, so where
-an agent runs decides whether its prompt is already cached there.
+through the OpenAI SDK (`kvflow-ray run`'s load generator), first with the routing policy's choice
+honoured (`request_router=kvflow`, results under "workflow"), then with Serve's default
+power-of-two-choices router (`request_router=serve`, under "default"); under the kvflow cache
+policy (host tier, prefetch) and under lru (device only, like an engine without a host tier). Each
+application has its own prompt preamble, so where an agent runs decides whether its prompt is
+already cached there.
 
-Part 2 (router only): the WorkflowRouter actor with 1,000 live clients (PEER, 2 replicas), all
+Part 2 (router only): the router actor (`WorkflowRouterActor`) with 1,000 live clients (PEER, 2 replicas), all
 calling start_call / end_call concurrently; reports the decision time inside the router and the
 round trip seen by a caller, p50 / p99, with the embedded store and with Redis (when
 redis-server is installed).
@@ -85,10 +86,11 @@ def routing_comparison(args: argparse.Namespace) -> dict[str, Any]:
         server.start()
         for policy in args.policies.split(","):
             out["results"][policy] = {}
-            for routing in ("workflow", "default"):
-                server.deploy(AppConfig(**{**base.to_dict(), "routing": routing, "policy": policy}))
+            # workflow: the routing policy's choice honoured; default: Serve's own request router
+            for routing, request_router in (("workflow", "kvflow"), ("default", "serve")):
+                server.deploy(AppConfig(**{**base.to_dict(), "request_router": request_router, "policy": policy}))
                 server.wait_ready()
-                print(f"policy={policy} routing={routing}", file=sys.stderr)
+                print(f"policy={policy} request_router={request_router}", file=sys.stderr)
                 result = run_load(apps, server.url, load)
                 summary = summarise(result, apps[0], load)
                 summary["workflow"] = "peer"

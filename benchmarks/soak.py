@@ -65,7 +65,8 @@ from kvflow_ray.core.stats import percentile  # noqa: E402
 TENANT = "default"  # no API keys: the one tenant
 KINDS = ("plain", "abandoned", "unique", "reregister")
 MB = 1 << 20
-ROUTER_COUNTERS = {"pid", "start_calls", "end_calls"}  # stats() ints that are not sizes of the router's state
+# stats() ints that are not sizes of the router's state
+ROUTER_COUNTERS = {"pid", "start_calls", "end_calls", "first_tokens"}
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""The WorkflowRouter actor on a real local Ray cluster over a real redis-server: it is found by
+"""The WorkflowRouterActor on a real local Ray cluster over a real redis-server: it is found by
 name, keeps routing, and comes back from Redis with every client's state after it is killed."""
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from redis_proc import RedisProcess
 
 from kvflow_ray.core.graph import SpecError, UnknownAgentError
 from kvflow_ray.core.policies import StepBook
+from kvflow_ray.core.routing import ROUTING
 from kvflow_ray.engines.base import CacheEvent, Hints
 from kvflow_ray.router.core import NoReplicaError, RouterCore, UnknownClientError, UnknownWorkflowError
 from kvflow_ray.router.store import BufferedStore, MemoryStore, RedisStore, Store
@@ -40,7 +41,8 @@ def store(request: pytest.FixtureRequest) -> Iterator[Store]:
 
 @pytest.fixture
 def router(store: Store) -> RouterCore:
-    core = RouterCore(store)
+    # prefix affinity: these tests steer calls through the router's load counts, its input
+    core = RouterCore(store, ROUTING.create("prefix-affinity"))
     for name in ("r1", "r2"):
         core.add_replica(name)
     core.put_template("acme", PEER)
@@ -439,3 +441,23 @@ def test_the_store_lost_its_data_and_the_router_writes_its_state_back(
         assert not restarted.start_call("acme", "c1", "expresser").deviation
     finally:
         server.stop()
+
+
+def test_the_default_policy_is_the_workflow_router_and_first_tokens_end_prefill_work(store: Store) -> None:
+    """Serving's replicas report each call's first token by its workflow key and agent: the policy
+    stops counting that call's prompt as prefill work in flight on the replica."""
+    core = RouterCore(store)
+    assert type(core.policy).__name__ == "WorkflowRouter"
+    for name in ("r1", "r2"):
+        core.add_replica(name)
+    core.put_template("acme", PEER)
+    tokens = list(range(64))
+    route = core.start_call("acme", "c1", "planner", workflow="peer", tokens=tokens, max_new=8)
+    work = core.policy.work  # type: ignore[attr-defined]
+    assert work.prefill_tokens(route.replica) == 64
+    core.first_tokens(route.replica, [("acme/c1", "executor"), ("acme/c2", "planner")])  # not these calls
+    assert work.prefill_tokens(route.replica) == 64
+    core.first_tokens(route.replica, [(route.workflow_key, "planner")])
+    assert work.prefill_tokens(route.replica) == 0 and work.blocks(route.replica) == 4  # its KV stays
+    core.end_call("acme", "c1", "planner", route.replica)
+    assert work.blocks(route.replica) == 0

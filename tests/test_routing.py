@@ -239,3 +239,17 @@ def test_work_in_flight_counts_new_blocks_as_a_rescan_would(ops: list[tuple[str,
             held = {at: {h for r, x in live if x == at for h in r.blocks(4)} for at in "abc"}
             for at in "abc":
                 assert work.new_blocks(at, call) == sum(1 for h in call.blocks(4) if h not in held[at])
+
+
+def test_every_routing_policy_names_the_inputs_it_reads() -> None:
+    """A router refuses a policy needing what it does not give (`missing_inputs`); the names are
+    those of `ROUTING_INPUTS`, and what the token-level rules read is declared."""
+    from kvflow_ray.core.routing import ROUTING, ROUTING_INPUTS, missing_inputs
+
+    needs = {name: ROUTING.create(name).needs for name in ROUTING.names()}
+    assert all(n <= set(ROUTING_INPUTS) for n in needs.values())
+    assert needs["pow2"] == needs["round-robin"] == frozenset()
+    assert {"tokens", "first_token", "load"} <= needs["workflow"]
+    assert {"tokens", "blocks"} <= needs["dynamo-kv"] and {"tokens", "blocks", "load"} <= needs["llmd-precise"]
+    assert missing_inputs(ROUTING.create("dynamo-kv"), frozenset({"tokens", "first_token"})) == ["blocks"]
+    assert missing_inputs(ROUTING.create("pow2"), frozenset()) == []

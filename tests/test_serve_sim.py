@@ -3,6 +3,7 @@ tokens) behind the same ingress, router and Ray Serve request router; real Ray, 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -42,3 +43,13 @@ def test_simulated_gpu_replicas_serve_workflows_with_affinity(server: LocalServe
     assert summary["gpu_hit_ratio"] > 0.6  # each application's preamble is computed about once per replica
     for call in result.calls:
         assert call.prompt_tokens > 3000 and call.cached_tokens <= call.prompt_tokens
+    # the router ran the simulator's default policy, with the inputs it reads: each call's first token
+    # came back from its replica (with the cache events, within a push period)
+    from kvflow_ray.serve.router_actor import get_router
+
+    router = get_router(create=False)
+    deadline = time.monotonic() + 10
+    while (stats := ray.get(router.stats.remote()))["first_tokens"] < len(result.calls) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stats["routing"] == "WorkflowRouter"
+    assert stats["first_tokens"] == len(result.calls)

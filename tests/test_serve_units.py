@@ -41,7 +41,7 @@ def test_app_config_rejects_what_it_cannot_run() -> None:
     assert AppConfig(engine="sim").model_name() == "sim-a10g-llama3.1-8b"
     with pytest.raises(ValueError, match="SGLang plugin"):
         AppConfig(engine="sglang")
-    with pytest.raises(ValueError, match="routing"):
+    with pytest.raises(ValueError, match="unknown routing policy 'random'"):
         AppConfig(routing="random")
     with pytest.raises(ValueError, match="replicas"):
         AppConfig(replicas=0)
@@ -240,3 +240,33 @@ def test_a_replicas_load_report_is_its_engines_pool_usage_and_queue() -> None:
     finally:
         engine.close()
     assert load["capacity"] == 4096 and 1024 / 4096 <= load["usage"] <= 1.0 and load["waiting"] == 0
+
+
+def test_serving_runs_the_simulators_routing_policies_by_the_same_names() -> None:
+    """One name space: `routing` is what `kvflow-ray sim --routing` takes, options included; the
+    default is the workflow router the simulator measures. Serve's request router is another key."""
+    assert AppConfig().routing == "workflow" and AppConfig().request_router == "kvflow"
+    assert AppConfig(routing="workflow:slack=0.5").router_options()["routing"] == "workflow:slack=0.5"
+    with pytest.raises(ValueError, match="does not take nope"):
+        AppConfig(routing="workflow:nope=1")
+    with pytest.raises(ValueError, match="request_router must be one of"):
+        AppConfig(request_router="random")
+    # the keys of the earlier release name what replaced them
+    with pytest.raises(ValueError, match="route_policy: renamed; use routing"):
+        AppConfig.from_dict({"route_policy": "workflow"})
+    with pytest.raises(ValueError, match="now request_router: serve"):
+        AppConfig(routing="default")
+    config = _serve_config("--routing", "dynamo-kv", "--request-router", "serve")
+    assert (config.routing, config.request_router) == ("dynamo-kv", "serve")
+
+
+def test_a_routing_policy_needing_what_serving_cannot_give_is_refused_at_start() -> None:
+    """The SGLang plugin reports fixed prompts' blocks only: a policy reading every block is refused
+    there (not run on a partial index); the workflow router and the history-tree ones run."""
+    for routing in ("dynamo-kv", "llmd-precise"):
+        with pytest.raises(ValueError, match=f"routing '{routing}' needs the KV block hashes .* sglang engine"):
+            AppConfig(engine="sglang", model_path="m", routing=routing)
+    for routing in ("workflow", "sglang-cache-aware", "ray-prefix", "pow2"):
+        assert AppConfig(engine="sglang", model_path="m", routing=routing).routing == routing
+    for engine in ("cpu", "sim"):  # they give every input
+        assert AppConfig(engine=engine, routing="dynamo-kv").routing == "dynamo-kv"

@@ -195,10 +195,16 @@ def test_events_are_tailed_whole_lines_only(tmp_path: Path) -> None:
 
 def test_event_records_are_checked() -> None:
     assert parse_event({"kind": "stored", "tier": "gpu", "prefix_hash": "a", "tokens": 3}) is not None
+    event = parse_event({"kind": "stored", "tier": "gpu", "prefix_hash": "a", "tokens": 40, "blocks": [7, -9]})
+    assert event is not None and event.blocks == (7, -9)
     for bad in ([1, 2], {"kind": "stored", "tier": "disk", "prefix_hash": "a", "tokens": 3},
                 {"kind": "stored", "tier": "gpu", "prefix_hash": "", "tokens": 3},
                 {"kind": "stored", "tier": "gpu", "prefix_hash": "a", "tokens": True},
-                {"kind": "stored", "tier": "gpu", "prefix_hash": "a", "tokens": -1}):
+                {"kind": "stored", "tier": "gpu", "prefix_hash": "a", "tokens": -1},
+                # more blocks than the prompt has, a block hash that is no 64-bit int
+                {"kind": "stored", "tier": "gpu", "prefix_hash": "a", "tokens": 20, "blocks": [1, 2]},
+                {"kind": "stored", "tier": "gpu", "prefix_hash": "a", "tokens": 40, "blocks": [1 << 70]},
+                {"kind": "stored", "tier": "gpu", "prefix_hash": "a", "tokens": 40, "blocks": ["x"]}):
         assert parse_event(bad) is None
 
 

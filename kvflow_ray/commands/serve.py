@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from kvflow_ray.core.safe_yaml import TextFileError, describe_yaml_error, load_yaml, read_text_file
-from kvflow_ray.serve.config import ENGINES, ROUTINGS, AppConfig
+from kvflow_ray.serve.config import ENGINES, REQUEST_ROUTERS, AppConfig
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,9 +45,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=None, help="engine replicas (default 2)")
     parser.add_argument("--redis", default=None, help="redis://host:port/db for durable router state "
                         "(default: the embedded in-process store)")
-    parser.add_argument("--routing", choices=ROUTINGS, default=None,
-                        help="workflow: prefix-affinity routing by the workflow router (default); "
-                             "default: Ray Serve's own request router (for comparison)")
+    parser.add_argument("--routing", default=None, metavar="POLICY",
+                        help="which replica serves each agent call: a routing policy, as `kvflow-ray sim "
+                             "--routing` takes (default workflow, the workflow router; peers' routers: ray-prefix, "
+                             "sglang-cache-aware, dynamo-kv, llmd-precise; pow2, round-robin, prefix-affinity)")
+    parser.add_argument("--request-router", choices=REQUEST_ROUTERS, default=None,
+                        help="kvflow: Serve sends each call where the routing policy chose (default); serve: "
+                             "Ray Serve's own request router, blind to it (for comparison)")
     parser.add_argument("--policy", default=None, help="engine cache policy: lru, hicache, kvflow (default)")
     parser.add_argument("--device-kv-tokens", type=int, default=None,
                         help="device KV pool per replica in tokens (default: cpu 12288; sim: the profile's GPU)")
@@ -80,8 +84,8 @@ def app_config(args: argparse.Namespace) -> AppConfig:
         if not isinstance(raw, dict):
             raise ValueError(f"--config {args.config}: expected a mapping of app args")
         data.update(raw)
-    for key in ("engine", "replicas", "redis", "routing", "policy", "model_path", "device_kv_tokens", "profile",
-                "time_scale"):
+    for key in ("engine", "replicas", "redis", "routing", "request_router", "policy", "model_path",
+                "device_kv_tokens", "profile", "time_scale"):
         value = getattr(args, key, None)
         if value is not None:
             data[key] = value

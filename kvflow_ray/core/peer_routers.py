@@ -155,6 +155,8 @@ class HistoryTree:
 class _HistoryRouter(RoutingHooks):
     """A router keeping a `HistoryTree` of the calls it routed, over the replicas it has seen."""
 
+    needs = frozenset({"tokens"})
+
     def __init__(self) -> None:
         self.tree = HistoryTree()
         self.clock = 0  # logical time: calls routed so far
@@ -293,6 +295,8 @@ class DynamoKvRouter(WorkPricingRouter):
     default). On routing, the call's uncached prompt tokens join the replica's active prefill until
     its first token, and its blocks join the active set until it ends (`ActiveSequences`)."""
 
+    needs = frozenset({"tokens", "blocks", "first_token"})
+
     def __init__(self, overlap_score_credit: float = 1.0, prefill_load_scale: float = 1.0,
                  host_cache_hit_weight: float = 0.75, block_tokens: int = 16, seed: int = 0) -> None:
         self.overlap_score_credit = overlap_score_credit
@@ -338,6 +342,8 @@ class LlmdPreciseRouter(RoutingHooks):
     - kv-cache utilization: 1 - its device KV usage;
     - queue: (max - its waiting queue) / (max - min) over the replicas (1 when all are equal);
     with the guide's weights 2 : 1 : 1; the highest score wins, ties at random."""
+
+    needs = frozenset({"tokens", "blocks", "load"})
 
     def __init__(self, prefix_weight: float = 2.0, kv_cache_weight: float = 1.0, queue_weight: float = 1.0,
                  block_tokens: int = 64, host_block_weight: float = 0.8, seed: int = 0) -> None:

@@ -27,7 +27,24 @@ from typing import Protocol
 from kvflow_ray.core.registry import PolicyContext, Registry
 
 TIER_RANK = {"gpu": 0, "cpu": 1}
+DEFAULT_ROUTING = "workflow"  # what a router runs unless told otherwise: serving, RouterCore
 BLOCK_TOKENS = 16  # KV block of the router's block index (vLLM's and Dynamo's default block size)
+
+# What a routing policy may need from the router that drives it, beyond its own counts of the calls
+# it routed (`RoutingPolicy.needs`): a router refuses at start a policy needing an input it does not
+# give, instead of letting it degrade quietly.
+ROUTING_INPUTS: dict[str, str] = {
+    "tokens": "each call's prompt token ids and output budget",
+    "blocks": "the KV block hashes of everything the replicas cache (cache events)",
+    "first_token": "when each call's first token came back (its prefill is done)",
+    "load": "each replica's device KV pool, usage and waiting queue (load reports)",
+}
+
+
+def missing_inputs(policy: object, given: frozenset[str]) -> list[str]:
+    """The inputs `policy` needs that a router giving `given` lacks, in `ROUTING_INPUTS` order."""
+    needs = getattr(policy, "needs", frozenset())
+    return [name for name in ROUTING_INPUTS if name in needs and name not in given]
 
 
 # ---------------------------------------------------------------------------------------------- blocks
@@ -306,6 +323,8 @@ class RouteDecision:
 
 
 class RoutingPolicy(Protocol):
+    needs: frozenset[str]  # the `ROUTING_INPUTS` it reads (empty: its own counts suffice)
+
     def route(self, request: RouteRequest, fleet: Fleet) -> RouteDecision:
         """Where the call goes; pure (a router may ask without sending the call). Raises ValueError
         when the fleet has no replica."""
@@ -330,6 +349,8 @@ class RoutingPolicy(Protocol):
 
 class RoutingHooks:
     """`RoutingPolicy`'s hooks, doing nothing: a policy overrides those it needs."""
+
+    needs: frozenset[str] = frozenset()
 
     def routed(self, request: RouteRequest, replica: str) -> None:
         return None
@@ -568,6 +589,9 @@ class WorkflowRouter(WorkPricingRouter):
     block index, as Dynamo's. Without the call's tokens (a router asking where an upcoming agent
     would go), the fixed prompt alone is priced."""
 
+    # blocks are priced where cache events carry them (a fixed prompt's holders are exact without)
+    needs = frozenset({"tokens", "first_token", "load"})
+
     def __init__(self, host_credit: float = 0.75, kv_weight: float = 0.25, block_tokens: int = BLOCK_TOKENS,
                  load_bound: float = 2.0, sticky_pressure: float = 1.0, slack: float = 1.0) -> None:
         if not 0 <= host_credit <= 1:
@@ -706,12 +730,13 @@ def parse_routing(text: str) -> tuple[str, dict[str, float]]:
     return name, options
 
 
-def create_routing(text: str, seed: int = 0) -> RoutingPolicy:
-    """The policy `text` names (`parse_routing`), drawing from `seed` if it draws at random."""
+def create_routing(text: str, seed: int = 0, settings: Mapping[str, object] | None = None) -> RoutingPolicy:
+    """The policy `text` names (`parse_routing`), drawing from `seed` if it draws at random;
+    `settings`: a deployment's settings, each taken by a policy with an option of that name."""
     name, options = parse_routing(text)
     if "seed" in ROUTING.get(name).options:
         options.setdefault("seed", seed)
-    return ROUTING.create(name, PolicyContext(), **options)
+    return ROUTING.create(name, PolicyContext(), settings=settings, **options)
 
 
 @partial(ROUTING.register, "workflow")

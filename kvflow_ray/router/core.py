@@ -1,4 +1,4 @@
-"""The workflow router's logic, without Ray: the `WorkflowRouter` actor (next) wraps one of these.
+"""The workflow router's logic, without Ray: serving's router actor and the simulator wrap one.
 
 It keeps, per tenant, workflow templates and every client's live step-graph state in the `Store`
 (so a restarted router resumes where it stopped), knows which replica holds which prefix (from the
@@ -31,7 +31,7 @@ from typing import Any
 
 from kvflow_ray.core.graph import UnknownAgentError, WorkflowSpec, WorkflowState, parse_spec
 from kvflow_ray.core.predict import Forecaster, likely_reach
-from kvflow_ray.core.routing import ROUTING, Fleet, RouteRequest, RoutingPolicy
+from kvflow_ray.core.routing import DEFAULT_ROUTING, ROUTING, Fleet, RouteRequest, RoutingPolicy
 from kvflow_ray.engines.base import CacheEvent, Hints
 from kvflow_ray.router.limits import TenantLimits
 from kvflow_ray.router.store import BufferedStore, Store, check_name
@@ -135,7 +135,7 @@ class RouterCore:
         self.limits = limits or TenantLimits()
         self.spec_limits = self.limits.spec_limits()
         self.template_ttl_s = max(template_ttl_s or 0.0, self.store.ttl_s)  # never shorter than a client's life
-        self.policy = policy or ROUTING.create("prefix-affinity")
+        self.policy = policy or ROUTING.create(DEFAULT_ROUTING)
         self.prefetch_horizon = prefetch_horizon  # the engines prefetch agents this many steps ahead
         # the live replicas as routing sees them; `loads`: requests queued or running there
         self.fleet = Fleet()
@@ -526,6 +526,14 @@ class RouterCore:
             if entry[0] == agent and entry[1] == replica:
                 self.policy.prefilled(entry[2], replica)
                 return
+
+    def first_tokens(self, replica: str, calls: Iterable[tuple[str, str]]) -> None:
+        """`replica` sent the first token of these calls ((workflow key, agent) each, as the engine
+        request names them): `prefilled` for each."""
+        for key, agent in calls:
+            self.calls["first_token"] += 1
+            tenant, _, client_id = key.partition("/")
+            self.prefilled(tenant, client_id, agent, replica)
 
     def _take_routed(self, tenant: str, client_id: str, agent: str,
                      replica: str | None) -> tuple[str, str, RouteRequest] | None:

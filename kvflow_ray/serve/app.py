@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kvflow_ray.serve.config import ROUTINGS, AppConfig
+from kvflow_ray.serve.config import REQUEST_ROUTERS, AppConfig
 
 APP_NAME = "kvflow"
 
@@ -30,7 +30,7 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
     from kvflow_ray.serve.replica import EngineReplica
 
     config = AppConfig.from_dict(args)
-    router_class = ROUTINGS[config.routing]
+    router_class = REQUEST_ROUTERS[config.request_router]
     router_config = RequestRouterConfig(**({"request_router_class": router_class} if router_class else {}))
     actor_options: dict[str, Any] = {"num_cpus": config.replica_num_cpus}
     if config.replica_num_gpus:

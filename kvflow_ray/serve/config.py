@@ -12,16 +12,29 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from kvflow_ray.core.routing import DEFAULT_ROUTING
 from kvflow_ray.core.scheduler import POLICIES
 from kvflow_ray.router.limits import TenantLimits
 
 ENGINES = ("cpu", "sim", "sglang")
-# routing -> the Ray Serve request router that picks each engine call's replica (an import path, as
-# Serve's RequestRouterConfig takes it; None: Serve's own power-of-two-choices router)
-ROUTINGS: dict[str, str | None] = {
-    "workflow": "kvflow_ray.serve.request_router.WorkflowRequestRouter",  # honours the workflow router's choice
-    "default": None,  # Ray Serve's own, for comparison
+# request_router -> the Ray Serve request router that sends each engine call to a replica (an import
+# path, as Serve's RequestRouterConfig takes it; None: Serve's own power-of-two-choices router)
+REQUEST_ROUTERS: dict[str, str | None] = {
+    "kvflow": "kvflow_ray.serve.request_router.WorkflowRequestRouter",  # honours the workflow router's choice
+    "serve": None,  # Ray Serve's own, for comparison
 }
+# What serving gives a routing policy (`core.routing.ROUTING_INPUTS`), per engine: the ingress sends
+# every call's tokens and output budget, the replicas report first tokens (with their cache events) and
+# load (each second). The CPU and simulated engines' cache events carry the block hashes of all they
+# cache; the SGLang plugin reports agents' fixed prompts only, so a policy reading every block is
+# refused there rather than run on a partial index.
+SERVING_INPUTS: dict[str, frozenset[str]] = {
+    "cpu": frozenset({"tokens", "blocks", "first_token", "load"}),
+    "sim": frozenset({"tokens", "blocks", "first_token", "load"}),
+    "sglang": frozenset({"tokens", "first_token", "load"}),
+}
+# keys of earlier releases, and what took their place
+RENAMED = {"route_policy": "routing (a routing policy name, as `kvflow-ray sim --routing` takes)"}
 
 
 class AppConfig(BaseModel):
@@ -33,13 +46,15 @@ class AppConfig(BaseModel):
     engine: str = "cpu"  # cpu (the embedded default) | sim (GPU timing from a profile) | sglang (GPU, SGLang + plugin)
     replicas: int = 2
     redis: str | None = None  # redis://host:port/db; None = the embedded in-process store
-    routing: str = "workflow"  # workflow: honour the router's choice; default: Ray Serve's own router
-    # a prefix holder keeps the call while its queue is at most this many requests longer than the
-    # least loaded replica's; low for slow engines (a queued request costs seconds on a CPU engine)
+    # which replica serves each agent call: a name in `core.routing.ROUTING`, the same names and objects
+    # as `kvflow-ray sim --routing` (workflow: the workflow router the simulator measures)
+    routing: str = DEFAULT_ROUTING
+    # kvflow: Serve sends each call where the routing policy chose; serve: Ray Serve's own router
+    # (power of two choices, blind to the choice: for comparison)
+    request_router: str = "kvflow"
+    # prefix-affinity routing: a prefix holder keeps the call while its queue is at most this many
+    # requests longer than the least loaded replica's; low for slow engines
     balance_threshold: int = 2
-    # the workflow router's placement policy: a name in `core.routing.ROUTING` (its `balance_threshold`
-    # is the setting above)
-    route_policy: str = "prefix-affinity"
     api_keys: dict[str, str] = Field(default_factory=dict)  # bearer key -> tenant; empty = one "default" tenant
     # the name of an environment variable holding more keys as JSON {"key": "tenant"} (a Kubernetes
     # Secret mounted as env), so keys stay out of config files; read where the app is built
@@ -96,6 +111,7 @@ class AppConfig(BaseModel):
     _salts: dict[str, str] = PrivateAttr(default_factory=dict)
 
     def __init__(self, **data: Any) -> None:
+        _check_renamed(data)
         try:
             super().__init__(**data)
         except ValidationError as exc:
@@ -125,11 +141,18 @@ class AppConfig(BaseModel):
             from kvflow_ray.core.scheduler import resolve_policy
 
             resolve_policy(self.policy, serving_on=f"the {self.engine} engine")  # names those it can run
-        from kvflow_ray.core.routing import ROUTING
+        from kvflow_ray.core.routing import ROUTING_INPUTS, create_routing, missing_inputs
 
-        ROUTING.get(self.route_policy)  # names the known ones when it is not
-        if self.routing not in ROUTINGS:
-            raise ValueError(f"routing must be one of {tuple(ROUTINGS)}, got {_short(self.routing)}")
+        # names the known policies, or the options a policy takes, when it is wrong
+        policy = create_routing(self.routing, self.seed, {"balance_threshold": self.balance_threshold})
+        missing = missing_inputs(policy, SERVING_INPUTS[self.engine])
+        if missing:
+            raise ValueError(f"routing {self.routing!r} needs {'; '.join(ROUTING_INPUTS[m] for m in missing)}, which "
+                             f"serving on the {self.engine} engine does not give; choose a routing policy that "
+                             f"does not (e.g. workflow)")
+        if self.request_router not in REQUEST_ROUTERS:
+            raise ValueError(f"request_router must be one of {tuple(REQUEST_ROUTERS)}, "
+                             f"got {_short(self.request_router)}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {self.replicas}")
         if self.template_idle_ttl_s < self.state_ttl_s:
@@ -182,7 +205,7 @@ class AppConfig(BaseModel):
         return {"store_url": self.redis, "ttl_s": self.state_ttl_s, "balance_threshold": self.balance_threshold,
                 "prefetch_horizon": self.horizon, "limits": self.limits.model_dump(),
                 "template_ttl_s": self.template_idle_ttl_s, "store_grace_s": self.store_grace_s,
-                "store_max_pending": self.store_max_pending_writes, "route_policy": self.route_policy,
+                "store_max_pending": self.store_max_pending_writes, "routing": self.routing, "seed": self.seed,
                 # the engines' policy says how the router ranks agents in its hints (`predictive`: learned)
                 "prediction": POLICIES[self.policy].prediction if self.policy in POLICIES else "graph"}
 
@@ -198,6 +221,7 @@ class AppConfig(BaseModel):
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> AppConfig:
         data = dict(data or {})
+        _check_renamed(data)
         unknown = sorted(set(data) - set(cls.model_fields))
         if unknown:
             raise ValueError(f"unknown app config keys {[k[:64] for k in unknown[:10]]} "
@@ -233,6 +257,16 @@ class AppConfig(BaseModel):
     def metrics_token_value(self) -> str | None:
         """The token /metrics requires, if any."""
         return self.metrics_token or self._env_metrics_token
+
+
+def _check_renamed(data: dict[str, Any]) -> None:
+    """A key (or value) of an earlier release is an error naming what replaced it."""
+    for old, new in RENAMED.items():
+        if old in data:
+            raise ValueError(f"{old}: renamed; use {new}")
+    if data.get("routing") == "default":
+        raise ValueError("routing: 'default' (Ray Serve's own request router) is now request_router: serve; "
+                         "routing names the routing policy (default workflow)")
 
 
 def _short(value: object, limit: int = 80) -> str:

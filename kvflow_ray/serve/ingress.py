@@ -2,7 +2,7 @@
 
 Per agent call it: authenticates the bearer key (key -> tenant), admits the call within the
 tenant's limits, validates the body (`openai_api.parse_request`), tokenizes the prompt, finds the
-fixed-prompt boundary, asks the WorkflowRouter actor where the call goes, and calls the engine
+fixed-prompt boundary, asks the router actor (`WorkflowRouterActor`) where the call goes, and calls the engine
 replicas through a Serve handle whose request router honours that choice. When the replica dies
 mid-call, the router forgets it and the call is retried once elsewhere.
 
@@ -416,10 +416,11 @@ class Ingress:
         salt = engine_request["cache_salt"]
         fixed_hash = prefix_hash(tokens[:boundary], salt) if boundary else None
         route = await self._call_router("start_call", tenant, meta.client_id, meta.agent, workflow=workflow,
-                                        prefix_hash=fixed_hash, prefix_tokens=boundary, cache_salt=salt)
+                                        prefix_hash=fixed_hash, prefix_tokens=boundary, cache_salt=salt,
+                                        tokens=tokens, max_new=parsed.max_tokens)
         engine_request.update(workflow=route["workflow_key"], agent=meta.agent, fixed_prefix_tokens=boundary)
         return _Call(tenant, meta.client_id, meta.agent, workflow, route["replica"], route["outcome"],
-                     fixed_hash, boundary, salt)
+                     fixed_hash, boundary, salt, tokens, parsed.max_tokens)
 
     def _boundary(self, parsed: ParsedRequest, tokens: list[int], text: str, prompt: str | None) -> int:
         """Where the agent's fixed prompt ends (DESIGN.md §3); 0 when the request does not start with it.
@@ -464,7 +465,8 @@ class Ingress:
         # the agent is still running (no deviation); the dead replica's load went with it
         route = await self._call_router("start_call", call.tenant, call.client_id, call.agent,
                                         workflow=call.workflow, prefix_hash=call.prefix_hash,
-                                        prefix_tokens=call.prefix_tokens, cache_salt=call.salt, retry=True)
+                                        prefix_tokens=call.prefix_tokens, cache_salt=call.salt, retry=True,
+                                        tokens=call.tokens, max_new=call.max_new)
         call.replica, call.outcome = route["replica"], route["outcome"]
 
     async def _close(self, call: _Call | None, release: Callable[[], None]) -> None:
@@ -675,10 +677,11 @@ class _Call:
     """One routed agent call, from start_call to end_call."""
 
     def __init__(self, tenant: str, client_id: str, agent: str, workflow: str, replica: str, outcome: str,
-                 prefix_hash: str | None, prefix_tokens: int, salt: str) -> None:
+                 prefix_hash: str | None, prefix_tokens: int, salt: str, tokens: list[int], max_new: int) -> None:
         self.tenant, self.client_id, self.agent, self.workflow = tenant, client_id, agent, workflow
         self.replica, self.outcome = replica, outcome
         self.prefix_hash, self.prefix_tokens, self.salt = prefix_hash, prefix_tokens, salt
+        self.tokens, self.max_new = tokens, max_new  # what the routing policy prices (a retry sends them again)
         self.ended = False  # end_call sent (once per call)
 
 

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import ray
@@ -89,6 +89,10 @@ class EngineReplica:
         self._prefix_cache_tokens = 0
         self._stop = threading.Event()
         self._events_lock = threading.Lock()  # one drain of the engine's events at a time, in order
+        # (workflow key, agent) of the calls prefilled since the last push; its own lock, since the engine's
+        # thread appends (holding its own locks) while a push may be waiting on the engine
+        self._first_tokens: list[tuple[str, str]] = []
+        self._first_lock = threading.Lock()
         self._register()
         for target in (self._hint_loop, self._event_loop, self._report_loop):
             threading.Thread(target=target, name=f"kvflow-{target.__name__}", daemon=True).start()
@@ -101,7 +105,7 @@ class EngineReplica:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Any] = loop.create_future()
         try:
-            self.engine.submit(GenerateRequest(**request),
+            self.engine.submit(GenerateRequest(**request), on_token=self._first_token_hook(request),
                                on_done=lambda r: loop.call_soon_threadsafe(done.set_result, r))
         except ValueError as exc:
             return {"replica": self.name, "error": str(exc), "status": 400}
@@ -113,9 +117,15 @@ class EngineReplica:
         """Yield {"text": delta} as tokens arrive, then the outcome of `generate`."""
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue[Any] = asyncio.Queue()
+        first = self._first_token_hook(request)
+
+        def on_token(token: int) -> None:
+            if first is not None:
+                first(token)
+            loop.call_soon_threadsafe(tokens.put_nowait, token)
+
         try:
-            self.engine.submit(GenerateRequest(**request),
-                               on_token=lambda t: loop.call_soon_threadsafe(tokens.put_nowait, t),
+            self.engine.submit(GenerateRequest(**request), on_token=on_token,
                                on_done=lambda r: loop.call_soon_threadsafe(tokens.put_nowait, r))
         except ValueError as exc:
             yield {"replica": self.name, "error": str(exc), "status": 400}
@@ -154,14 +164,33 @@ class EngineReplica:
         self.metrics.observe_result(req.result)
         return {"replica": self.name, "result": dataclasses.asdict(req.result)}
 
+    def _first_token_hook(self, request: Mapping[str, Any]) -> Callable[[int], None] | None:
+        """For a workflow call, an `on_token` that notes its first token (reported with the cache
+        events: routing policies count prefill work in flight until then)."""
+        key, agent = request.get("workflow"), request.get("agent")
+        if not key or not agent:
+            return None
+        seen = False
+
+        def on_token(_token: int) -> None:
+            nonlocal seen
+            if not seen:
+                seen = True
+                with self._first_lock:
+                    self._first_tokens.append((key, agent))
+
+        return on_token
+
     def _push_events(self) -> None:
-        """The engine's cache events to the router, in order (one drain at a time, fire and forget:
-        Ray runs one caller's calls to an actor in submission order)."""
+        """The engine's cache events and the calls' first tokens to the router, in order (one drain at
+        a time, fire and forget: Ray runs one caller's calls to an actor in submission order)."""
         with self._events_lock:
             events = self.engine.cache_events()
-            if events:
+            with self._first_lock:
+                first, self._first_tokens = self._first_tokens, []
+            if events or first:
                 try:
-                    self.router.cache_events.remote(self.name, [dataclasses.astuple(e) for e in events])
+                    self.router.cache_events.remote(self.name, [dataclasses.astuple(e) for e in events], first)
                 except Exception:  # the router is restarting: its view heals from later events
                     logger.warning("could not send %d cache events to the router", len(events))
 

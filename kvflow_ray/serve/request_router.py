@@ -1,7 +1,7 @@
 """Ray Serve's routing seam (`ray.serve.request_router.RequestRouter`), told to honour the workflow
 router's choice.
 
-The ingress asks the WorkflowRouter actor where an agent call goes and passes the answer as the
+The ingress asks the router actor (`WorkflowRouterActor`) where an agent call goes and passes the answer as the
 `kvflow_replica` argument of the handle call. This router, which Serve runs inside the ingress
 process, reads it and ranks that replica first; the decision itself is not repeated here, so the hot
 path has no extra actor call. Serve keeps doing what it does best around it: queue-length checks,

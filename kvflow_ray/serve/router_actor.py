@@ -1,4 +1,4 @@
-"""The WorkflowRouter: one named Ray actor around `RouterCore` (DESIGN.md §1, §5).
+"""The router actor, `WorkflowRouterActor`: one named Ray actor around `RouterCore` (DESIGN.md §1, §5).
 
 Everything it must not lose lives in the store (Redis in a deployment), so the actor is declared
 restartable: when it dies, Ray starts it again, `__init__` reopens the same store, and the replicas
@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import ray
 
-from kvflow_ray.core.routing import ROUTING
+from kvflow_ray.core.routing import DEFAULT_ROUTING, create_routing
 from kvflow_ray.engines.base import CacheEvent
 from kvflow_ray.router.core import RouterCore
 from kvflow_ray.router.limits import TenantLimits
@@ -60,13 +60,13 @@ class WorkflowRouterActor:
     def __init__(self, store_url: str | None = None, ttl_s: float = 3600.0, balance_threshold: int = 2,
                  prefetch_horizon: int = 1, limits: dict[str, Any] | None = None,
                  template_ttl_s: float | None = None, store_grace_s: float = 30.0,
-                 store_max_pending: int = 100_000, route_policy: str = "prefix-affinity",
-                 prediction: str = "graph") -> None:
+                 store_max_pending: int = 100_000, routing: str = DEFAULT_ROUTING,
+                 prediction: str = "graph", seed: int = 0) -> None:
         self.instance = uuid.uuid4().hex  # changes on every (re)start
         inner = open_store(store_url, ttl_s)
         self.backend = "redis" if isinstance(inner, RedisStore) else "memory"
         store = BufferedStore(inner, grace_s=store_grace_s, max_pending=store_max_pending)
-        policy = ROUTING.create(route_policy, settings={"balance_threshold": balance_threshold})
+        policy = create_routing(routing, seed, {"balance_threshold": balance_threshold})
         self.core = RouterCore(store, policy,
                                prefetch_horizon=prefetch_horizon, limits=TenantLimits(**(limits or {})),
                                template_ttl_s=template_ttl_s, prediction=prediction)
@@ -109,10 +109,14 @@ class WorkflowRouterActor:
             self.core.fleet.report(name, usage=float(load["usage"]), waiting=int(load["waiting"]),
                                    capacity=int(load["capacity"]))
 
-    async def cache_events(self, replica: str, events: list[tuple[Any, ...]]) -> None:
+    async def cache_events(self, replica: str, events: list[tuple[Any, ...]],
+                           first_tokens: Sequence[tuple[str, str]] = ()) -> None:
+        """What `replica` did since its last report: cache events, and the calls ((workflow key, agent))
+        whose first token it produced (their prompts are computed: prefill work in flight ends)."""
         self.other_calls["cache_events"] += 1
         self._heard_from(replica)  # a restarted router learns of it here too
         self.core.cache_events(replica, [CacheEvent(*e) for e in events])
+        self.core.first_tokens(replica, first_tokens)
 
     async def pull_hints(self, replica: str, timeout_s: float = 1.0) -> dict[str, Any] | None:
         """Long poll: the replica's pending hints, once the next wakeup (at most `HINT_BATCH_S` after
@@ -141,13 +145,16 @@ class WorkflowRouterActor:
 
     async def start_call(self, tenant: str, client_id: str, agent: str, *, workflow: str | None = None,
                          prefix_hash: str | None = None, prefix_tokens: int = 0, cache_salt: str = "",
-                         retry: bool = False, ended: Sequence[Ended] = ()) -> dict[str, Any]:
-        """Route one agent call. `ended`: calls that ended since the caller's last router call (they
-        are ended first, so a client's next call always finds its previous one over)."""
+                         retry: bool = False, tokens: Sequence[int] = (), max_new: int = 0,
+                         ended: Sequence[Ended] = ()) -> dict[str, Any]:
+        """Route one agent call (`tokens` / `max_new`: its prompt's token ids and output budget, as the
+        simulator gives them). `ended`: calls that ended since the caller's last router call (they are
+        ended first, so a client's next call always finds its previous one over)."""
         self._start_maintenance()
         self._end_calls(ended)
         route = self.core.start_call(tenant, client_id, agent, workflow=workflow, prefix_hash=prefix_hash,
-                                     prefix_tokens=prefix_tokens, cache_salt=cache_salt, retry=retry)
+                                     prefix_tokens=prefix_tokens, cache_salt=cache_salt, retry=retry,
+                                     tokens=tokens, max_new=max_new)
         self.metrics.observe_decision(route.outcome, self.core.decision_seconds[-1], tenant, route.deviation)
         self._wake()
         # the replicas get the hints through their outboxes; the caller needs only where to go
@@ -197,7 +204,8 @@ class WorkflowRouterActor:
         """What a soak or an operator watches: this process's CPU time and call counts (CPU per call),
         recent finish_client latencies, the sizes of the router's state, and the store's health."""
         return {"pid": os.getpid(), "cpu_s": time.process_time(), "start_calls": self.core.calls["start_call"],
-                "end_calls": self.core.calls["end_call"], "other_calls": dict(self.other_calls),
+                "end_calls": self.core.calls["end_call"], "first_tokens": self.core.calls["first_token"],
+                "routing": type(self.core.policy).__name__, "other_calls": dict(self.other_calls),
                 "finish_seconds": list(self.core.finish_seconds),
                 "finish_cpu_seconds": list(self.core.finish_cpu_seconds),
                 **self.core.sizes(), "store_up": self.store.up, "pending_writes": self.store.pending,
@@ -290,8 +298,8 @@ class WorkflowRouterActor:
 def get_router(store_url: str | None = None, *, create: bool = True, ttl_s: float = 3600.0,
                balance_threshold: int = 2, prefetch_horizon: int = 1, limits: dict[str, Any] | None = None,
                template_ttl_s: float | None = None, store_grace_s: float = 30.0,
-               store_max_pending: int = 100_000, route_policy: str = "prefix-affinity",
-               prediction: str = "graph") -> Any:
+               store_max_pending: int = 100_000, routing: str = DEFAULT_ROUTING,
+               prediction: str = "graph", seed: int = 0) -> Any:
     """The deployment's router actor, created on first use (named, so every process finds the same
     one; the first creator's settings win)."""
     if not create:
@@ -300,7 +308,7 @@ def get_router(store_url: str | None = None, *, create: bool = True, ttl_s: floa
                                        lifetime="detached").remote(store_url, ttl_s, balance_threshold,
                                                                    prefetch_horizon, limits, template_ttl_s,
                                                                    store_grace_s, store_max_pending,
-                                                                   route_policy, prediction)
+                                                                   routing, prediction, seed)
 
 
 def stop_router() -> None:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import sglang_caches as sc
 
+from kvflow_ray.core.routing import block_hashes
 from kvflow_ray.engines.sglang import hooks, plugin, protocol
 from kvflow_ray.engines.sglang.state import reset_state, state
 
@@ -181,11 +182,15 @@ def test_each_scheduler_iteration_publishes_status(sglang_plugin: None, tmp_path
     assert stats["cache_tokens"]["gpu"] == 43
     assert set(stats) >= {"waiting", "running", "prompt_tokens", "prefetch", "prefetch_stall_s"}
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert events == [{"kind": "stored", "tier": "gpu", "prefix_hash": prefix_hash(fixed), "tokens": 40}]
+    blocks = list(block_hashes(fixed))  # the router's block index learns the prompt's blocks (2 of 16 tokens)
+    assert len(blocks) == 2
+    assert events == [{"kind": "stored", "tier": "gpu", "prefix_hash": prefix_hash(fixed), "tokens": 40,
+                       "blocks": blocks}]
 
     rig.evict(1000)
     state()._status_at = 0.0  # next interval
     hooks.before_next_batch(scheduler)
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert events[-1] == {"kind": "removed", "tier": "gpu", "prefix_hash": prefix_hash(fixed), "tokens": 40}
+    assert events[-1] == {"kind": "removed", "tier": "gpu", "prefix_hash": prefix_hash(fixed), "tokens": 40,
+                          "blocks": blocks}
     assert json.loads((tmp_path / "stats.json").read_text())["cache_tokens"]["gpu"] == 0

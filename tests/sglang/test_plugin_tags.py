@@ -6,6 +6,7 @@ import pytest
 import sglang_caches as sc
 from sglang.srt.managers.scheduler import Scheduler
 
+from kvflow_ray.core.routing import block_hashes
 from kvflow_ray.engines.sglang import hooks, protocol
 from kvflow_ray.engines.sglang.state import TAGS_ATTR, node_tags, path_to_root, reset_state, state
 
@@ -95,8 +96,11 @@ def test_fixed_prompt_boundary_is_reported_as_a_cache_event(rig: sc.CacheRig) ->
     fixed = list(range(100, 160))
     rig.serve([*fixed, 1, 2], "c1", "planner", fixed=len(fixed))
     st = state()
-    assert {"kind": "stored", "tier": "gpu", "prefix_hash": prefix_hash(fixed), "tokens": 60} in st.events
+    blocks = list(block_hashes(fixed))
+    stored = {"kind": "stored", "tier": "gpu", "prefix_hash": prefix_hash(fixed), "tokens": 60, "blocks": blocks}
+    assert stored in st.events
     st.events.clear()
     rig.evict(10_000)
     st.check_boundaries(lambda node: hooks.attached(rig.cache, node))
-    assert st.events == [{"kind": "removed", "tier": "gpu", "prefix_hash": prefix_hash(fixed), "tokens": 60}]
+    assert st.events == [{"kind": "removed", "tier": "gpu", "prefix_hash": prefix_hash(fixed), "tokens": 60,
+                          "blocks": blocks}]

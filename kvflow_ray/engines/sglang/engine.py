@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow_ray.core.policies import StepBook
+from kvflow_ray.core.routing import BLOCK_TOKENS
 from kvflow_ray.core.scheduler import POLICIES, PolicyConfig, engine_policies, resolve_policy
 from kvflow_ray.engines.base import BackgroundEngine, CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
 from kvflow_ray.engines.sglang import protocol
@@ -246,8 +247,9 @@ def new_output_tokens(chunk: Mapping[str, Any], seen: int, incremental: bool) ->
 
 
 def parse_event(data: Any) -> CacheEvent | None:
-    """One events.jsonl record ({"kind", "tier", "prefix_hash", "tokens"}) as a CacheEvent; None when
-    it is not one (skipped: a router is better served by the events that parse than by none)."""
+    """One events.jsonl record ({"kind", "tier", "prefix_hash", "tokens", "blocks"}) as a CacheEvent;
+    None when it is not one (skipped: a router is better served by the events that parse than by
+    none). `blocks`, the prompt's KV block hashes, is optional (a plugin of an earlier release)."""
     if not isinstance(data, Mapping):
         return None
     kind, tier, prefix, tokens = (data.get(k) for k in ("kind", "tier", "prefix_hash", "tokens"))
@@ -255,7 +257,11 @@ def parse_event(data: Any) -> CacheEvent | None:
         return None
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
         return None
-    return CacheEvent(kind, tier, prefix, tokens)
+    blocks = data.get("blocks", [])
+    if (not isinstance(blocks, list) or len(blocks) > tokens // BLOCK_TOKENS
+            or not all(isinstance(h, int) and not isinstance(h, bool) and -(1 << 63) <= h < 1 << 63 for h in blocks)):
+        return None
+    return CacheEvent(kind, tier, prefix, tokens, tuple(blocks))
 
 
 def read_events(path: str | Path, offset: int) -> tuple[list[CacheEvent], int]:

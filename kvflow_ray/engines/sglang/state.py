@@ -30,6 +30,7 @@ from kvflow_ray.core.policies import EVICTION, INF, EvictionPolicy, StepBook
 from kvflow_ray.core.prefetch import PREFETCH, PrefetchLedger, PrefetchPolicy
 from kvflow_ray.core.radix import Namespace, cache_namespace
 from kvflow_ray.core.registry import PolicyContext
+from kvflow_ray.core.routing import BLOCK_TOKENS, block_hashes
 from kvflow_ray.core.snapshot import EngineSnapshot
 from kvflow_ray.engines.base import prefix_hash
 from kvflow_ray.engines.sglang import protocol
@@ -174,6 +175,7 @@ class Boundary:
     node: Any
     prefix_hash: str
     tokens: int
+    blocks: list[int]  # the chained hashes of the prompt's KV blocks (`core.routing.block_hashes`)
     on_device: bool = True
     on_host: bool = False
 
@@ -268,10 +270,12 @@ class PluginState:
         per tenant: the same prompt of another tenant is another prefix."""
         if node.id in self.boundaries:
             return
-        boundary = Boundary(node, prefix_hash(tokens, node_namespace(node)), len(tokens))
+        namespace = node_namespace(node)
+        boundary = Boundary(node, prefix_hash(tokens, namespace), len(tokens),
+                            list(block_hashes(tokens, namespace, BLOCK_TOKENS)))
         self.boundaries[node.id] = boundary
         self.events.append({"kind": "stored", "tier": "gpu", "prefix_hash": boundary.prefix_hash,
-                            "tokens": boundary.tokens})
+                            "tokens": boundary.tokens, "blocks": boundary.blocks})
 
     def check_boundaries(self, attached: Callable[[Any], bool]) -> None:
         """Emit tier changes of watched fixed prompts (device evictions, host copies, reloads);
@@ -284,7 +288,7 @@ class PluginState:
             for tier, was, now in (("gpu", b.on_device, on_device), ("cpu", b.on_host, on_host)):
                 if was != now:
                     self.events.append({"kind": "stored" if now else "removed", "tier": tier,
-                                        "prefix_hash": b.prefix_hash, "tokens": b.tokens})
+                                        "prefix_hash": b.prefix_hash, "tokens": b.tokens, "blocks": b.blocks})
             b.on_device, b.on_host = on_device, on_host
             if not on_device and not on_host:
                 del self.boundaries[node_id]
