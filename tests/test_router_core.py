@@ -327,7 +327,7 @@ def test_an_expired_client_is_forgotten_by_the_router_and_retired_where_it_was_h
 
     time.sleep(0.4)
     assert core.expire() == 1 and core.active_clients() == {}
-    assert "acme/idle" not in core._told and ("acme", "idle") not in core._clients
+    assert not core.outbox.told("acme/idle") and core.clients.get("acme", "idle") is None
     batch = core.take_hints("r1")
     assert batch is not None and batch.retire == ["acme/idle"]
     assert core.take_hints("r2") is None  # it never ran there, nor was headed there
@@ -367,7 +367,7 @@ def test_a_live_client_keeps_the_template_version_it_started_with(store: Store) 
     restarted = RouterCore(store)
     restarted.add_replica("r1")
     assert not restarted.start_call("acme", "old", "expresser").deviation
-    assert set(restarted._templates["acme"]) == {"peer"}
+    assert set(restarted.templates.current["acme"]) == {"peer"}
     restarted.end_call("acme", "old", "expresser", "r1")
     assert restarted.finish_client("acme", "old") != []
 
@@ -382,16 +382,16 @@ def test_templates_unused_for_their_idle_ttl_are_dropped(store: Store) -> None:
     core.put_template("acme", {"name": "once", "agents": {"solo": {"prompt": "x" * 6000}}})
     core.start_call("acme", "busy", "planner", workflow="peer")
     core.put_template("acme", {**PEER, "agents": {**PEER["agents"], "extra": {"after": ["planner"]}}})
-    assert len(core._old_versions) == 1  # the version `busy` started on, kept for the state TTL
+    assert len(core.templates.old_versions) == 1  # the version `busy` started on, kept for the state TTL
     deadline = time.monotonic() + 5
-    while "once" in core._templates["acme"]:
+    while "once" in core.templates.current["acme"]:
         route = core.start_call("acme", "busy", "planner", workflow="peer")  # `peer` stays in use
         core.end_call("acme", "busy", "planner", route.replica)
         core.expire()
         assert time.monotonic() < deadline, "an unused template never expired"
         time.sleep(0.05)
-    assert set(core._templates["acme"]) == {"peer"}
-    assert not core._old_versions  # past the state TTL, the replaced version is gone too
+    assert set(core.templates.current["acme"]) == {"peer"}
+    assert not core.templates.old_versions  # past the state TTL, the replaced version is gone too
     assert store.get_template("acme", "once") is None and store.get_template("acme", "peer") is not None
     with pytest.raises(UnknownWorkflowError):
         core.start_call("acme", "late", "solo", workflow="once")
@@ -403,10 +403,10 @@ def test_a_lost_replica_is_forgotten_at_once_and_a_returning_one_starts_at_zero(
         router.start_call("acme", client, "planner", workflow="peer", prefix_hash="h-planner", prefix_tokens=16)
     assert router.loads["r1"] >= 2
     router.remove_replica("r1")
-    assert "r1" not in router.loads and "r1" not in router._held and "r1" not in router._outbox
+    assert "r1" not in router.loads and router.holdings.holders("h-x") == {} and not router.has_hints("r1")
     assert router.store.locations("h-planner") == {} and router.store.locations("h-x") == {}
     router.add_replica("r1")  # the same name again (a restarted node): nothing of the old one's counts
-    assert router.loads["r1"] == 0 and router._holders("h-planner") == {}
+    assert router.loads["r1"] == 0 and router.holdings.holders("h-planner") == {}
 
 
 def test_the_store_lost_its_data_and_the_router_writes_its_state_back(
@@ -435,7 +435,7 @@ def test_the_store_lost_its_data_and_the_router_writes_its_state_back(
         assert store.flush() is None
         restarted = RouterCore(BufferedStore(RedisStore(server.url)))
         restarted.add_replica("r1")
-        assert restarted._holders("h-planner") == {"r1": "gpu"}
+        assert restarted.holdings.holders("h-planner") == {"r1": "gpu"}
         route = restarted.start_call("acme", "c1", "executor")  # still running: no re-registration needed
         restarted.end_call("acme", "c1", "executor", route.replica)
         assert not restarted.start_call("acme", "c1", "expresser").deviation

@@ -1,0 +1,87 @@
+"""Which replica holds which prefix: one index, fed by one producer, the replicas' cache events.
+
+Each event names a cached prefix (its hash, as the ingress names an agent's fixed prompt) and the KV
+blocks ending inside it; the index keeps both views a routing policy reads: per prefix, the best tier
+each replica holds it in (`holders`, exact for a fixed prompt), and per block (`Fleet.blocks`, for
+policies pricing any prompt's overlap, as Dynamo's and llm-d's). The store keeps the prefix view so a
+restarted router starts with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvflow_ray.core.routing import BlockIndex
+from kvflow_ray.engines.base import CacheEvent
+from kvflow_ray.router.store import BufferedStore
+
+
+class Holdings:
+    def __init__(self, store: BufferedStore, blocks: BlockIndex) -> None:
+        self.store = store
+        self.blocks = blocks
+        # replica -> prefix -> tiers it holds the prefix in (a write-back briefly holds both)
+        self._held: dict[str, dict[str, set[str]]] = {}
+        self._locations: dict[str, dict[str, str]] = {}  # prefix hash -> {replica: best tier}
+
+    def load(self) -> None:
+        """The prefix view the store holds, once, at (re)start."""
+        for prefix_hash, holders in self.store.location_items():
+            self._locations[prefix_hash] = holders
+            for replica, tier in holders.items():
+                self._held.setdefault(replica, {})[prefix_hash] = {tier}
+
+    def reconcile(self) -> int:
+        """Queue every reported location for the store (not the foreseen ones); how many writes."""
+        writes = 0
+        for prefix_hash, holders in self._locations.items():
+            for replica, tier in holders.items():
+                if prefix_hash in self._held.get(replica, {}):
+                    self.store.set_location(prefix_hash, replica, tier)
+                    writes += 1
+        return writes
+
+    def holders(self, prefix_hash: str) -> dict[str, str]:
+        """replica -> the best tier it holds the prefix in."""
+        return self._locations.get(prefix_hash, {})
+
+    def foresee(self, prefix_hash: str, replica: str) -> None:
+        """A call for the prefix was just sent to `replica`: it will hold it once the prefill runs, so
+        calls for it that arrive before the cache event follow it there instead of computing a second
+        copy elsewhere. (Memory only: the store keeps what replicas report.)"""
+        self._locations.setdefault(prefix_hash, {})[replica] = "gpu"
+
+    def apply(self, replica: str, events: Iterable[CacheEvent]) -> None:
+        """`replica` stored or removed prefixes in a tier."""
+        held = self._held.setdefault(replica, {})
+        for event in events:
+            tiers = held.setdefault(event.prefix_hash, set())
+            if event.kind == "stored":
+                tiers.add(event.tier)
+                self.blocks.stored(replica, event.tier, event.blocks)
+            else:
+                tiers.discard(event.tier)
+                self.blocks.removed(replica, event.tier, event.blocks)
+            best = "gpu" if "gpu" in tiers else "cpu" if "cpu" in tiers else None
+            holders = self._locations.setdefault(event.prefix_hash, {})
+            if best is None:
+                del held[event.prefix_hash]
+                holders.pop(replica, None)
+                if not holders:
+                    del self._locations[event.prefix_hash]
+            else:
+                holders[replica] = best
+            self.store.set_location(event.prefix_hash, replica, best)
+
+    def drop(self, replica: str) -> None:
+        """`replica` left: it holds nothing (O(what it held)). Its blocks go with the fleet's entry."""
+        held = self._held.pop(replica, {})
+        for prefix_hash in held:
+            holders = self._locations.get(prefix_hash, {})
+            holders.pop(replica, None)
+            if not holders:
+                self._locations.pop(prefix_hash, None)
+        self.store.drop_replica(replica, list(held))
+
+    def __len__(self) -> int:
+        return len(self._locations)
