@@ -12,6 +12,7 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("redis")
 
+from kvflow_ray.router.settings import RouterSettings  # noqa: E402
 from kvflow_ray.serve.router_actor import get_router  # noqa: E402
 
 PEER = {"name": "peer", "entry": "planner", "agents": {
@@ -37,8 +38,8 @@ def test_router_actor_survives_a_kill(ray_cluster: None, redis_url: str) -> None
     import redis
 
     redis.Redis.from_url(redis_url).flushdb()
-    router = get_router(redis_url)
-    assert get_router(redis_url, create=False)._actor_id == router._actor_id  # one router, found by name
+    router = get_router(RouterSettings(store_url=redis_url))
+    assert get_router(create=False)._actor_id == router._actor_id  # one router, found by name
     ray.get([router.add_replica.remote("r1"), router.add_replica.remote("r2")])
     # a replica's report carries its load (replica.load_report): the fleet's device KV is what they report
     ray.get(router.report.remote("r1", None, {"capacity": 1000, "usage": 0.5, "waiting": 2}))

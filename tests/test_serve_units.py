@@ -5,7 +5,6 @@ engine keeps for an agent, and the load generator's walk of each example workflo
 from __future__ import annotations
 
 import argparse
-import inspect
 from pathlib import Path
 
 import pytest
@@ -49,14 +48,11 @@ def test_app_config_rejects_what_it_cannot_run() -> None:
         AppConfig(api_keys={"": "acme"})
     with pytest.raises(ValueError, match=r"template_idle_ttl_s .* must be at least state_ttl_s"):
         AppConfig(state_ttl_s=600, template_idle_ttl_s=60)
-    options = AppConfig(state_ttl_s=600, store_grace_s=5).router_options()  # what the router actor is made with
-    assert options["ttl_s"] == 600 and options["store_grace_s"] == 5 and options["template_ttl_s"] >= 600
-    # every option is one get_router takes; the engines' policy says how the router ranks agents
-    from kvflow_ray.serve.router_actor import get_router
-
-    assert set(options) <= set(inspect.signature(get_router).parameters)
-    assert options["prediction"] == "graph"
-    assert AppConfig(policy="predictive").router_options()["prediction"] == "learned"
+    settings = AppConfig(state_ttl_s=600, store_grace_s=5).router_settings()  # what the router actor is made with
+    assert settings.state_ttl_s == 600 and settings.store_grace_s == 5 and settings.template_ttl_s >= 600
+    # the engines' policy says how the router ranks agents
+    assert settings.prediction == "graph"
+    assert AppConfig(policy="predictive").router_settings().prediction == "learned"
 
 
 def test_api_keys_can_come_from_an_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -246,7 +242,7 @@ def test_serving_runs_the_simulators_routing_policies_by_the_same_names() -> Non
     """One name space: `routing` is what `kvflow-ray sim --routing` takes, options included; the
     default is the workflow router the simulator measures. Serve's request router is another key."""
     assert AppConfig().routing == "workflow" and AppConfig().request_router == "kvflow"
-    assert AppConfig(routing="workflow:slack=0.5").router_options()["routing"] == "workflow:slack=0.5"
+    assert AppConfig(routing="workflow:slack=0.5").router_settings().routing == "workflow:slack=0.5"
     with pytest.raises(ValueError, match="does not take nope"):
         AppConfig(routing="workflow:nope=1")
     with pytest.raises(ValueError, match="request_router must be one of"):

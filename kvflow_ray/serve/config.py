@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from kvflow_ray.core.routing import DEFAULT_ROUTING
 from kvflow_ray.core.scheduler import POLICIES
 from kvflow_ray.router.limits import TenantLimits
+from kvflow_ray.router.settings import RouterSettings
 
 ENGINES = ("cpu", "sim", "sglang")
 # request_router -> the Ray Serve request router that sends each engine call to a replica (an import
@@ -45,6 +46,9 @@ class AppConfig(BaseModel):
 
     engine: str = "cpu"  # cpu (the embedded default) | sim (GPU timing from a profile) | sglang (GPU, SGLang + plugin)
     replicas: int = 2
+    # HTTP ingress replicas (tenants' admission limits apply per ingress replica); the router actor
+    # keeps every client's state, so any ingress serves any call
+    ingress_replicas: int = Field(1, ge=1)
     redis: str | None = None  # redis://host:port/db; None = the embedded in-process store
     # which replica serves each agent call: a name in `core.routing.ROUTING`, the same names and objects
     # as `kvflow-ray sim --routing` (workflow: the workflow router the simulator measures)
@@ -141,10 +145,10 @@ class AppConfig(BaseModel):
             from kvflow_ray.core.scheduler import resolve_policy
 
             resolve_policy(self.policy, serving_on=f"the {self.engine} engine")  # names those it can run
-        from kvflow_ray.core.routing import ROUTING_INPUTS, create_routing, missing_inputs
+        from kvflow_ray.core.routing import ROUTING_INPUTS, missing_inputs
 
         # names the known policies, or the options a policy takes, when it is wrong
-        policy = create_routing(self.routing, self.seed, {"balance_threshold": self.balance_threshold})
+        policy = RouterSettings(routing=self.routing, balance_threshold=self.balance_threshold, seed=self.seed).policy()
         missing = missing_inputs(policy, SERVING_INPUTS[self.engine])
         if missing:
             raise ValueError(f"routing {self.routing!r} needs {'; '.join(ROUTING_INPUTS[m] for m in missing)}, which "
@@ -200,14 +204,15 @@ class AppConfig(BaseModel):
         return {"model_path": self.model_path or "", "policy": self.policy, "max_total_tokens": self.device_kv_tokens,
                 "random_seed": self.seed, "server_args": dict(self.sglang_args)}
 
-    def router_options(self) -> dict[str, Any]:
-        """`get_router` keyword arguments: the router actor's settings (the first process to create it wins)."""
-        return {"store_url": self.redis, "ttl_s": self.state_ttl_s, "balance_threshold": self.balance_threshold,
-                "prefetch_horizon": self.horizon, "limits": self.limits.model_dump(),
-                "template_ttl_s": self.template_idle_ttl_s, "store_grace_s": self.store_grace_s,
-                "store_max_pending": self.store_max_pending_writes, "routing": self.routing, "seed": self.seed,
-                # the engines' policy says how the router ranks agents in its hints (`predictive`: learned)
-                "prediction": POLICIES[self.policy].prediction if self.policy in POLICIES else "graph"}
+    def router_settings(self) -> RouterSettings:
+        """The router actor's settings (the first process to create it wins)."""
+        return RouterSettings(
+            routing=self.routing, balance_threshold=self.balance_threshold, seed=self.seed,
+            prefetch_horizon=self.horizon, limits=self.limits, store_url=self.redis, state_ttl_s=self.state_ttl_s,
+            template_ttl_s=self.template_idle_ttl_s, store_grace_s=self.store_grace_s,
+            store_max_pending=self.store_max_pending_writes,
+            # the engines' policy says how the router ranks agents in its hints (`predictive`: learned)
+            prediction=POLICIES[self.policy].prediction if self.policy in POLICIES else "graph")
 
     def tokenizer_path(self) -> str | None:
         """Where the tokenizer of the served model lives; None: byte-level (engines without one: sim, the

@@ -208,7 +208,7 @@ class Ingress:
     def __init__(self, engine: Any, config: dict[str, Any]) -> None:
         self.config = AppConfig.from_dict(config)
         self.engine = engine
-        self.router = get_router(**self.config.router_options())
+        self.router = get_router(self.config.router_settings())
         self.limits = self.config.limits
         self.spec_limits = self.limits.spec_limits()
         self._inflight: Counter[str] = Counter()  # per tenant: calls admitted here and not yet answered

@@ -82,7 +82,7 @@ class EngineReplica:
         self.engine = make_engine(self.config)
         self.tokenizer = self.engine.tokenizer
         self.metrics = ReplicaMetrics(self.name)  # engine series from the stats each report reads
-        self.router = get_router(**self.config.router_options())
+        self.router = get_router(self.config.router_settings())
         # agent prompt text -> its token ids, least recently used first; bounded in tokens, since every
         # workflow instance may bring prompts of its own
         self._prefix_cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()

@@ -35,10 +35,9 @@ from typing import Any, TypeVar
 
 import ray
 
-from kvflow_ray.core.routing import DEFAULT_ROUTING, create_routing
 from kvflow_ray.engines.base import CacheEvent
 from kvflow_ray.router.core import RouterCore
-from kvflow_ray.router.limits import TenantLimits
+from kvflow_ray.router.settings import RouterSettings
 from kvflow_ray.router.store import BufferedStore, RedisStore, open_store
 from kvflow_ray.serve.metrics import RouterMetrics, merge_expositions
 
@@ -57,19 +56,12 @@ Ended = tuple[str, str, str, str | None]  # an agent call that ended: (tenant, c
 # no task events: at hundreds of calls a second they would fill the GCS with records nobody reads
 @ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0, max_concurrency=10_000, enable_task_events=False)
 class WorkflowRouterActor:
-    def __init__(self, store_url: str | None = None, ttl_s: float = 3600.0, balance_threshold: int = 2,
-                 prefetch_horizon: int = 1, limits: dict[str, Any] | None = None,
-                 template_ttl_s: float | None = None, store_grace_s: float = 30.0,
-                 store_max_pending: int = 100_000, routing: str = DEFAULT_ROUTING,
-                 prediction: str = "graph", seed: int = 0) -> None:
+    def __init__(self, settings: RouterSettings) -> None:
         self.instance = uuid.uuid4().hex  # changes on every (re)start
-        inner = open_store(store_url, ttl_s)
+        inner = open_store(settings.store_url, settings.state_ttl_s)
         self.backend = "redis" if isinstance(inner, RedisStore) else "memory"
-        store = BufferedStore(inner, grace_s=store_grace_s, max_pending=store_max_pending)
-        policy = create_routing(routing, seed, {"balance_threshold": balance_threshold})
-        self.core = RouterCore(store, policy,
-                               prefetch_horizon=prefetch_horizon, limits=TenantLimits(**(limits or {})),
-                               template_ttl_s=template_ttl_s, prediction=prediction)
+        store = BufferedStore(inner, grace_s=settings.store_grace_s, max_pending=settings.store_max_pending)
+        self.core = RouterCore.from_settings(store, settings)
         self.store = store
         self.metrics = RouterMetrics()
         self.expositions: dict[str, bytes] = {}  # replica -> its latest metrics
@@ -295,20 +287,13 @@ class WorkflowRouterActor:
         self._reported.pop(name, None)
 
 
-def get_router(store_url: str | None = None, *, create: bool = True, ttl_s: float = 3600.0,
-               balance_threshold: int = 2, prefetch_horizon: int = 1, limits: dict[str, Any] | None = None,
-               template_ttl_s: float | None = None, store_grace_s: float = 30.0,
-               store_max_pending: int = 100_000, routing: str = DEFAULT_ROUTING,
-               prediction: str = "graph", seed: int = 0) -> Any:
+def get_router(settings: RouterSettings | None = None, *, create: bool = True) -> Any:
     """The deployment's router actor, created on first use (named, so every process finds the same
     one; the first creator's settings win)."""
     if not create:
         return ray.get_actor(ROUTER_NAME, namespace=ROUTER_NAMESPACE)
     return WorkflowRouterActor.options(name=ROUTER_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True,
-                                       lifetime="detached").remote(store_url, ttl_s, balance_threshold,
-                                                                   prefetch_horizon, limits, template_ttl_s,
-                                                                   store_grace_s, store_max_pending,
-                                                                   routing, prediction, seed)
+                                       lifetime="detached").remote(settings or RouterSettings())
 
 
 def stop_router() -> None:
