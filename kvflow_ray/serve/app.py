@@ -39,8 +39,8 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
                                max_ongoing_requests=config.max_ongoing_requests, ray_actor_options=actor_options,
                                request_router_config=router_config, health_check_period_s=2,
                                graceful_shutdown_timeout_s=5)
-    ingress = serve.deployment(HttpIngress, name="Ingress", num_replicas=1, max_ongoing_requests=1024,
-                               ray_actor_options={"num_cpus": 0})
+    ingress = serve.deployment(HttpIngress, name="Ingress", num_replicas=config.ingress_replicas,
+                               max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
     return ingress.bind(replica.bind(config.to_dict()), config.to_dict())
 
 

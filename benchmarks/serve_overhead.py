@@ -1,0 +1,316 @@
+"""Server CPU per agent call, in every process, side by side in one run: kvflow-ray against a bare Ray
+Serve application making the same hops.
+
+- bare: Serve's HTTP proxy -> a FastAPI ingress deployment (parses the OpenAI body, calls the engine
+  through a deployment handle) -> an engine deployment that answers a fixed completion at once.
+- kvflow: `kvflow-ray serve` on the simulated engine with engine time made negligible (`time_scale`
+  1e-4: a simulated second lasts 0.1 ms), the workflow router, API keys (tenants) and metrics on;
+  every call is an agent call of a live workflow client (PEER's agents in turn).
+
+Each at 1 and 2 ingress replicas, with the same engine replicas, clients, calls and bodies. After a
+warm-up, the CPU time (user + system) of every Ray process is read before and after the measured
+calls: per process, CPU ms per call; per setup, calls/s and the server total (every process but the
+load-generating driver); and kvflow's total over the bare application's at the same ingress count
+(issue 30's target: at most 1.15). The driver's CPU is reported too: on a small machine the client
+competes with the servers, and calls/s says what is left.
+
+Run: python benchmarks/serve_overhead.py [--quick] [--calls N] [--clients K] [--out DIR]
+(serve_overhead.json in DIR; default benchmarks/out, which git ignores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import results_file  # benchmarks/, beside this script
+
+ROOT = Path(__file__).resolve().parents[1]
+TENANT_KEY = "bench-key"
+BODY_CHARS = 600  # the user message: a few hundred tokens through the byte tokenizer
+MAX_TOKENS = 8
+AGENTS = ("planner", "executor", "expresser", "reviewer")  # PEER, in the order its graph runs them
+# Ray actor class -> the label its process gets (engine and ingress replicas are numbered)
+LABELS = (("WorkflowRouterActor", "router"), ("ServeReplica:kvflow:EngineReplica", "engine"),
+          ("ServeReplica:kvflow:Ingress", "ingress"), ("ServeReplica:bare:Engine", "engine"),
+          ("ServeReplica:bare:Ingress", "ingress"), ("ServeController", "serve-controller"),
+          ("ProxyActor", "serve-proxy"))
+BACKGROUND = {"serve-controller", "gcs_server", "raylet"}  # Ray's own, not on a call's path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------------------------- the bare app
+def bare_app(engine_replicas: int, ingress_replicas: int) -> Any:
+    """Proxy -> FastAPI ingress -> engine: the hops a serving app makes, doing nothing else."""
+    from fastapi import FastAPI, Request
+    from ray import serve
+
+    api = FastAPI()
+
+    @serve.deployment(name="Engine", num_replicas=engine_replicas, max_ongoing_requests=64,
+                      ray_actor_options={"num_cpus": 0})
+    class Engine:
+        async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+            return {"text": "ok " * MAX_TOKENS, "prompt_tokens": len(request["prompt"]),
+                    "completion_tokens": MAX_TOKENS}
+
+    @serve.deployment(name="Ingress", num_replicas=ingress_replicas, max_ongoing_requests=1024,
+                      ray_actor_options={"num_cpus": 0})
+    @serve.ingress(api)
+    class Ingress:
+        def __init__(self, engine: Any) -> None:
+            self.engine = engine
+
+        @api.post("/v1/chat/completions")
+        async def chat(self, request: Request) -> dict[str, Any]:
+            body = await request.json()
+            prompt = "".join(m["content"] for m in body["messages"])
+            out = await self.engine.generate.remote({"prompt": prompt, "max_tokens": body["max_tokens"]})
+            return {"id": "chatcmpl-bare", "object": "chat.completion", "model": body.get("model", "bare"),
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": out["text"]},
+                                 "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": out["prompt_tokens"], "completion_tokens": out["completion_tokens"],
+                              "total_tokens": out["prompt_tokens"] + out["completion_tokens"]}}
+
+    return Ingress.bind(Engine.bind())
+
+
+# ---------------------------------------------------------------------------------------------- processes
+class Processes:
+    """CPU seconds of every Ray process by label (the actor table names the actors' processes)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.psutil = psutil
+        self.fixed: dict[str, int] = {"driver": os.getpid()}
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if child.name() in ("gcs_server", "raylet"):
+                    self.fixed[child.name()] = child.pid
+
+    def pids(self) -> dict[str, int]:
+        import ray
+
+        out = dict(self.fixed)
+        counts: dict[str, int] = {}
+        actors = ray._private.state.actors()  # the GCS actor table (the State API needs the dashboard)
+        for info in sorted(actors.values(), key=lambda a: a.get("Name") or ""):
+            if info.get("State") != "ALIVE" or not info.get("Pid"):
+                continue
+            for cls, label in LABELS:
+                if info.get("ActorClassName") == cls:
+                    if label in ("engine", "ingress"):
+                        counts[label] = counts.get(label, 0) + 1
+                        label = f"{label}-{counts[label]}"
+                    out[label] = int(info["Pid"])
+        return out
+
+    def cpu(self, pids: dict[str, int]) -> dict[str, float]:
+        out = {}
+        for label, pid in pids.items():
+            with contextlib.suppress(self.psutil.Error):
+                times = self.psutil.Process(pid).cpu_times()
+                out[label] = times.user + times.system
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- load
+def chat_body(client: str | None, agent: str, index: int) -> bytes:
+    task = f"task {index}: " + "x" * BODY_CHARS
+    body: dict[str, Any] = {"model": "default", "max_tokens": MAX_TOKENS,
+                            "messages": [{"role": "user", "content": task}]}
+    if client is not None:
+        body["kvflow"] = {"client_id": client, "workflow": "peer", "agent": agent}
+    return json.dumps(body).encode()
+
+
+def drive(port: int, clients: int, calls: int, workflow: bool, prefix: str) -> tuple[float, int]:
+    """`calls` chat completions from `clients` threads over keep-alive connections; each workflow
+    client calls PEER's agents in turn. Returns (wall seconds, failures)."""
+    per_client = max(1, calls // clients)
+    failures = [0] * clients
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {TENANT_KEY}"}
+
+    def client(k: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        name = f"{prefix}-{k}" if workflow else None
+        for i in range(per_client):
+            conn.request("POST", "/v1/chat/completions", chat_body(name, AGENTS[i % len(AGENTS)], i), headers)
+            response = conn.getresponse()
+            response.read()
+            if response.status != 200:
+                failures[k] += 1
+        conn.close()
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - started, sum(failures)
+
+
+def register_peer(port: int) -> None:
+    spec = (ROOT / "workflows" / "peer.yaml").read_text()
+    import yaml
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/workflows", json.dumps(yaml.safe_load(spec)).encode(),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {TENANT_KEY}"})
+    response = conn.getresponse()
+    body = response.read()
+    if response.status != 200:
+        raise RuntimeError(f"registering peer failed: {response.status} {body[:200]!r}")
+
+
+def measure(procs: Processes, port: int, args: argparse.Namespace, workflow: bool, tag: str) -> dict[str, Any]:
+    drive(port, args.clients, args.warmup, workflow, f"{tag}-warm")
+    pids = procs.pids()
+    before = procs.cpu(pids)
+    wall, failures = drive(port, args.clients, args.calls, workflow, tag)
+    after = procs.cpu(pids)
+    calls = max(1, args.calls // args.clients) * args.clients
+    per_call = {label: round(1e3 * (after[label] - before[label]) / calls, 3) for label in after if label in before}
+    server = sum(v for k, v in per_call.items() if k != "driver")
+    on_path = sum(v for k, v in per_call.items() if k != "driver" and k not in BACKGROUND)
+    return {"calls": calls, "failures": failures, "wall_s": round(wall, 2), "calls_per_s": round(calls / wall, 1),
+            "cpu_ms_per_call": dict(sorted(per_call.items())), "server_cpu_ms_per_call": round(server, 3),
+            "on_path_cpu_ms_per_call": round(on_path, 3)}
+
+
+@contextlib.contextmanager
+def cluster(num_cpus: int, port: int) -> Iterator[None]:
+    import ray
+    from ray import serve
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield
+    finally:
+        ray.shutdown()
+
+
+def wait_http(port: int, path: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("POST", path, chat_body(None, "planner", 0),
+                         {"Content-Type": "application/json", "Authorization": f"Bearer {TENANT_KEY}"})
+            if conn.getresponse().status == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"no 200 from {path} within {timeout_s:.0f} s")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from ray import serve
+
+    sys.path.insert(0, str(ROOT))
+    from kvflow_ray.serve.app import APP_NAME, LocalServer
+    from kvflow_ray.serve.config import AppConfig
+
+    port = free_port()
+    results: dict[str, Any] = {}
+    with cluster(2, port):
+        procs = Processes()
+        for ingress in args.ingress:
+            print(f"bare app, {ingress} ingress replica(s)", file=sys.stderr)
+            serve.run(bare_app(args.engine_replicas, ingress), name="bare", route_prefix="/", blocking=False)
+            wait_http(port, "/v1/chat/completions")
+            results[f"bare/{ingress}"] = measure(procs, port, args, False, f"bare{ingress}")
+            serve.delete("bare")
+
+            print(f"kvflow-ray, {ingress} ingress replica(s)", file=sys.stderr)
+            config = AppConfig(engine="sim", replicas=args.engine_replicas, ingress_replicas=ingress,
+                               time_scale=1e-4, api_keys={TENANT_KEY: "acme"}, replica_num_cpus=0)
+            server = LocalServer(config, port=port)
+            server.deploy(config)
+            server.wait_ready()
+            register_peer(port)
+            results[f"kvflow/{ingress}"] = measure(procs, port, args, True, f"kvflow{ingress}")
+            router_stats = _router_stats()
+            results[f"kvflow/{ingress}"]["router_calls_per_agent_call"] = router_stats
+            serve.delete(APP_NAME)
+    ratios = {}
+    for ingress in args.ingress:
+        bare, ours = results[f"bare/{ingress}"], results[f"kvflow/{ingress}"]
+        ratios[str(ingress)] = {
+            "server_cpu": round(ours["server_cpu_ms_per_call"] / bare["server_cpu_ms_per_call"], 3),
+            "on_path_cpu": round(ours["on_path_cpu_ms_per_call"] / bare["on_path_cpu_ms_per_call"], 3),
+            "calls_per_s": round(ours["calls_per_s"] / bare["calls_per_s"], 3)}
+    return {"generated_by": "python benchmarks/serve_overhead.py " + " ".join(sys.argv[1:]),
+            "machine": results_file.machine(),
+            "setup": {"engine_replicas": args.engine_replicas, "clients": args.clients, "calls": args.calls,
+                      "warmup": args.warmup, "body_chars": BODY_CHARS, "max_tokens": MAX_TOKENS},
+            "results": results, "kvflow_over_bare": ratios}
+
+
+def _router_stats() -> dict[str, Any]:
+    """The router actor's call counts: what an agent call costs it in actor calls."""
+    import ray
+
+    from kvflow_ray.serve.router_actor import get_router
+
+    stats = ray.get(get_router(create=False).stats.remote())
+    starts = max(1, stats["start_calls"])
+    others = sum(stats["other_calls"].values())
+    return {"start_calls": stats["start_calls"], "other_calls": stats["other_calls"],
+            "actor_calls_per_agent_call": round((stats["start_calls"] + others) / starts, 3)}
+
+
+def print_table(report: dict[str, Any]) -> None:
+    rows = report["results"]
+    labels = sorted({label for r in rows.values() for label in r["cpu_ms_per_call"]})
+    print(f"{'CPU ms per call':<18}" + "".join(f"{name:>14}" for name in rows))
+    for label in labels:
+        cells = (r["cpu_ms_per_call"].get(label, float("nan")) for r in rows.values())
+        print(f"{label:<18}" + "".join(f"{v:>14.3f}" for v in cells))
+    print(f"{'server total':<18}" + "".join(f"{r['server_cpu_ms_per_call']:>14.3f}" for r in rows.values()))
+    print(f"{'on the path':<18}" + "".join(f"{r['on_path_cpu_ms_per_call']:>14.3f}" for r in rows.values()))
+    print(f"{'calls/s':<18}" + "".join(f"{r['calls_per_s']:>14.1f}" for r in rows.values()))
+    for ingress, ratio in report["kvflow_over_bare"].items():
+        print(f"kvflow / bare at {ingress} ingress: server CPU {ratio['server_cpu']:.2f}x, on the path "
+              f"{ratio['on_path_cpu']:.2f}x, calls/s {ratio['calls_per_s']:.2f}x (target: CPU <= 1.15x)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="200 calls, 1 ingress replica (a smoke run)")
+    ap.add_argument("--calls", type=int, default=1000, help="measured calls per setup (default 1000)")
+    ap.add_argument("--warmup", type=int, default=100, help="calls before measuring (default 100)")
+    ap.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
+    ap.add_argument("--engine-replicas", type=int, default=2)
+    ap.add_argument("--ingress", default="1,2", help="ingress replica counts to measure (default 1,2)")
+    results_file.add_out_argument(ap, "serve_overhead.json")
+    args = ap.parse_args(argv)
+    args.ingress = [int(n) for n in args.ingress.split(",")]
+    if args.quick:
+        args.calls, args.warmup, args.ingress = 200, 40, [1]
+    report = run(args)
+    print_table(report)
+    results_file.write_json(args.out, "serve_overhead", report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
