@@ -18,8 +18,7 @@ Run: python benchmarks/serve_overhead.py [--quick] [--calls N] [--clients K] [--
 (serve_overhead.json in DIR; default benchmarks/out, which git ignores).
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: FastAPI reads the bare ingress's handler annotations as objects
 import argparse
 import contextlib
 import http.client
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import results_file  # benchmarks/, beside this script
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
 
 ROOT = Path(__file__).resolve().parents[1]
 TENANT_KEY = "bench-key"
@@ -57,7 +57,6 @@ def free_port() -> int:
 # ---------------------------------------------------------------------------------------------- the bare app
 def bare_app(engine_replicas: int, ingress_replicas: int) -> Any:
     """Proxy -> FastAPI ingress -> engine: the hops a serving app makes, doing nothing else."""
-    from fastapi import FastAPI, Request
     from ray import serve
 
     api = FastAPI()
@@ -228,6 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     from kvflow_ray.serve.app import APP_NAME, LocalServer
     from kvflow_ray.serve.config import AppConfig
+    from kvflow_ray.serve.router_actor import stop_router
 
     port = free_port()
     results: dict[str, Any] = {}
@@ -251,6 +251,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             router_stats = _router_stats()
             results[f"kvflow/{ingress}"]["router_calls_per_agent_call"] = router_stats
             serve.delete(APP_NAME)
+            stop_router()  # detached: it would outlive the app and idle through the next setup
     ratios = {}
     for ingress in args.ingress:
         bare, ours = results[f"bare/{ingress}"], results[f"kvflow/{ingress}"]
