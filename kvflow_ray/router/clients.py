@@ -11,6 +11,7 @@ from typing import Any
 
 from kvflow_ray.core.routing import RouteRequest
 from kvflow_ray.router.errors import TenantLimitError
+from kvflow_ray.router.limits import TenantLimits
 from kvflow_ray.router.store import BufferedStore
 
 Client = tuple[str, str]  # (tenant, client id)
@@ -18,9 +19,9 @@ Routed = tuple[str, str, RouteRequest]  # (agent, replica, the request as the po
 
 
 class Clients:
-    def __init__(self, store: BufferedStore, max_live: int) -> None:
+    def __init__(self, store: BufferedStore, limits: TenantLimits) -> None:
         self.store = store
-        self.max_live = max_live  # per tenant
+        self.limits = limits  # read at each admission: `max_live_clients` per tenant
         self.records: dict[Client, dict[str, Any]] = {}  # live clients' records (the store's copy, in memory)
         # per tenant: live clients, least recently called first (expired ones leave from the front, so
         # counting them is O(what expired))
@@ -56,7 +57,7 @@ class Clients:
         live = self._live.setdefault(tenant, OrderedDict())
         if admit and client_id not in live:
             self.expire(tenant, expired)
-            if len(live) >= self.max_live:
+            if len(live) >= self.limits.max_live_clients:
                 raise TenantLimitError("max_live_clients", f"tenant has {len(live)} live workflow clients, the most "
                                                            "allowed; finish some (POST /v1/clients/{id}/finish)")
         live[client_id] = time.monotonic()

@@ -86,7 +86,7 @@ class RouterCore:
         self.loads = self.fleet.loads
         # templates outlive the clients using them
         self.templates = Templates(self.store, self.limits, max(template_ttl_s or 0.0, self.store.ttl_s))
-        self.clients = Clients(self.store, self.limits.max_live_clients)
+        self.clients = Clients(self.store, self.limits)
         self.holdings = Holdings(self.store, self.fleet.blocks)
         self.outbox = HintOutbox()
         self.forecast = Forecaster(prediction)
