@@ -24,6 +24,9 @@ def test_a_valid_chat_request() -> None:
     plain = parse_request({"prompt": ["hello"], "max_tokens": 2, "stream": True,
                            "stream_options": {"include_usage": True}}, chat=False)
     assert plain.prompt == "hello" and plain.meta is None and plain.stream and plain.include_usage
+    ids = parse_request({"prompt": [5, 6, 7]}, chat=False)
+    assert ids.prompt is None and ids.prompt_ids == [5, 6, 7]
+    assert parse_request({"prompt": [[5, 6]]}, chat=False).prompt_ids == [5, 6]
 
 
 BAD: dict[str, tuple[Any, bool, str, str | None]] = {
@@ -33,6 +36,10 @@ BAD: dict[str, tuple[Any, bool, str, str | None]] = {
     "content not text": ({"messages": [{"role": "user", "content": 3}]}, True, "must be a string",
                          "messages[0].content"),
     "no prompt": ({"prompt": ""}, False, "'prompt' must be a non-empty string", "prompt"),
+    "no token ids": ({"prompt": []}, False, "array of 1 to", "prompt"),
+    "token ids mixed": ({"prompt": [1, "a"]}, False, "token ids", "prompt"),
+    "token id bool": ({"prompt": [True]}, False, "token ids", "prompt"),
+    "two prompts of ids": ({"prompt": [[1], [2]]}, False, "token ids", "prompt"),
     "max_tokens zero": ({**CHAT, "max_tokens": 0}, True, "between 1 and", "max_tokens"),
     "max_tokens text": ({**CHAT, "max_tokens": "8"}, True, "must be an integer", "max_tokens"),
     "max_tokens bool": ({**CHAT, "max_tokens": True}, True, "got a boolean", "max_tokens"),

@@ -313,3 +313,17 @@ def test_no_error_reply_leaked_internals(server: LocalServer) -> None:
     for reply in ERRORS_SEEN:
         for marker in FORBIDDEN:
             assert marker not in reply.text, (marker, reply.text)
+
+
+def test_a_prompt_of_token_ids_is_checked_against_the_vocabulary(server: LocalServer) -> None:
+    """OpenAI's completions take the prompt as token ids: ids outside the served model's vocabulary
+    are a 400 naming `prompt`, never an engine error; valid ids are served and their KV reused."""
+    ids = [(7 * i) % 250 for i in range(300)]
+    for bad in ([-1, 5], [5, 10**9]):
+        assert_error(http(server, "POST", "/v1/completions", body={"prompt": bad, "max_tokens": 2}), 400,
+                     "vocabulary", "prompt")
+    assert_error(http(server, "POST", "/v1/completions", body={"prompt": [1, "a"], "max_tokens": 2}), 400, "prompt")
+    first = http(server, "POST", "/v1/completions", body={"prompt": ids, "max_tokens": 2})
+    again = http(server, "POST", "/v1/completions", body={"prompt": [ids], "max_tokens": 2})
+    assert first.status == again.status == 200, (first.text, again.text)
+    assert first.json()["usage"]["prompt_tokens"] == again.json()["usage"]["prompt_tokens"] == len(ids)

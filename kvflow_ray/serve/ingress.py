@@ -349,8 +349,15 @@ class Ingress:
         if parsed.model is not None and parsed.model not in (self.model_name, "default"):
             raise ApiError(404, f"model {parsed.model!r} does not exist; this server serves {self.model_name!r}",
                            "model", code="model_not_found")
-        text = self.tokenizer.apply_chat_template(parsed.messages) if chat else parsed.prompt or ""
-        tokens = self.tokenizer.encode(text)
+        if parsed.prompt_ids is not None:  # token ids, as OpenAI's completions take them
+            vocab = self.tokenizer.vocab_size
+            if not all(0 <= t < vocab for t in parsed.prompt_ids):
+                raise ApiError(400, f"'prompt' token ids must be within the model's vocabulary (0 to {vocab - 1})",
+                               "prompt", code="invalid_value")
+            text, tokens = "", parsed.prompt_ids
+        else:
+            text = self.tokenizer.apply_chat_template(parsed.messages) if chat else parsed.prompt or ""
+            tokens = self.tokenizer.encode(text)
         need = len(tokens) + parsed.max_tokens
         if need > self.max_context:
             raise ApiError(400, f"the prompt ({len(tokens)} tokens) plus {parsed.max_tokens_param} "

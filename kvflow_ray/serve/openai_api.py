@@ -21,6 +21,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     StrictStr,
     ValidationError,
     ValidationInfo,
@@ -32,6 +33,7 @@ from kvflow_ray.engines.base import MAX_STOP_STRINGS, META_FIELDS, GenerateResul
 
 MAX_TOKENS_LIMIT = 32_768
 MAX_MESSAGES = 4096
+MAX_PROMPT_IDS = 131_072  # token ids in one prompt (the longest context a served model takes)
 # OpenAI parameters this server knows but does not implement: named in a 400 instead of ignored
 UNSUPPORTED = frozenset({
     "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logprobs", "top_logprobs",
@@ -131,12 +133,17 @@ class ChatCompletionRequest(_Completion):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
 
 
+TokenIds = Annotated[list[StrictInt], Field(min_length=1, max_length=MAX_PROMPT_IDS)]
+
+
 class CompletionRequest(_Completion):
-    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+    # text, or token ids (OpenAI's prompt array of integers), alone or as an array holding one
+    prompt: (StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=1)])
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
+    def _one_prompt(cls, value: str | list[Any]) -> str | list[Any]:
         if not (value if isinstance(value, str) else value[0]):
             raise ValueError("the prompt must not be empty")
         return value
@@ -151,8 +158,10 @@ class ParsedRequest:
         self.messages: list[dict[str, str]] = (
             [{"role": m.role, "content": m.content} for m in body.messages]
             if isinstance(body, ChatCompletionRequest) else [])
-        self.prompt: str | None = (None if isinstance(body, ChatCompletionRequest)
-                                   else body.prompt if isinstance(body.prompt, str) else body.prompt[0])
+        prompt = None if isinstance(body, ChatCompletionRequest) else _single(body.prompt)
+        self.prompt: str | None = prompt if isinstance(prompt, str) else None
+        # the prompt as token ids, when it came as such (the ingress checks them against the vocabulary)
+        self.prompt_ids: list[int] | None = prompt if isinstance(prompt, list) else None
         chat_max = body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None
         self.max_tokens: int = chat_max or body.max_tokens or 16
         self.max_tokens_param = "max_completion_tokens" if chat_max else "max_tokens"
@@ -164,6 +173,14 @@ class ParsedRequest:
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.ignore_eos = body.ignore_eos
         self.meta: KvflowMeta | None = body.kvflow or (body.custom_params.kvflow if body.custom_params else None)
+
+
+def _single(prompt: str | list[Any]) -> str | list[int]:
+    """The one prompt of a completion body: text, or token ids, either alone or first of an array."""
+    if isinstance(prompt, str):
+        return prompt
+    first = prompt[0]
+    return first if isinstance(first, (str, list)) else prompt
 
 
 def parse_request(body: Any, *, chat: bool) -> ParsedRequest:
@@ -211,7 +228,7 @@ def validation_error(exc: ValidationError, prefix: str = "") -> ApiError:
 
 UNION_MESSAGES = {  # parameters of several shapes: one message for all of them
     "stop": f"must be a non-empty string or an array of at most {MAX_STOP_STRINGS} non-empty strings",
-    "prompt": "must be a non-empty string (or an array holding one)",
+    "prompt": f"must be a non-empty string or an array of 1 to {MAX_PROMPT_IDS} token ids (or an array holding one)",
 }
 # how a value must look, where OpenAI documents a range (checked by the models' Field bounds)
 RANGES = {"max_tokens": f"must be between 1 and {MAX_TOKENS_LIMIT}",
