@@ -188,6 +188,69 @@ def decision_latency(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+PARITY_ROUTERS = "workflow,sglang-cache-aware,dynamo-kv,ray-prefix"
+
+
+def sim_parity(args: argparse.Namespace) -> dict[str, Any]:
+    """One fleet scenario through serving (simulated replicas, each routing policy by its name in the
+    serve config) and through the simulator (`kvflow-ray sim --routing`): device and host hit ratios
+    side by side per router. The simulator's own workflow clients drive both (`client.replay`)."""
+    from kvflow_ray.client.loadgen import scrape
+    from kvflow_ray.client.replay import HttpHost
+    from kvflow_ray.engines.sim import workload
+    from kvflow_ray.engines.sim.profile import load_profile
+    from kvflow_ray.engines.sim.routed import split_key
+    from kvflow_ray.engines.sim.runner import simulate
+    from kvflow_ray.serve.app import LocalServer
+    from kvflow_ray.serve.config import AppConfig
+
+    scenario = workload.fleet(tenants=args.parity_tenants, apps=2, clients=args.parity_clients,
+                              rate=args.parity_rate, seed=args.seed)
+    profile = load_profile(args.profile)
+    keys = {tenant: f"key-{tenant}" for tenant in sorted({split_key(p.key)[0] for p in scenario.plans})}
+    routers = args.parity_routers.split(",")
+    base = AppConfig(engine="sim", replicas=args.replicas, profile=args.profile, time_scale=args.time_scale,
+                     policy=args.parity_policy, api_keys={key: tenant for tenant, key in keys.items()},
+                     routing=routers[0])
+    out: dict[str, Any] = {"setup": {"scenario": scenario.params, "replicas": args.replicas, "profile": args.profile,
+                                     "policy": args.parity_policy, "time_scale": args.time_scale},
+                           "routers": {}}
+    # every router at one ingress replica; the first (the default) at two as well: decisions are the
+    # router actor's, so a second ingress must not change them
+    runs = [(routing, 1) for routing in routers] + [(routers[0], n) for n in args.parity_ingress if n != 1]
+    with LocalServer(base, port=free_port(), num_cpus=2) as server:
+        for routing, ingress in runs:
+            print(f"parity: {routing}, {ingress} ingress replica(s)", file=sys.stderr)
+            sim, _ = simulate(scenario, profile, args.parity_policy, replicas=args.replicas, routing=routing,
+                              seed=args.seed)
+            server.deploy(AppConfig(**{**base.to_dict(), "routing": routing, "ingress_replicas": ingress}))
+            server.wait_ready()
+            before = scrape(server.url)
+            replay = HttpHost(server.url, keys, time_scale=args.time_scale, seed=args.seed).run(scenario.plans)
+            time.sleep(2.5)  # the replicas' last counters reach the router's /metrics (reported each second)
+            after = scrape(server.url)
+            tiers = {tier: sum(v for (name, labels), v in after.items()
+                               if name == "kvflow_prompt_tokens_total" and ("tier", tier) in labels)
+                     - sum(v for (name, labels), v in before.items()
+                           if name == "kvflow_prompt_tokens_total" and ("tier", tier) in labels)
+                     for tier in ("gpu", "cpu", "miss")}
+            total = sum(tiers.values()) or float("nan")
+            served = {"gpu_hit_ratio": round(tiers["gpu"] / total, 4),
+                      "cpu_hit_ratio": round(tiers["cpu"] / total, 4), "calls": replay.calls,
+                      "failures": len(replay.failures), "wall_s": round(replay.wall_s, 1)}
+            simulated = {"gpu_hit_ratio": round(sim["gpu_hit_ratio"], 4),
+                         "cpu_hit_ratio": round(sim["cpu_hit_ratio"], 4)}
+            decisions = {outcome: sum(v for (name, labels), v in after.items()
+                                      if name == "kvflow_router_decisions_total" and ("outcome", outcome) in labels)
+                         for outcome in ("affinity", "balanced", "cold")}
+            served["affinity_share"] = round(decisions["affinity"] / (sum(decisions.values()) or float("nan")), 4)
+            out["routers"][routing if ingress == 1 else f"{routing}@{ingress}-ingress"] = {
+                "serving": served, "sim": simulated,
+                "gpu_hit_gap_points": round(100 * (served["gpu_hit_ratio"] - simulated["gpu_hit_ratio"]), 2),
+                "first_failure": replay.failures[0] if replay.failures else None}
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small load (smoke test)")
@@ -209,6 +272,17 @@ def main() -> int:
     parser.add_argument("--router-iterations", type=int, default=2)
     parser.add_argument("--think-s", type=float, default=2.0,
                         help="mean time a client's agent runs between its router calls (paced run)")
+    parser.add_argument("--sim-parity", action="store_true",
+                        help="only the parity run: one fleet scenario through serving (--engine sim replicas) and "
+                             "through the simulator, per router (serve_routing_parity.json)")
+    parser.add_argument("--parity-routers", default=PARITY_ROUTERS, help=f"default {PARITY_ROUTERS}")
+    parser.add_argument("--parity-policy", default="kvflow", help="the engines' cache policy in the parity run")
+    parser.add_argument("--parity-tenants", type=int, default=4)
+    parser.add_argument("--parity-clients", type=int, default=48, help="workflow instances of the parity scenario")
+    parser.add_argument("--parity-rate", type=float, default=1.0, help="instances per simulated second")
+    parser.add_argument("--parity-ingress", default="1,2",
+                        help="ingress replica counts the first parity router also runs at (default 1,2)")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-e2e", action="store_true", help="only the router decision latency")
     parser.add_argument("--skip-router", action="store_true", help="only the end-to-end routing comparison")
     results_file.add_out_argument(parser, "serve_routing.json (serve_routing_sim.json with --engine sim, "
@@ -218,6 +292,16 @@ def main() -> int:
         args.replicas = 4 if args.engine == "sim" else 2
     if args.quick:
         args.applications, args.clients, args.iterations, args.router_clients = 2, 2, 2, 50
+    if args.sim_parity:
+        args.parity_ingress = [int(n) for n in args.parity_ingress.split(",")]
+        if args.replicas is None:
+            args.replicas = 4
+        if args.quick:
+            args.parity_clients, args.parity_routers, args.parity_ingress = 12, "workflow,sglang-cache-aware", [1]
+        parity = sim_parity(args)
+        print(json.dumps(parity, indent=2))
+        results_file.write_json(args.out, "serve_routing_parity", parity)
+        return 0
     report: dict[str, Any] = {}
     if not args.skip_e2e:
         report["routing"] = routing_comparison(args)
