@@ -1,4 +1,4 @@
-"""Print the README's benchmark tables from a `paper_figures.py` result, so the README quotes exactly
+"""Print the benchmark tables of docs/results.md from a `paper_figures.py` result, so docs/results.md quotes exactly
 what the last run measured.
 
     python benchmarks/report.py [benchmarks/results/paper_figures.json]
