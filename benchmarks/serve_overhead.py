@@ -34,6 +34,7 @@ from typing import Any
 
 import results_file  # benchmarks/, beside this script
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
+from ray_processes import Processes  # beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 TENANT_KEY = "bench-key"
@@ -89,46 +90,6 @@ def bare_app(engine_replicas: int, ingress_replicas: int) -> Any:
     return Ingress.bind(Engine.bind())
 
 
-# ---------------------------------------------------------------------------------------------- processes
-class Processes:
-    """CPU seconds of every Ray process by label (the actor table names the actors' processes)."""
-
-    def __init__(self) -> None:
-        import psutil
-
-        self.psutil = psutil
-        self.fixed: dict[str, int] = {"driver": os.getpid()}
-        for child in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                if child.name() in ("gcs_server", "raylet"):
-                    self.fixed[child.name()] = child.pid
-
-    def pids(self) -> dict[str, int]:
-        import ray
-
-        out = dict(self.fixed)
-        counts: dict[str, int] = {}
-        actors = ray._private.state.actors()  # the GCS actor table (the State API needs the dashboard)
-        for info in sorted(actors.values(), key=lambda a: a.get("Name") or ""):
-            if info.get("State") != "ALIVE" or not info.get("Pid"):
-                continue
-            for cls, label in LABELS:
-                if info.get("ActorClassName") == cls:
-                    if label in ("engine", "ingress"):
-                        counts[label] = counts.get(label, 0) + 1
-                        label = f"{label}-{counts[label]}"
-                    out[label] = int(info["Pid"])
-        return out
-
-    def cpu(self, pids: dict[str, int]) -> dict[str, float]:
-        out = {}
-        for label, pid in pids.items():
-            with contextlib.suppress(self.psutil.Error):
-                times = self.psutil.Process(pid).cpu_times()
-                out[label] = times.user + times.system
-        return out
-
-
 # ---------------------------------------------------------------------------------------------- load
 def chat_body(client: str | None, agent: str, index: int) -> bytes:
     task = f"task {index}: " + "x" * BODY_CHARS
@@ -179,12 +140,12 @@ def register_peer(port: int) -> None:
         raise RuntimeError(f"registering peer failed: {response.status} {body[:200]!r}")
 
 
-def measure(procs: Processes, port: int, args: argparse.Namespace, workflow: bool, tag: str) -> dict[str, Any]:
+def measure(port: int, args: argparse.Namespace, workflow: bool, tag: str) -> dict[str, Any]:
+    procs = Processes(LABELS, numbered=("engine", "ingress"))  # this setup's replicas, numbered from 1
     drive(port, args.clients, args.warmup, workflow, f"{tag}-warm")
-    pids = procs.pids()
-    before = procs.cpu(pids)
+    before = procs.usage()[1]
     wall, failures = drive(port, args.clients, args.calls, workflow, tag)
-    after = procs.cpu(pids)
+    after = procs.usage()[1]
     calls = max(1, args.calls // args.clients) * args.clients
     per_call = {label: round(1e3 * (after[label] - before[label]) / calls, 3) for label in after if label in before}
     server = sum(v for k, v in per_call.items() if k != "driver")
@@ -232,12 +193,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     port = free_port()
     results: dict[str, Any] = {}
     with cluster(2, port):
-        procs = Processes()
         for ingress in args.ingress:
             print(f"bare app, {ingress} ingress replica(s)", file=sys.stderr)
             serve.run(bare_app(args.engine_replicas, ingress), name="bare", route_prefix="/", blocking=False)
             wait_http(port, "/v1/chat/completions")
-            results[f"bare/{ingress}"] = measure(procs, port, args, False, f"bare{ingress}")
+            results[f"bare/{ingress}"] = measure(port, args, False, f"bare{ingress}")
             serve.delete("bare")
 
             print(f"kvflow-ray, {ingress} ingress replica(s)", file=sys.stderr)
@@ -247,7 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             server.deploy(config)
             server.wait_ready()
             register_peer(port)
-            results[f"kvflow/{ingress}"] = measure(procs, port, args, True, f"kvflow{ingress}")
+            results[f"kvflow/{ingress}"] = measure(port, args, True, f"kvflow{ingress}")
             router_stats = _router_stats()
             results[f"kvflow/{ingress}"]["router_calls_per_agent_call"] = router_stats
             serve.delete(APP_NAME)

@@ -59,6 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the package is this checkout
     sys.path.insert(0, str(ROOT))
 import results_file  # noqa: E402 (benchmarks/, beside this script)
+from ray_processes import Processes  # noqa: E402 (beside this script)
 
 from kvflow_ray.core.stats import percentile  # noqa: E402
 
@@ -299,69 +300,21 @@ class Load:
 
 
 # ---------------------------------------------------------------------------------------------- sampling
-class Processes:
-    """The processes to watch, by label; actor pids from Ray's GCS actor table (refreshed every
-    sample, so a restarted actor is followed to its new process)."""
+SOAK_ACTORS = (("WorkflowRouterActor", "router"), ("ServeReplica:kvflow:EngineReplica", "engine-replica"),
+               ("ServeReplica:kvflow:Ingress", "ingress"), ("ServeController", "serve-controller"),
+               ("ProxyActor", "serve-proxy"))
 
-    ACTOR_LABELS = (("WorkflowRouterActor", "router"), ("ServeReplica:kvflow:EngineReplica", "engine-replica"),
-                    ("ServeReplica:kvflow:Ingress", "ingress"), ("ServeController", "serve-controller"),
-                    ("ProxyActor", "serve-proxy"))
 
-    def __init__(self, redis_proc: subprocess.Popen[bytes] | None) -> None:
-        import psutil
+def watched_processes(redis_proc: subprocess.Popen[bytes] | None) -> Processes:
+    """The soak's processes: the app's actors (engine replicas numbered), Ray's, Redis and the driver."""
+    return Processes(SOAK_ACTORS, numbered=("engine-replica",),
+                     extra={"redis-server": redis_proc.pid} if redis_proc is not None else None)
 
-        self.psutil = psutil
-        self.fixed: dict[str, int] = {"driver": os.getpid()}
-        if redis_proc is not None:
-            self.fixed["redis-server"] = redis_proc.pid
-        for child in psutil.Process().children(recursive=True):  # the local cluster this driver started
-            with contextlib.suppress(psutil.Error):
-                name = child.name()
-                if name in ("gcs_server", "raylet"):
-                    self.fixed[name] = child.pid
-        self.replica_labels: dict[str, str] = {}  # engine replica actor name -> engine-replica-<k>
-        self.handles: dict[int, Any] = {}
 
-    def roles(self) -> dict[str, str]:
-        return {"router": "app", "ingress": "app", "serve-controller": "ray", "serve-proxy": "ray",
-                "gcs_server": "ray", "raylet": "ray", "redis-server": "redis", "driver": "client",
-                **dict.fromkeys(self.replica_labels.values(), "app")}
-
-    def pids(self) -> dict[str, int]:
-        import ray
-
-        out = dict(self.fixed)
-        try:
-            actors = ray._private.state.actors()  # the GCS actor table (the State API needs the dashboard)
-        except Exception:
-            actors = {}
-        for info in sorted(actors.values(), key=lambda a: a.get("Name") or ""):
-            if info.get("State") != "ALIVE" or not info.get("Pid"):
-                continue
-            cls = info.get("ActorClassName", "")
-            for prefix, label in self.ACTOR_LABELS:
-                if cls == prefix:
-                    if label == "engine-replica":
-                        name = info.get("Name") or str(info["Pid"])
-                        label = self.replica_labels.setdefault(name, f"engine-replica-{len(self.replica_labels) + 1}")
-                    out[label] = int(info["Pid"])
-        return out
-
-    def usage(self) -> tuple[dict[str, int], dict[str, float], dict[str, int]]:
-        """(rss bytes, cpu seconds, pid) per label."""
-        rss: dict[str, int] = {}
-        cpu: dict[str, float] = {}
-        pids = self.pids()
-        for label, pid in pids.items():
-            try:
-                proc = self.handles.get(pid) or self.handles.setdefault(pid, self.psutil.Process(pid))
-                with proc.oneshot():
-                    rss[label] = proc.memory_info().rss
-                    times = proc.cpu_times()
-                    cpu[label] = round(times.user + times.system, 3)
-            except self.psutil.Error:
-                self.handles.pop(pid, None)
-        return rss, cpu, pids
+def process_roles(procs: Processes) -> dict[str, str]:
+    return {"router": "app", "ingress": "app", "serve-controller": "ray", "serve-proxy": "ray",
+            "gcs_server": "ray", "raylet": "ray", "redis-server": "redis", "driver": "client",
+            **dict.fromkeys(procs.numbered_labels.values(), "app")}
 
 
 class Sampler:
@@ -536,7 +489,7 @@ def summarise(args: argparse.Namespace, load: Load, sampler: Sampler, wall: dict
     base = samples[sampler.baseline_index] if sampler.baseline_index is not None else samples[0]
     end_load = samples[sampler.load_end_index] if sampler.load_end_index is not None else samples[-1]
     final = samples[-1]
-    roles = sampler.procs.roles()
+    roles = process_roles(sampler.procs)
     rss: dict[str, Any] = {}
     for label in sorted(final["rss"], key=lambda name: (["app", "redis", "ray", "client"].index(roles.get(name, "ray")),
                                                          name)):
@@ -800,7 +753,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         load = Load(args, server.url, kinds)
         if not load.register(load.shared):
             raise SystemExit(f"could not register the shared template: {load.failure_examples}")
-        sampler = Sampler(args, load, redis_url, Processes(redis_proc))
+        sampler = Sampler(args, load, redis_url, watched_processes(redis_proc))
         sampler.sample("start")
         bar = tqdm(total=args.workflows, desc="soak", unit="wf", file=sys.stderr, disable=True if args.no_progress
                    else None)

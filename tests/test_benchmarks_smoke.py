@@ -49,6 +49,24 @@ def test_paper_figures_quick_fig8(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_serve_overhead_quick(tmp_path: Path) -> None:
+    """`serve_overhead.py --quick`: the bare Serve app and kvflow-ray serve the same calls without a
+    failure, every process on a call's path is measured, and the router's actor calls are counted."""
+    pytest.importorskip("psutil")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_overhead.py"), "--quick",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "serve_overhead.json").read_text())
+    bare, ours = report["results"]["bare/1"], report["results"]["kvflow/1"]
+    assert bare["failures"] == ours["failures"] == 0
+    assert {"serve-proxy", "ingress-1", "engine-1", "engine-2"} <= set(bare["cpu_ms_per_call"])
+    assert {"serve-proxy", "ingress-1", "engine-1", "engine-2", "router"} <= set(ours["cpu_ms_per_call"])
+    assert ours["router_calls_per_agent_call"]["start_calls"] >= ours["calls"]
+    assert report["kvflow_over_bare"]["1"]["server_cpu"] > 0
+
+
+@pytest.mark.slow
 def test_soak_tiny(tmp_path: Path) -> None:
     """30 workflow instances (abandoned, unique-template and re-registering ones among them) on a 3 s TTL:
     all complete without a failure, every process is sampled, and once the TTLs ran out Redis holds no
