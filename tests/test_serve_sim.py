@@ -23,7 +23,7 @@ PEER = Workflow.from_yaml(Path(__file__).resolve().parents[1] / "workflows" / "p
 
 @pytest.fixture(scope="module")
 def server(free_port: Callable[[], int]) -> Iterator[LocalServer]:
-    config = AppConfig(engine="sim", replicas=3, time_scale=0.05, route_headers=True)
+    config = AppConfig(engine="sim", replicas=3, ingress_replicas=2, time_scale=0.05, route_headers=True)
     with LocalServer(config, port=free_port(), num_cpus=2) as local:
         yield local
 
@@ -53,3 +53,20 @@ def test_simulated_gpu_replicas_serve_workflows_with_affinity(server: LocalServe
         time.sleep(0.2)
     assert stats["routing"] == "WorkflowRouter"
     assert stats["first_tokens"] == len(result.calls)
+
+
+def test_each_clients_calls_stay_on_one_ingress_replica(server: LocalServer) -> None:
+    """The SDK names the client in the session header; Serve's consistent-hash router keeps all of a
+    client's calls on one ingress replica, and the clients spread over both."""
+    seen: dict[str, set[str]] = {}
+    for k in range(16):  # all on one of two replicas by chance: 2 in 65,536
+        run = PEER.client(base_url=server.url + "/v1", client_id=f"sticky-{k}", register=k == 0)
+        for agent in ("planner", "executor"):
+            handle = run.agent(agent)
+            raw = run.openai.chat.completions.with_raw_response.create(
+                model="default", messages=handle.messages([{"role": "user", "content": f"task {k}"}]), max_tokens=2,
+                extra_body={"kvflow": run.metadata(agent)})
+            seen.setdefault(run.client_id, set()).add(raw.headers["x-kvflow-ingress"])
+        run.finish()
+    assert all(len(ingresses) == 1 for ingresses in seen.values()), seen
+    assert len(set().union(*seen.values())) == 2, seen

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow_ray.client.workflow import SESSION_HEADER
 from kvflow_ray.core.predict import Forecaster
 from kvflow_ray.engines.sim.routed import split_key
 from kvflow_ray.engines.sim.simulator import ClientPlan, IterationRecord, WorkflowClient
@@ -78,7 +79,7 @@ class HttpHost:
 
     def retire(self, workflow: str) -> None:
         tenant, client = split_key(workflow)
-        self._pool.submit(self._post, tenant, f"/v1/clients/{client}/finish", None)
+        self._pool.submit(self._post, tenant, f"/v1/clients/{client}/finish", None, client)
 
     def call(self, client: WorkflowClient, agent: str) -> None:
         plan = client.plan
@@ -94,7 +95,7 @@ class HttpHost:
                 "temperature": 0, "kvflow": meta}
         with self._lock:
             self._in_flight += 1
-        self._pool.submit(self._agent_call, client, agent, tenant, body)
+        self._pool.submit(self._agent_call, client, agent, tenant, client_id, body)
 
     # ------------------------------------------------------------------ the run
     def run(self, plans: Sequence[ClientPlan]) -> ReplayResult:
@@ -121,9 +122,10 @@ class HttpHost:
         with self._lock:
             return self._in_flight > 0 or not self._done.empty()
 
-    def _agent_call(self, client: WorkflowClient, agent: str, tenant: str, body: dict[str, Any]) -> None:
+    def _agent_call(self, client: WorkflowClient, agent: str, tenant: str, client_id: str,
+                    body: dict[str, Any]) -> None:
         try:
-            self._post(tenant, "/v1/completions", body)
+            self._post(tenant, "/v1/completions", body, client_id)
         finally:
             with self._lock:
                 self.result.calls += 1
@@ -131,10 +133,11 @@ class HttpHost:
             with self._lock:
                 self._in_flight -= 1
 
-    def _post(self, tenant: str, path: str, body: dict[str, Any] | None) -> None:
+    def _post(self, tenant: str, path: str, body: dict[str, Any] | None, client_id: str) -> None:
         request = urllib.request.Request(
             self.url + path, data=json.dumps(body or {}).encode(), method="POST",
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.keys[tenant]}"})
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.keys[tenant]}",
+                     SESSION_HEADER: client_id})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 response.read()

@@ -25,6 +25,7 @@ from typing import Any
 
 from kvflow_ray.core.graph import UnknownAgentError, WorkflowSpec, load_spec, parse_spec
 
+SESSION_HEADER = "x-session-id"  # Ray Serve's session header (RAY_SERVE_SESSION_ID_HEADER_KEY's default)
 
 class Workflow:
     """A workflow template (spec) that runs as many instances (`client`) as you like."""
@@ -65,7 +66,10 @@ class WorkflowRun:
         self.client_id = client_id or f"{workflow.name}-{uuid.uuid4().hex[:12]}"
         self.model = model
         self.timeout = timeout
-        self.openai = OpenAI(base_url=self.base_url, api_key=api_key or "none", timeout=timeout, max_retries=0)
+        # every call of the instance names it in the session header: the server keeps one client's calls on
+        # one ingress replica (Ray Serve's consistent-hash request router keys on it)
+        self.openai = OpenAI(base_url=self.base_url, api_key=api_key or "none", timeout=timeout, max_retries=0,
+                             default_headers={SESSION_HEADER: self.client_id})
         self.finished = False
         if register:
             self._post("/workflows", workflow.spec.to_dict())
@@ -91,7 +95,7 @@ class WorkflowRun:
         self.finish()
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", SESSION_HEADER: self.client_id}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         request = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(), headers=headers,

@@ -21,6 +21,9 @@ from kvflow_ray.serve.config import REQUEST_ROUTERS, AppConfig
 APP_NAME = "kvflow"
 
 
+INGRESS_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+
+
 def build_app(args: dict[str, Any] | None = None) -> Any:
     """The application for `serve.run` / a Serve config's `import_path: kvflow_ray.serve.app:build_app`."""
     from ray import serve
@@ -39,8 +42,11 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
                                max_ongoing_requests=config.max_ongoing_requests, ray_actor_options=actor_options,
                                request_router_config=router_config, health_check_period_s=2,
                                graceful_shutdown_timeout_s=5)
+    # a workflow client's calls (its session header: the SDK sends the client id) go to one ingress
+    # replica, a pure function of the id and the replicas; without the header, any replica
     ingress = serve.deployment(HttpIngress, name="Ingress", num_replicas=config.ingress_replicas,
-                               max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+                               max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0},
+                               request_router_config=RequestRouterConfig(request_router_class=INGRESS_ROUTER))
     return ingress.bind(replica.bind(config.to_dict()), config.to_dict())
 
 

@@ -208,6 +208,7 @@ class Ingress:
     def __init__(self, engine: Any, config: dict[str, Any]) -> None:
         self.config = AppConfig.from_dict(config)
         self.engine = engine
+        self.name: str = serve.get_replica_context().replica_id.unique_id  # this ingress replica
         self.router = get_router(self.config.router_settings())
         self.limits = self.config.limits
         self.spec_limits = self.limits.spec_limits()
@@ -388,7 +389,7 @@ class Ingress:
         describe the fleet's cache to the caller."""
         if not self.config.route_headers:
             return {}
-        headers = {"x-kvflow-route": call.outcome if call else "plain"}
+        headers = {"x-kvflow-route": call.outcome if call else "plain", "x-kvflow-ingress": self.name}
         replica = replica or (call.replica if call else None)
         if replica:
             headers["x-kvflow-replica"] = replica

@@ -33,8 +33,9 @@ def main() -> None:
     spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "peer.yaml").read_text())
     base = args.url.rstrip("/") + "/v1"
     post(base + "/workflows", args.key, spec)
-    client = OpenAI(base_url=base, api_key=args.key or "none")
     client_id = f"peer-{uuid.uuid4().hex[:8]}"
+    # the session header keeps this client's calls on one ingress replica
+    client = OpenAI(base_url=base, api_key=args.key or "none", default_headers={"x-session-id": client_id})
     message = "What was the year-over-year change in free cash flow?"
     for agent in ("planner", "executor", "expresser", "reviewer"):
         reply = client.chat.completions.create(
