@@ -24,8 +24,8 @@ def test_a_valid_chat_request() -> None:
     plain = parse_request({"prompt": ["hello"], "max_tokens": 2, "stream": True,
                            "stream_options": {"include_usage": True}}, chat=False)
     assert plain.prompt == "hello" and plain.meta is None and plain.stream and plain.include_usage
-    ids = parse_request({"prompt": [5, 6, 7]}, chat=False)
-    assert ids.prompt is None and ids.prompt_ids == [5, 6, 7]
+    ids = parse_request({"prompt": [0, 6, 7]}, chat=False)  # token id 0 is no empty prompt
+    assert ids.prompt is None and ids.prompt_ids == [0, 6, 7]
     assert parse_request({"prompt": [[5, 6]]}, chat=False).prompt_ids == [5, 6]
 
 

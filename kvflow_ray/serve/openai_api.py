@@ -144,7 +144,8 @@ class CompletionRequest(_Completion):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value: str | list[Any]) -> str | list[Any]:
-        if not (value if isinstance(value, str) else value[0]):
+        prompt = value if isinstance(value, str) else value[0]  # a text, a token id, or a list of ids
+        if prompt == "" or prompt == []:  # token id 0 is a prompt
             raise ValueError("the prompt must not be empty")
         return value
 
