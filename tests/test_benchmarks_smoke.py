@@ -49,6 +49,22 @@ def test_paper_figures_quick_fig8(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_serving_routes_as_the_simulator_does(tmp_path: Path) -> None:
+    """`serve_routing.py --sim-parity --quick`: a small fleet scenario replayed through serving (real
+    Ray, HTTP, simulated replicas) under two routing policies, every call served, and each device hit
+    ratio within 5 points of the simulator's on the same scenario."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_routing.py"), "--sim-parity", "--quick",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    routers = json.loads((tmp_path / "serve_routing_parity.json").read_text())["routers"]
+    assert set(routers) == {"workflow", "sglang-cache-aware"}
+    for name, run in routers.items():
+        assert run["serving"]["failures"] == 0 and run["serving"]["calls"] > 0, (name, run)
+        assert abs(run["gpu_hit_gap_points"]) <= 5, (name, run)
+
+
+@pytest.mark.slow
 def test_serve_overhead_quick(tmp_path: Path) -> None:
     """`serve_overhead.py --quick`: the bare Serve app and kvflow-ray serve the same calls without a
     failure, every process on a call's path is measured, and the router's actor calls are counted."""
