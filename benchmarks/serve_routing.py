@@ -195,7 +195,7 @@ def sim_parity(args: argparse.Namespace) -> dict[str, Any]:
     """One fleet scenario through serving (simulated replicas, each routing policy by its name in the
     serve config) and through the simulator (`kvflow-ray sim --routing`): device and host hit ratios
     side by side per router. The simulator's own workflow clients drive both (`client.replay`)."""
-    from kvflow_ray.client.loadgen import scrape
+    from kvflow_ray.client.loadgen import counter_delta, scrape, settled_metrics
     from kvflow_ray.client.replay import HttpHost
     from kvflow_ray.engines.sim import workload
     from kvflow_ray.engines.sim.profile import load_profile
@@ -227,12 +227,8 @@ def sim_parity(args: argparse.Namespace) -> dict[str, Any]:
             server.wait_ready()
             before = scrape(server.url)
             replay = HttpHost(server.url, keys, time_scale=args.time_scale, seed=args.seed).run(scenario.plans)
-            time.sleep(2.5)  # the replicas' last counters reach the router's /metrics (reported each second)
-            after = scrape(server.url)
-            tiers = {tier: sum(v for (name, labels), v in after.items()
-                               if name == "kvflow_prompt_tokens_total" and ("tier", tier) in labels)
-                     - sum(v for (name, labels), v in before.items()
-                           if name == "kvflow_prompt_tokens_total" and ("tier", tier) in labels)
+            after = settled_metrics(server.url, None, before, replay.prompt_tokens)
+            tiers = {tier: counter_delta(before, after, "kvflow_prompt_tokens_total", tier=tier)
                      for tier in ("gpu", "cpu", "miss")}
             total = sum(tiers.values()) or float("nan")
             served = {"gpu_hit_ratio": round(tiers["gpu"] / total, 4),
@@ -240,8 +236,7 @@ def sim_parity(args: argparse.Namespace) -> dict[str, Any]:
                       "failures": len(replay.failures), "wall_s": round(replay.wall_s, 1)}
             simulated = {"gpu_hit_ratio": round(sim["gpu_hit_ratio"], 4),
                          "cpu_hit_ratio": round(sim["cpu_hit_ratio"], 4)}
-            decisions = {outcome: sum(v for (name, labels), v in after.items()
-                                      if name == "kvflow_router_decisions_total" and ("outcome", outcome) in labels)
+            decisions = {outcome: counter_delta(before, after, "kvflow_router_decisions_total", outcome=outcome)
                          for outcome in ("affinity", "balanced", "cold")}
             served["affinity_share"] = round(decisions["affinity"] / (sum(decisions.values()) or float("nan")), 4)
             out["routers"][routing if ingress == 1 else f"{routing}@{ingress}-ingress"] = {

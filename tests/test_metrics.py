@@ -239,3 +239,29 @@ def test_sglangs_metrics_are_the_serving_layers_for_the_same_snapshot(tmp_path: 
     assert got[("kvflow_prompt_tokens_total", (("tier", "gpu"),))] == 500
     assert got[("kvflow_prefetch_stall_seconds_count", ())] == 2  # every admission, a 0 stall too
     assert got[("kvflow_prefetch_stall_seconds_bucket", (("le", "0.5"),))] == 2
+
+
+def test_the_load_generator_waits_for_the_counters_to_cover_every_answer() -> None:
+    """Replicas report their counters once a second: the report after a run reads /metrics once the
+    prompt-token counters have grown by what the answers reported, not the scrape right after them."""
+    from kvflow_ray.client.loadgen import counter_delta, scrape, settled_metrics
+
+    scrapes = 0
+
+    def render() -> bytes:  # the counters catch up on the third scrape
+        nonlocal scrapes
+        scrapes += 1
+        gpu, miss = (300, 100) if scrapes >= 3 else (50, 100)
+        return (b"# TYPE kvflow_prompt_tokens_total counter\n"
+                + f'kvflow_prompt_tokens_total{{replica="r1",tier="gpu"}} {gpu}\n'.encode()
+                + f'kvflow_prompt_tokens_total{{replica="r1",tier="miss"}} {miss}\n'.encode())
+
+    with serve_metrics(render) as where:
+        root = f"http://{where}"
+        before = {key: 0.0 for key in scrape(root)}  # (a zero baseline)
+        after = settled_metrics(root, None, before, answered=400, poll_s=0.01)
+        assert counter_delta(before, after, "kvflow_prompt_tokens_total", tier="gpu") == 300
+        assert scrapes == 3
+        # a server that never catches up: the latest scrape, after the timeout
+        late = settled_metrics(root, None, before, answered=10_000, timeout_s=0.05, poll_s=0.01)
+        assert counter_delta(before, late, "kvflow_prompt_tokens_total") == 400

@@ -95,7 +95,10 @@ def check_server(url: str, api_key: str | None = None, timeout: float = 10.0) ->
                               "or leave out --url to start the embedded server for this run") from None
 
 
-def scrape(url: str, token: str | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # a scrape: (name, sorted labels) -> value
+
+
+def scrape(url: str, token: str | None = None) -> Samples:
     """Every sample of `GET /metrics` as {(name, sorted labels): value}, sending `token` (the server's
     metrics token) as a bearer token. A 401 raises PermissionError: the server wants a (different) token."""
     request = urllib.request.Request(url.rstrip("/") + "/metrics")
@@ -244,8 +247,30 @@ def run_load(workflow: Workflow | Sequence[Workflow], base_url: str, config: Loa
         thread.join()
     bar.close()
     result.wall_s = time.perf_counter() - started
-    result.metrics_after = scrape(root, config.metrics_token)
+    answered = sum(c.prompt_tokens for c in result.calls if c.error is None)
+    result.metrics_after = settled_metrics(root, config.metrics_token, result.metrics_before, answered)
     return result
+
+
+def settled_metrics(root: str, token: str | None, before: Samples, answered: int, timeout_s: float = 10.0,
+                    poll_s: float = 0.25) -> Samples:
+    """`/metrics` once its prompt-token counters have grown (since `before`) by the `answered` prompt
+    tokens the run's answers reported: replicas send their counters once a second, so a scrape right
+    after the last answer misses the last second's calls, and the early, cold ones would weigh most.
+    Gives up after `timeout_s` (a server that counts differently) and returns the latest scrape."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = scrape(root, token)
+        if counter_delta(before, after, "kvflow_prompt_tokens_total") >= answered or time.monotonic() >= deadline:
+            return after
+        time.sleep(poll_s)
+
+
+def counter_delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    """How much the counters named `name` (summed over series matching `labels`) grew from `before`."""
+    def total(samples: Samples) -> float:
+        return sum(v for (n, ls), v in samples.items() if n == name and all((k, x) in ls for k, x in labels.items()))
+    return total(after) - total(before)
 
 
 def _calls_per_iteration(workflow: Workflow) -> int:
@@ -254,9 +279,7 @@ def _calls_per_iteration(workflow: Workflow) -> int:
 
 def _delta(result: LoadResult, name: str, **labels: str) -> float:
     """How much the counters named `name` (summed over series matching `labels`) grew during the run."""
-    def total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> float:
-        return sum(v for (n, ls), v in samples.items() if n == name and all((k, x) in ls for k, x in labels.items()))
-    return total(result.metrics_after) - total(result.metrics_before)
+    return counter_delta(result.metrics_before, result.metrics_after, name, **labels)
 
 
 def summarise(result: LoadResult, workflow: Workflow, config: LoadConfig) -> dict[str, Any]:

@@ -37,6 +37,7 @@ BYTE_VOCAB = 256  # the byte-level tokenizer's ordinary tokens (its specials lie
 @dataclass
 class ReplayResult:
     calls: int = 0
+    prompt_tokens: int = 0  # what the answers' usage reported
     failures: list[str] = field(default_factory=list)
     iterations: list[IterationRecord] = field(default_factory=list)
     wall_s: float = 0.0
@@ -125,26 +126,31 @@ class HttpHost:
     def _agent_call(self, client: WorkflowClient, agent: str, tenant: str, client_id: str,
                     body: dict[str, Any]) -> None:
         try:
-            self._post(tenant, "/v1/completions", body, client_id)
+            answer = self._post(tenant, "/v1/completions", body, client_id)
         finally:
             with self._lock:
                 self.result.calls += 1
+        if answer is not None:
+            with self._lock:
+                self.result.prompt_tokens += int(answer.get("usage", {}).get("prompt_tokens", 0))
             self._done.put((client, agent))  # a failed call is counted, and its workflow goes on
             with self._lock:
                 self._in_flight -= 1
 
-    def _post(self, tenant: str, path: str, body: dict[str, Any] | None, client_id: str) -> None:
+    def _post(self, tenant: str, path: str, body: dict[str, Any] | None, client_id: str) -> dict[str, Any] | None:
+        """The answer's JSON, or None when the call failed (counted in `failures`)."""
         request = urllib.request.Request(
             self.url + path, data=json.dumps(body or {}).encode(), method="POST",
             headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.keys[tenant]}",
                      SESSION_HEADER: client_id})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                response.read()
+                return json.loads(response.read() or b"{}")
         except (urllib.error.URLError, OSError) as exc:
             detail = exc.read().decode(errors="replace")[:200] if isinstance(exc, urllib.error.HTTPError) else ""
             with self._lock:
                 self.result.failures.append(f"{path}: {exc} {detail}".strip())
+            return None
 
     def _ids(self, tokens: Sequence[int]) -> list[int]:
         """The scenario's token ids in the served vocabulary: the high bits of a multiplicative hash
