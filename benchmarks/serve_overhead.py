@@ -24,7 +24,6 @@ import contextlib
 import http.client
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -34,7 +33,7 @@ from typing import Any
 
 import results_file  # benchmarks/, beside this script
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
-from ray_processes import Processes  # beside this script
+from local_cluster import Processes, free_port  # beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 TENANT_KEY = "bench-key"
@@ -47,12 +46,6 @@ LABELS = (("WorkflowRouterActor", "router"), ("ServeReplica:kvflow:EngineReplica
           ("ServeReplica:bare:Ingress", "ingress"), ("ServeController", "serve-controller"),
           ("ProxyActor", "serve-proxy"))
 BACKGROUND = {"serve-controller", "gcs_server", "raylet"}  # Ray's own, not on a call's path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------------------------- the bare app

@@ -27,7 +27,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,14 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import results_file  # benchmarks/, beside this script
+from local_cluster import free_port  # beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def device_kv_tokens(config: Any) -> int:
@@ -199,15 +193,15 @@ def sim_parity(args: argparse.Namespace) -> dict[str, Any]:
     from kvflow_ray.client.replay import HttpHost
     from kvflow_ray.engines.sim import workload
     from kvflow_ray.engines.sim.profile import load_profile
-    from kvflow_ray.engines.sim.routed import split_key
     from kvflow_ray.engines.sim.runner import simulate
+    from kvflow_ray.router.core import split_workflow_key
     from kvflow_ray.serve.app import LocalServer
     from kvflow_ray.serve.config import AppConfig
 
     scenario = workload.fleet(tenants=args.parity_tenants, apps=2, clients=args.parity_clients,
                               rate=args.parity_rate, seed=args.seed)
     profile = load_profile(args.profile)
-    keys = {tenant: f"key-{tenant}" for tenant in sorted({split_key(p.key)[0] for p in scenario.plans})}
+    keys = {tenant: f"key-{tenant}" for tenant in sorted({split_workflow_key(p.key)[0] for p in scenario.plans})}
     routers = args.parity_routers.split(",")
     base = AppConfig(engine="sim", replicas=args.replicas, profile=args.profile, time_scale=args.time_scale,
                      policy=args.parity_policy, api_keys={key: tenant for tenant, key in keys.items()},
@@ -218,11 +212,14 @@ def sim_parity(args: argparse.Namespace) -> dict[str, Any]:
     # every router at one ingress replica; the first (the default) at two as well: decisions are the
     # router actor's, so a second ingress must not change them
     runs = [(routing, 1) for routing in routers] + [(routers[0], n) for n in args.parity_ingress if n != 1]
+    sims: dict[str, dict[str, Any]] = {}  # routing -> the simulator's result (deterministic: once each)
     with LocalServer(base, port=free_port(), num_cpus=2) as server:
         for routing, ingress in runs:
             print(f"parity: {routing}, {ingress} ingress replica(s)", file=sys.stderr)
-            sim, _ = simulate(scenario, profile, args.parity_policy, replicas=args.replicas, routing=routing,
-                              seed=args.seed)
+            if routing not in sims:
+                sims[routing] = simulate(scenario, profile, args.parity_policy, replicas=args.replicas,
+                                         routing=routing, seed=args.seed)[0]
+            sim = sims[routing]
             server.deploy(AppConfig(**{**base.to_dict(), "routing": routing, "ingress_replicas": ingress}))
             server.wait_ready()
             before = scrape(server.url)

@@ -42,7 +42,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the package is this checkout
     sys.path.insert(0, str(ROOT))
 import results_file  # noqa: E402 (benchmarks/, beside this script)
-from ray_processes import Processes  # noqa: E402 (beside this script)
+from local_cluster import Processes, free_port  # noqa: E402 (beside this script)
 
 from kvflow_ray.core.stats import percentile  # noqa: E402
 
@@ -68,12 +67,6 @@ KINDS = ("plain", "abandoned", "unique", "reregister")
 MB = 1 << 20
 # stats() ints that are not sizes of the router's state
 ROUTER_COUNTERS = {"pid", "start_calls", "end_calls", "first_tokens"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ms(seconds: float | None, digits: int = 3) -> float | None:

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import results_file  # benchmarks/, beside this script
+from local_cluster import free_port  # beside this script
 
 from kvflow_ray.core.stats import percentile
 
@@ -167,9 +167,7 @@ def main() -> int:
     from kvflow_ray.serve.app import LocalServer
     from kvflow_ray.serve.config import AppConfig
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     config = AppConfig(engine="sim", replicas=args.replicas, time_scale=0.2, metrics_token="bench-metrics-token",
                        api_keys={"key-a": "tenantA", "key-b": "tenantB"})
     out: dict[str, Any] = {"setup": {"engine": "sim", "replicas": args.replicas, "time_scale": 0.2,

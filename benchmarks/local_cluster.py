@@ -1,13 +1,21 @@
-"""The processes of a local Ray cluster, by label, with their memory and CPU time: what the soak and
-the serving-overhead benchmarks read. Actor pids come from Ray's GCS actor table, refreshed at each
-read, so a restarted actor is followed to its new process."""
+"""What the serving benchmarks share about the local Ray cluster they start: a free loopback port for
+its HTTP server, and its processes by label with their memory and CPU time. Actor pids come from
+Ray's GCS actor table, refreshed at each read, so a restarted actor is followed to its new process."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class Processes:
