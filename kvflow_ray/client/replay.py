@@ -28,8 +28,8 @@ from typing import Any
 
 from kvflow_ray.client.workflow import SESSION_HEADER
 from kvflow_ray.core.predict import Forecaster
-from kvflow_ray.engines.sim.routed import split_key
 from kvflow_ray.engines.sim.simulator import ClientPlan, IterationRecord, WorkflowClient
+from kvflow_ray.router.core import split_workflow_key
 
 BYTE_VOCAB = 256  # the byte-level tokenizer's ordinary tokens (its specials lie above)
 
@@ -79,12 +79,12 @@ class HttpHost:
         return None  # the server's router computes the steps from the calls it routes
 
     def retire(self, workflow: str) -> None:
-        tenant, client = split_key(workflow)
+        tenant, client = split_workflow_key(workflow)
         self._pool.submit(self._post, tenant, f"/v1/clients/{client}/finish", None, client)
 
     def call(self, client: WorkflowClient, agent: str) -> None:
         plan = client.plan
-        tenant, client_id = split_key(plan.key)
+        tenant, client_id = split_workflow_key(plan.key)
         prompt = self._ids(plan.prompts[agent])
         dynamic = [self._rng.randrange(self.vocab) for _ in range(plan.dynamic)]
         meta: dict[str, Any] = {"client_id": client_id, "workflow": plan.spec.name, "agent": agent,

@@ -47,7 +47,7 @@ from kvflow_ray.router.store import BufferedStore, Store, check_name
 from kvflow_ray.router.templates import Templates
 
 __all__ = ["HintBatch", "NoReplicaError", "Route", "RouterCore", "TenantLimitError", "UnknownClientError",
-           "UnknownWorkflowError", "application_key", "workflow_key"]
+           "UnknownWorkflowError", "application_key", "split_workflow_key", "workflow_key"]
 
 
 @dataclass
@@ -62,6 +62,13 @@ class Route:
 
 def workflow_key(tenant: str, client_id: str) -> str:
     return f"{tenant}/{client_id}"
+
+
+def split_workflow_key(key: str) -> tuple[str, str]:
+    """`workflow_key`'s inverse: (tenant, client id); a key without a tenant is the default tenant's
+    (tenant names never hold '/')."""
+    tenant, sep, client_id = key.partition("/")
+    return (tenant, client_id) if sep else ("default", key)
 
 
 def application_key(tenant: str, workflow: str) -> str:
@@ -260,8 +267,7 @@ class RouterCore:
         request names them): `prefilled` for each."""
         for key, agent in calls:
             self.calls["first_token"] += 1
-            tenant, _, client_id = key.partition("/")
-            self.prefilled(tenant, client_id, agent, replica)
+            self.prefilled(*split_workflow_key(key), agent, replica)
 
     def finish_client(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:
         """`POST /v1/clients/{id}/finish`: the workflow instance is over; its prompts are retired, at

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from kvflow_ray.core.routing import create_routing
 from kvflow_ray.engines.base import prefix_hash
-from kvflow_ray.router.core import RouterCore
+from kvflow_ray.router.core import RouterCore, split_workflow_key
 from kvflow_ray.router.limits import TenantLimits
 from kvflow_ray.router.store import BufferedStore, MemoryStore
 
@@ -29,12 +29,6 @@ if TYPE_CHECKING:
 FLUSH_EVERY = 1000  # calls between flushes of the router's write-behind store (the actor flushes every few ms)
 # the operator's limits for a simulated fleet: room for every simulated tenant's workflows
 SIM_LIMITS = TenantLimits(max_live_clients=1 << 30, max_templates=1 << 20, template_write_burst=1 << 20)
-
-
-def split_key(key: str) -> tuple[str, str]:
-    """A plan's key `tenant/client` as (tenant, client id); a key without a tenant is the default's."""
-    tenant, sep, client = key.partition("/")
-    return (tenant, client) if sep else ("default", key)
 
 
 class SimRouter:
@@ -55,7 +49,7 @@ class SimRouter:
 
     # ------------------------------------------------------------------ the client's side
     def add_client(self, plan: ClientPlan) -> None:
-        tenant, _client = split_key(plan.key)
+        tenant, _client = split_workflow_key(plan.key)
         self._plans[plan.key] = plan
         if (tenant, plan.spec.name) not in self._templates:
             self._templates.add((tenant, plan.spec.name))
@@ -63,7 +57,7 @@ class SimRouter:
 
     def submit(self, req: SimRequest) -> None:
         plan = self._plans[req.workflow]
-        tenant, client = split_key(req.workflow)
+        tenant, client = split_workflow_key(req.workflow)
         prompt = plan.prompts[req.agent]
         key = (req.workflow, req.agent)
         if key not in self._prefix_hashes:  # what the ingress computes from the request, once per agent here
@@ -90,7 +84,7 @@ class SimRouter:
             self.core.store.flush()
 
     def retire(self, workflow: str) -> None:
-        tenant, client = split_key(workflow)
+        tenant, client = split_workflow_key(workflow)
         self.core.finish_client(tenant, client)
         self._deliver()
 
