@@ -27,6 +27,7 @@ from kvflow_ray.core.graph import UnknownAgentError, WorkflowSpec, load_spec, pa
 
 SESSION_HEADER = "x-session-id"  # Ray Serve's session header (RAY_SERVE_SESSION_ID_HEADER_KEY's default)
 
+
 class Workflow:
     """A workflow template (spec) that runs as many instances (`client`) as you like."""
 

@@ -3,9 +3,10 @@
 cache events say they hold) and the call (`RouteRequest`), and gets a decision.
 
 Every routing rule lives here behind the `ROUTING` registry: the workflow router's own
-(`PrefixAffinityRouter`) and the peers' rules it is measured against (`core/peer_routers.py`:
-Ray Serve LLM, the SGLang gateway, Dynamo, llm-d; `pow2` and `round-robin` here). The serving
-router (`router/core.py`) and the simulator call the same objects.
+(`WorkflowRouter`, the default; `PrefixAffinityRouter`, its predecessor) and the peers' rules it is
+measured against (`core/peer_routers.py`: Ray Serve LLM, the SGLang gateway, Dynamo, llm-d; `pow2`
+and `round-robin` here). The serving router (`router/core.py`) and the simulator call the same
+objects.
 
 A policy's `route` is a pure function of its state, the request and the fleet: a router may ask it
 where a call *would* go (prefetch targets) without sending one. What it learns from a call it

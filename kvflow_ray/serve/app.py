@@ -19,8 +19,7 @@ from typing import Any
 from kvflow_ray.serve.config import REQUEST_ROUTERS, AppConfig
 
 APP_NAME = "kvflow"
-
-
+# Serve's request router for the ingress deployment: a client's calls (its x-session-id) to one replica
 INGRESS_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 
 
