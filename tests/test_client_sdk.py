@@ -4,6 +4,8 @@ answers in the OpenAI format (the real ingress arrives with the Ray Serve app)."
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -87,3 +89,23 @@ def test_server_errors_surface_as_openai_errors(server: tuple[str, list]) -> Non
         run.agent("planner").chat([{"role": "user", "content": "x"}], max_tokens=0)
     run.finish()
     run.finish()  # idempotent: one finish request
+
+
+def test_a_run_builds_the_sdk_reply_models_before_threads_share_it() -> None:
+    """The SDK builds its pydantic models on first use, not thread-safely; a run builds every model a
+    completion reply holds first, so threads parsing their first replies find them complete. A fresh
+    interpreter, so no earlier test has built them."""
+    script = """
+from openai.types.chat import ChatCompletion
+from openai.types.chat.chat_completion import Choice
+from openai.types.completion_usage import CompletionUsage
+assert not ChatCompletion.__pydantic_complete__  # the SDK defers the build
+from kvflow_ray.client.workflow import build_openai_response_types
+built = build_openai_response_types()
+assert {ChatCompletion, Choice, CompletionUsage} <= set(built), built
+assert all(kind.__pydantic_complete__ for kind in built)
+print(len(built))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout) >= 3

@@ -15,7 +15,10 @@ caller passes one. Users of the plain OpenAI SDK can send the same metadata them
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import threading
+import typing
 import urllib.error
 import urllib.request
 import uuid
@@ -26,6 +29,40 @@ from typing import Any
 from kvflow_ray.core.graph import UnknownAgentError, WorkflowSpec, load_spec, parse_spec
 
 SESSION_HEADER = "x-session-id"  # Ray Serve's session header (RAY_SERVE_SESSION_ID_HEADER_KEY's default)
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+@functools.cache
+def build_openai_response_types() -> tuple[type, ...]:
+    """Build the OpenAI SDK's completion response models once, before any call parses a reply.
+
+    The SDK defers building its pydantic models to their first use, and that build is not thread-safe:
+    two threads parsing their first replies at once can see a half-built class (`ChatCompletion` has no
+    `__pydantic_core_schema__`). A WorkflowRun is shared by threads (the load generator, the soak), so
+    every model a reply can hold is built here, under a lock (threads racing to the first, uncached call
+    build one after another; the later builds find the models complete)."""
+    from openai import BaseModel
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    built: list[type] = []
+    with _BUILD_LOCK:
+        pending: list[object] = [ChatCompletion, ChatCompletionChunk, Completion]
+        seen: set[object] = set()
+        while pending:
+            kind = pending.pop()
+            if kind in seen:
+                continue
+            seen.add(kind)
+            pending.extend(typing.get_args(kind))
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                kind.model_rebuild()
+                built.append(kind)
+                pending.extend(field.annotation for field in kind.model_fields.values())
+    return tuple(built)
+
 
 
 class Workflow:
@@ -61,6 +98,7 @@ class WorkflowRun:
                  model: str | None, register: bool, timeout: float) -> None:
         from openai import OpenAI
 
+        build_openai_response_types()
         self.workflow = workflow
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
