@@ -262,7 +262,8 @@ class Load:
         # One WorkflowRun per thread, re-pointed at each instance (workflow, client_id): building one
         # builds an OpenAI client (~35 ms of CPU for its TLS context), which at 10,000 instances would
         # be most of this driver's CPU, taken from the server on a small machine.
-        run = self.shared.client(base_url=self.base_url + "/v1", register=False, timeout=self.args.timeout_s)
+        run = self.shared.client(base_url=self.base_url + "/v1", register=False, timeout=self.args.timeout_s,
+                                 max_retries=0)  # every failure counts
         try:
             while True:
                 with self.lock:

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,6 +23,7 @@ from kvflow_ray.engines.base import GenerateResult
 from kvflow_ray.serve.openai_api import ApiError, parse_request, response_body
 
 REPO = Path(__file__).resolve().parents[1]
+PROXY_ERRORS: Counter[str] = Counter()  # path -> how many requests to it the stand-in answers as a dead replica's
 
 
 @pytest.fixture
@@ -32,6 +34,13 @@ def server() -> Iterator[tuple[str, list[tuple[str, dict[str, str], Any]]]]:
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
             seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+            if PROXY_ERRORS[self.path] > 0:  # as Ray Serve's proxy answers when the ingress died mid-request
+                PROXY_ERRORS[self.path] -= 1
+                self.send_response(500)
+                self.send_header("Content-Length", "21")
+                self.end_headers()
+                self.wfile.write(b"Internal Server Error")
+                return
             status, out = 200, {}
             if self.path == "/v1/chat/completions":
                 try:
@@ -109,3 +118,23 @@ print(len(built))
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert int(proc.stdout) >= 3
+
+
+def test_a_dead_ingress_replicas_500_is_sent_again(server: tuple[str, list]) -> None:
+    """By default a run retries as the OpenAI SDK does, agent calls and finish alike (finishing is
+    idempotent); with max_retries=0 the first failure surfaces."""
+    import openai
+
+    url, seen = server
+    PROXY_ERRORS.update({"/v1/chat/completions": 1, "/v1/clients/again/finish": 1})
+    try:
+        wf = Workflow.from_yaml(REPO / "workflows" / "peer.yaml")
+        with wf.client(base_url=url, client_id="again", register=False) as run:
+            assert run.agent("planner").text([{"role": "user", "content": "task"}]) == "ok"
+        assert [path for path, _h, _b in seen] == ["/v1/chat/completions"] * 2 + ["/v1/clients/again/finish"] * 2
+        PROXY_ERRORS["/v1/chat/completions"] = 1
+        strict = wf.client(base_url=url, client_id="strict", register=False, max_retries=0)
+        with pytest.raises(openai.InternalServerError):
+            strict.agent("planner").text([{"role": "user", "content": "task"}])
+    finally:
+        PROXY_ERRORS.clear()

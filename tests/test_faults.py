@@ -1,8 +1,10 @@
 """Faults injected into a running stack, as an operator meets them: a real redis-server with AOF (fsync
 every second), real Ray Serve with two simulated-GPU replicas, and 16 clients running two passes of
-the PEER workflow over HTTP while, a few seconds in, Redis dies and comes back (with its data, or
-empty), an engine replica is killed, or the router actor is. Every test counts the workflows started,
-completed and failed and looks at the state after: no fault may fail a workflow or answer a 500."""
+the PEER workflow over HTTP, through two ingress replicas (each client's calls keyed to one by its
+session header, as the SDK sends it), while, a few seconds in, Redis dies and comes back (with its
+data, or empty), an engine replica is killed, the router actor is, or an ingress replica is. Every
+test counts the workflows started, completed and failed and looks at the state after: no fault may
+fail a workflow or have kvflow-ray answer a 500."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ ray = pytest.importorskip("ray")
 
 from kvflow_ray.client import Workflow  # noqa: E402
 from kvflow_ray.client.loadgen import iteration_stages  # noqa: E402
+from kvflow_ray.client.workflow import SESSION_HEADER  # noqa: E402
 from kvflow_ray.serve.app import LocalServer  # noqa: E402
 from kvflow_ray.serve.config import AppConfig  # noqa: E402
 from kvflow_ray.serve.router_actor import get_router  # noqa: E402
@@ -44,19 +47,28 @@ class Outcome:
     started: int = 0
     completed: int = 0
     failed: dict[str, str] = field(default_factory=dict)  # client id -> its first error
-    statuses: list[int] = field(default_factory=list)
+    statuses: list[int] = field(default_factory=list)  # kvflow-ray's answers
+    proxy_errors: list[str] = field(default_factory=list)  # Ray Serve's proxy's own 500s (not JSON)
     latencies: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any], dict[str, str]]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"content-type": "application/json"})
+def _post(url: str, body: dict[str, Any], timeout: float = 120, session: str | None = None
+          ) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """One POST; a body that is not JSON (Ray Serve's proxy answering for a replica that died under
+    the request) comes back as {"proxy": its text}."""
+    headers = {"content-type": "application/json", **({SESSION_HEADER: session} if session else {})}
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.loads(response.read()), {k.lower(): v for k, v in response.headers.items()}
     except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read() or b"{}"), {k.lower(): v for k, v in error.headers.items()}
+        raw = error.read() or b"{}"
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = {"proxy": raw.decode(errors="replace")}
+        return error.code, answer, {k.lower(): v for k, v in error.headers.items()}
 
 
 def _call(server: LocalServer, client_id: str, agent: str, text: str) -> tuple[int, dict[str, Any], dict[str, str]]:
@@ -64,12 +76,34 @@ def _call(server: LocalServer, client_id: str, agent: str, text: str) -> tuple[i
     body = {"model": "default", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "messages": run.agent(agent).messages([{"role": "user", "content": text}]),
             "kvflow": run.metadata(agent)}
-    return _post(server.url + "/v1/chat/completions", body)
+    return _post(server.url + "/v1/chat/completions", body, session=client_id)
 
 
-def _workflow(server: LocalServer, client_id: str, iterations: int, outcome: Outcome, finish: bool = True) -> None:
+def _finish(server: LocalServer, client_id: str) -> tuple[int, dict[str, Any], dict[str, str]]:
+    return _post(f"{server.url}/v1/clients/{client_id}/finish", {}, session=client_id)
+
+
+def _answer(outcome: Outcome, send: Callable[[], tuple[int, dict[str, Any], dict[str, str]]],
+            retry_proxy_errors: bool) -> tuple[int, dict[str, Any]]:
+    """`send()`, recorded. With `retry_proxy_errors`, a 500 from Ray Serve's proxy (a request in flight
+    on an ingress replica that was killed) is sent again, as the OpenAI SDK retries a 500 by default."""
+    for attempt in range(3):
+        status, body, _headers = send()
+        with outcome.lock:
+            if status == 500 and "proxy" in body:
+                outcome.proxy_errors.append(body["proxy"][:200])
+            else:
+                outcome.statuses.append(status)
+        if not (retry_proxy_errors and status == 500 and "proxy" in body and attempt < 2):
+            return status, body
+        time.sleep(0.5)
+    raise AssertionError("unreachable")
+
+
+def _workflow(server: LocalServer, client_id: str, iterations: int, outcome: Outcome, finish: bool = True,
+              retry_proxy_errors: bool = False) -> None:
     """One instance: `iterations` passes of the step graph (stages' agents concurrently), then finish.
-    No retries: the first non-200 fails the workflow."""
+    No retries (but for `_answer`'s): the first non-200 fails the workflow."""
     with outcome.lock:
         outcome.started += 1
     try:
@@ -77,16 +111,15 @@ def _workflow(server: LocalServer, client_id: str, iterations: int, outcome: Out
             for stage in iteration_stages(PEER):
                 for agent in stage:
                     started = time.perf_counter()
-                    status, body, _headers = _call(server, client_id, agent, f"{client_id} pass {iteration}")
+                    text = f"{client_id} pass {iteration}"
+                    status, body = _answer(outcome, lambda a=agent, t=text: _call(server, client_id, a, t),
+                                           retry_proxy_errors)
                     with outcome.lock:
-                        outcome.statuses.append(status)
                         outcome.latencies.append(time.perf_counter() - started)
                     if status != 200:
                         raise RuntimeError(f"{agent}: HTTP {status} {body.get('error', {}).get('message')}")
         if finish:
-            status, body, _headers = _post(f"{server.url}/v1/clients/{client_id}/finish", {})
-            with outcome.lock:
-                outcome.statuses.append(status)
+            status, body = _answer(outcome, lambda: _finish(server, client_id), retry_proxy_errors)
             if status != 200:
                 raise RuntimeError(f"finish: HTTP {status} {body.get('error', {}).get('message')}")
         with outcome.lock:
@@ -97,9 +130,10 @@ def _workflow(server: LocalServer, client_id: str, iterations: int, outcome: Out
 
 
 def _run_with_fault(server: LocalServer, name: str, fault: Callable[[], None], at_s: float = 2.0,
-                    iterations: int = 2) -> Outcome:
+                    iterations: int = 2, retry_proxy_errors: bool = False) -> Outcome:
     outcome = Outcome()
-    threads = [threading.Thread(target=_workflow, args=(server, f"{name}-{i}", iterations, outcome))
+    threads = [threading.Thread(target=_workflow, args=(server, f"{name}-{i}", iterations, outcome),
+                                kwargs={"retry_proxy_errors": retry_proxy_errors})
                for i in range(CLIENTS)]
     for thread in threads:
         thread.start()
@@ -113,10 +147,13 @@ def _run_with_fault(server: LocalServer, name: str, fault: Callable[[], None], a
     return outcome
 
 
-def _assert_clean(outcome: Outcome) -> None:
+def _assert_clean(outcome: Outcome, proxy_errors: int = 0) -> None:
+    """Every workflow completed, and kvflow-ray answered every call 200; at most `proxy_errors` calls
+    met Ray Serve's proxy's own 500 (see `test_an_ingress_replica_killed_mid_run`)."""
     assert outcome.started == CLIENTS and not outcome.failed, outcome.failed
     assert outcome.completed == CLIENTS and 500 not in outcome.statuses
     assert set(outcome.statuses) == {200}
+    assert len(outcome.proxy_errors) <= proxy_errors, outcome.proxy_errors
 
 
 def _router_stats() -> dict[str, Any]:
@@ -141,8 +178,8 @@ def redis_server(free_port: Callable[[], int], tmp_path_factory: pytest.TempPath
 
 @pytest.fixture(scope="module")
 def server(redis_server: RedisProcess, free_port: Callable[[], int]) -> Iterator[LocalServer]:
-    config = AppConfig(engine="sim", replicas=2, time_scale=0.05, redis=redis_server.url, route_headers=True,
-                       store_grace_s=GRACE_S)
+    config = AppConfig(engine="sim", replicas=2, ingress_replicas=2, time_scale=0.05, redis=redis_server.url,
+                       route_headers=True, store_grace_s=GRACE_S)
     with LocalServer(config, port=free_port()) as running:
         status, body, _headers = _post(running.url + "/v1/workflows", PEER.spec.to_dict())
         assert status == 200, body
@@ -191,7 +228,7 @@ def test_redis_restarted_empty_then_the_router_restarted(server: LocalServer, re
     for i in range(4):
         status, body, _headers = _call(server, f"live-{i}", "planner", "the second pass")  # the loop goes on
         assert status == 200, body
-        assert _post(f"{server.url}/v1/clients/live-{i}/finish", {})[0] == 200
+        assert _finish(server, f"live-{i}")[0] == 200
 
 
 def _ping() -> str | None:
@@ -224,6 +261,62 @@ def test_the_router_killed_mid_run(server: LocalServer) -> None:
     _wait(lambda: _router_stats()["live_clients"] == 0, "finished clients stayed live after the restart")
 
 
+def test_an_ingress_replica_killed_mid_run(server: LocalServer) -> None:
+    """One of the two ingress replicas killed while calls routed through it are in flight (a long call
+    of a client keyed to it is running, besides the workflows'). Its clients move to the other
+    (Serve's consistent-hash ring), whose router calls find their state in the router; the router
+    takes the silent ingress for dead and ends its calls in flight, so no replica's load and no
+    finished client stays counted.
+
+    The calls in flight on the killed process are answered by Ray Serve's proxy itself: a 500 with a
+    text body (`ray/serve/_private/http_util.py` `get_http_response_status` maps the replica's
+    RayActorError to 500; proxy middlewares, which could have retried, were removed from HTTPOptions).
+    The clients send those again, as the OpenAI SDK does with a 500, and kvflow-ray itself answers no
+    500: at most one proxy error per client, and every workflow completes."""
+    router = get_router(create=False)
+    lost_before = _router_stats()["ingresses_lost"]
+    names = {name["name"].rsplit("#", 1)[1]: name for name in ray.util.list_named_actors(all_namespaces=True)
+             if name["name"].startswith("SERVE_REPLICA::kvflow#Ingress#")}
+    assert len(names) == 2, names
+    # a client the proxy keys to one ingress (the route headers name it), then a long call of it
+    probe, victim = "", ""
+    for i in range(40):
+        status, body, headers = _call(server, f"probe-{i}", "planner", "which ingress?")
+        assert status == 200, body
+        if i == 0:
+            victim = headers["x-kvflow-ingress"]
+        elif headers["x-kvflow-ingress"] == victim:
+            probe = f"probe-{i}"
+            break
+    assert probe, "no second client keyed to the same ingress in 40"
+    long_call: list[int] = []
+
+    def kill_ingress() -> None:
+        run = PEER.client(base_url=server.url + "/v1", client_id=probe, register=False)
+        body = {"model": "default", "max_tokens": 30_000, "ignore_eos": True, "kvflow": run.metadata("planner"),
+                "messages": run.agent("planner").messages([{"role": "user", "content": "a long one"}])}
+        caller = threading.Thread(target=lambda: long_call.append(
+            _post(server.url + "/v1/chat/completions", body, session=probe)[0]))
+        caller.start()
+        time.sleep(1.0)
+        assert not long_call and _router_stats()["calls_by_ingress"].get(victim, 0) > 0, long_call
+        ray.kill(ray.get_actor(names[victim]["name"], namespace=names[victim]["namespace"]), no_restart=True)
+        caller.join(timeout=60)
+
+    outcome = _run_with_fault(server, "ingress", kill_ingress, retry_proxy_errors=True)
+    print(f"proxy errors: {len(outcome.proxy_errors)} {outcome.proxy_errors[:1]}")
+    _assert_clean(outcome, proxy_errors=CLIENTS)
+    assert long_call == [500]  # the proxy's: the process answering it died
+    _wait(lambda: not any(ray.get(router.replicas.remote()).values()), "a dead ingress's calls stayed counted")
+    stats = _router_stats()
+    assert stats["ingresses_lost"] == lost_before + 1
+    assert stats["calls_in_flight"] == 0 and not stats["calls_by_ingress"]
+    for i in range(int(probe.split("-")[1]) + 1):
+        assert _finish(server, f"probe-{i}")[0] == 200
+    _wait(lambda: _router_stats()["live_clients"] == 0, "a finished client stayed live")
+    server.wait_ready(timeout_s=120)  # Serve replaced it
+
+
 def test_an_outage_past_the_grace_period_answers_503_with_retry_after(
         server: LocalServer, redis_server: RedisProcess) -> None:
     """Past `store_grace_s`, calls that change state get a clear 503 with Retry-After, never a 500; once
@@ -239,7 +332,7 @@ def test_an_outage_past_the_grace_period_answers_503_with_retry_after(
     _wait(lambda: _router_stats()["store_up"], "the router never saw Redis come back")
     status, body, _headers = _call(server, "late", "planner", "after the outage")
     assert status == 200, body
-    assert _post(f"{server.url}/v1/clients/late/finish", {})[0] == 200
+    assert _finish(server, "late")[0] == 200
 
 
 def test_the_template_re_registered_mid_run(server: LocalServer) -> None:

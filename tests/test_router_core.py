@@ -304,8 +304,14 @@ def test_a_client_finished_during_its_call_returns_the_answer_and_retires_after(
     batch = router.take_hints("r1")
     assert batch is not None and batch.retire == ["acme/c1"] and "acme/c1" not in batch.steps
     assert sum(router.loads.values()) == 0 and router.active_clients() == {}
+    # a finish sent again once it retired (its first answer was lost) is answered as the first was;
+    # a client never started is unknown, and an id started again is a new instance
+    assert router.finish_client("acme", "c1") == [] and router.take_hints("r1") is None
     with pytest.raises(UnknownClientError):
-        router.finish_client("acme", "c1")
+        router.finish_client("acme", "c2")
+    router.start_call("acme", "c1", "planner", workflow="peer")
+    router.end_call("acme", "c1", "planner", "r1")
+    assert {h.retire[0] for _replica, h in router.finish_client("acme", "c1")} == {"acme/c1"}
 
 
 def test_an_expired_client_is_forgotten_by_the_router_and_retired_where_it_was_heard_of(

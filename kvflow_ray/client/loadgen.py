@@ -151,7 +151,7 @@ class _Client:
         self.index, self.workflow, self.config = index, workflow, config
         self.result, self.lock, self.on_call = result, lock, on_call
         self.run = workflow.client(base_url=base_url, api_key=config.api_key, model=config.model,
-                                   register=register, timeout=config.timeout_s,
+                                   register=register, timeout=config.timeout_s, max_retries=0,  # counts failures
                                    client_id=f"{workflow.name}-{index}-{uuid.uuid4().hex[:8]}")
         self.last_output = ""
 

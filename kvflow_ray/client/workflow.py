@@ -18,6 +18,7 @@ import contextlib
 import functools
 import json
 import threading
+import time
 import typing
 import urllib.error
 import urllib.request
@@ -84,18 +85,22 @@ class Workflow:
         return self.spec.name
 
     def client(self, *, base_url: str, api_key: str | None = None, client_id: str | None = None,
-               model: str | None = None, register: bool = True, timeout: float = 600.0) -> WorkflowRun:
+               model: str | None = None, register: bool = True, timeout: float = 600.0,
+               max_retries: int = 2) -> WorkflowRun:
         """One running instance of this workflow against a server. `register` sends the template
-        (POST /v1/workflows) first, so the server knows its agents and prompts."""
+        (POST /v1/workflows) first, so the server knows its agents and prompts. `max_retries`: the
+        OpenAI SDK's, with its default: agent calls answered 408, 409, 429 or 5xx, or cut off, are
+        sent again with backoff (a 500 is what Ray Serve's proxy answers for a request whose ingress
+        replica died); 0 reports every failure (a load generator's choice)."""
         return WorkflowRun(self, base_url=base_url, api_key=api_key, client_id=client_id, model=model,
-                           register=register, timeout=timeout)
+                           register=register, timeout=timeout, max_retries=max_retries)
 
 
 class WorkflowRun:
     """One workflow instance (a `client_id`). Use it as a context manager to finish it on exit."""
 
     def __init__(self, workflow: Workflow, *, base_url: str, api_key: str | None, client_id: str | None,
-                 model: str | None, register: bool, timeout: float) -> None:
+                 model: str | None, register: bool, timeout: float, max_retries: int = 2) -> None:
         from openai import OpenAI
 
         build_openai_response_types()
@@ -107,8 +112,9 @@ class WorkflowRun:
         self.timeout = timeout
         # every call of the instance names it in the session header: the server keeps one client's calls on
         # one ingress replica (Ray Serve's consistent-hash request router keys on it)
-        self.openai = OpenAI(base_url=self.base_url, api_key=api_key or "none", timeout=timeout, max_retries=0,
-                             default_headers={SESSION_HEADER: self.client_id})
+        self.max_retries = max_retries
+        self.openai = OpenAI(base_url=self.base_url, api_key=api_key or "none", timeout=timeout,
+                             max_retries=max_retries, default_headers={SESSION_HEADER: self.client_id})
         self.finished = False
         if register:
             self._post("/workflows", workflow.spec.to_dict())
@@ -134,20 +140,31 @@ class WorkflowRun:
         self.finish()
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Registering and finishing are idempotent, so a 5xx or a dropped connection is retried like
+        the agent calls (`max_retries` times, backing off from 0.5 s)."""
         headers = {"Content-Type": "application/json", SESSION_HEADER: self.client_id}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(), headers=headers,
-                                         method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                detail = json.loads(detail)["error"]["message"]
-            raise RuntimeError(f"POST {path} failed with HTTP {exc.code}: {detail}") from None
-        return json.loads(raw) if raw else {}
+        data = json.dumps(body).encode()
+        for attempt in range(self.max_retries + 1):
+            request = urllib.request.Request(self.base_url + path, data=data, headers=headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    raw = response.read()
+                return json.loads(raw) if raw else {}
+            except urllib.error.HTTPError as exc:
+                detail = exc.read().decode(errors="replace")
+                if exc.code >= 500 and attempt < self.max_retries:
+                    time.sleep(0.5 * 2**attempt)
+                    continue
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    detail = json.loads(detail)["error"]["message"]
+                raise RuntimeError(f"POST {path} failed with HTTP {exc.code}: {detail}") from None
+            except (urllib.error.URLError, ConnectionError):
+                if attempt >= self.max_retries:
+                    raise
+                time.sleep(0.5 * 2**attempt)
+        raise AssertionError("unreachable")
 
 
 class Agent:

@@ -15,6 +15,7 @@ from kvflow_ray.router.limits import TenantLimits
 from kvflow_ray.router.store import BufferedStore
 
 Client = tuple[str, str]  # (tenant, client id)
+FINISHED_REMEMBERED = 65_536  # finished clients remembered, so a finish sent again is answered as the first
 Routed = tuple[str, str, RouteRequest]  # (agent, replica, the request as the policy saw it)
 
 
@@ -31,6 +32,9 @@ class Clients:
         self.calls: Counter[Client] = Counter()
         self.finishing: set[Client] = set()
         self._routed: dict[Client, list[Routed]] = {}  # the calls in flight as the policy saw them
+        # clients finished within the state TTL, oldest first: a finish retried (its answer was lost
+        # with the ingress that sent it) succeeds again instead of naming an unknown client
+        self._finished: OrderedDict[Client, float] = OrderedDict()
 
     def load(self) -> None:
         """What the store holds, once, at (re)start."""
@@ -56,6 +60,7 @@ class Clients:
         (after the tenant's idle clients expire: `expired(tenant, client_id)` forgets each)."""
         live = self._live.setdefault(tenant, OrderedDict())
         if admit and client_id not in live:
+            self._finished.pop((tenant, client_id), None)  # a new instance under the id
             self.expire(tenant, expired)
             if len(live) >= self.limits.max_live_clients:
                 raise TenantLimitError("max_live_clients", f"tenant has {len(live)} live workflow clients, the most "
@@ -84,6 +89,18 @@ class Clients:
         """Live clients per tenant, from memory: O(tenants + what expired since the last count)."""
         self.expire_all(expired)
         return Counter({tenant: len(live) for tenant, live in self._live.items() if live})
+
+    def finished(self, client: Client) -> None:
+        self._finished[client] = time.monotonic()
+        self._finished.move_to_end(client)
+        horizon = time.monotonic() - self.store.ttl_s
+        while self._finished and (len(self._finished) > FINISHED_REMEMBERED
+                                  or next(iter(self._finished.values())) < horizon):
+            self._finished.popitem(last=False)
+
+    def was_finished(self, client: Client) -> bool:
+        at = self._finished.get(client)
+        return at is not None and at > time.monotonic() - self.store.ttl_s
 
     def forget(self, tenant: str, client_id: str) -> None:
         self.records.pop((tenant, client_id), None)

@@ -280,6 +280,8 @@ class RouterCore:
         if client in self.clients.finishing:
             return []
         if self.clients.get(tenant, client_id) is None:
+            if self.clients.was_finished(client):  # a finish sent again: answered as the first was
+                return []
             raise UnknownClientError(f"unknown client {client_id!r}")
         if client in self.clients.calls:
             self.clients.finishing.add(client)
@@ -291,6 +293,7 @@ class RouterCore:
 
     def _finish(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:
         self.clients.finishing.discard((tenant, client_id))
+        self.clients.finished((tenant, client_id))
         self.store.delete_client(tenant, client_id)
         return self._forget_client(tenant, client_id)
 

@@ -16,6 +16,7 @@ cache namespace (`AppConfig.cache_salt`), so no tenant's KV, hit counts or routi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import hashlib
 import hmac
@@ -60,6 +61,8 @@ logger = logging.getLogger("ray.serve")
 api = FastAPI(title="kvflow-ray", description="OpenAI-compatible, workflow-aware LLM serving")
 ROUTER_RETRY_S = 60.0  # how long calls wait for a restarting router
 ENDED_FLUSH_S = 0.02  # the longest a call's end waits for a router call to ride on
+# with calls in flight, the router hears from this ingress at least this often (router_actor.INGRESS_SILENT_S)
+INGRESS_BEAT_S = 1.0
 ENDS_RIDE_ON = frozenset({"start_call", "client_workflow", "finish_client"})  # router calls that carry them
 TEMPLATE_CACHE_S = 10.0  # templates registered through another ingress replica show up within this
 DEAD = (ActorDiedError, ActorUnavailableError, RayActorError)
@@ -218,6 +221,9 @@ class Ingress:
         # go on their own after ENDED_FLUSH_S
         self._ended: list[Ended] = []
         self._ended_flush: asyncio.TimerHandle | None = None
+        self._routed = 0  # calls routed through here and not yet ended
+        self._called_at = 0.0  # the last router call (monotonic)
+        self._beat: asyncio.Task[None] | None = None
         # the engines' own tokenizer and context (the engine checks a prompt against its pool too)
         self.tokenizer = load_tokenizer(self.config.tokenizer_path())
         self.model_name = self.config.model_name()
@@ -237,9 +243,11 @@ class Ingress:
         about clients carry the ends of calls the router has not heard of yet (it ends them first)."""
         if method in ENDS_RIDE_ON:
             kwargs["ended"] = self._take_ended()
+            kwargs["ingress"] = self.name
         deadline = time.monotonic() + ROUTER_RETRY_S
         while True:
             try:
+                self._called_at = time.monotonic()
                 return await getattr(self.router, method).remote(*args, **kwargs)
             except DEAD:
                 if time.monotonic() > deadline:
@@ -427,6 +435,8 @@ class Ingress:
                                         prefix_hash=fixed_hash, prefix_tokens=boundary, cache_salt=salt,
                                         tokens=tokens, max_new=parsed.max_tokens)
         engine_request.update(workflow=route["workflow_key"], agent=meta.agent, fixed_prefix_tokens=boundary)
+        self._routed += 1
+        self._keep_beating()
         return _Call(tenant, meta.client_id, meta.agent, workflow, route["replica"], route["outcome"],
                      fixed_hash, boundary, salt, tokens, parsed.max_tokens)
 
@@ -484,7 +494,7 @@ class Ingress:
     @staticmethod
     def _log_failure(task: asyncio.Task[Any]) -> None:
         if not task.cancelled() and task.exception() is not None:
-            logger.error("ending a call at the router failed", exc_info=task.exception())
+            logger.error("a background router call (ends, beat) failed", exc_info=task.exception())
 
     def _end_call(self, call: _Call | None) -> None:
         """Tell the router the call is over, on the replica its start_call counted (the router's own
@@ -495,6 +505,7 @@ class Ingress:
         if call is None or call.ended:
             return
         call.ended = True
+        self._routed -= 1
         self._ended.append((call.tenant, call.client_id, call.agent, call.replica))
         if self._ended_flush is None:
             # a fresh context: Ray counts an actor call made in the request's own context as that
@@ -514,7 +525,8 @@ class Ingress:
         # submitted here, not in the task: Ray runs one caller's calls in submission order, so the
         # ends reach the router before any later call of this ingress (a client's next call finds
         # its previous one over)
-        sent = self.router.end_calls.remote(ended)
+        self._called_at = time.monotonic()
+        sent = self.router.end_calls.remote(ended, self.name)
         task = asyncio.get_running_loop().create_task(self._await_ends(sent, ended))
         self._tasks.add(task)  # held until done: a task nobody references can be collected mid-flight
         task.add_done_callback(self._tasks.discard)
@@ -524,7 +536,23 @@ class Ingress:
         try:
             await sent
         except DEAD:  # the router restarted: send them again once it is back
-            await self._call_router("end_calls", ended)
+            await self._call_router("end_calls", ended, self.name)
+
+    def _keep_beating(self) -> None:
+        """While calls routed here are in flight, the router hears from this ingress at least every
+        INGRESS_BEAT_S (any router call counts), so that it ends them itself should this process die."""
+        if self._beat is None or self._beat.done():
+            # a fresh context, as in `_end_call`: not a child of the request that started it
+            self._beat = asyncio.get_running_loop().create_task(self._beating(), context=contextvars.Context())
+            self._beat.add_done_callback(self._log_failure)
+
+    async def _beating(self) -> None:
+        while self._routed > 0:
+            await asyncio.sleep(max(0.05, self._called_at + INGRESS_BEAT_S - time.monotonic()))
+            if self._routed > 0 and time.monotonic() - self._called_at >= INGRESS_BEAT_S:
+                self._called_at = time.monotonic()
+                with contextlib.suppress(*DEAD):  # a restarting router: the next beat finds it back
+                    await self.router.ingress_beat.remote(self.name)
 
     async def _stream(self, call: _Call | None, parsed: ParsedRequest, engine_request: dict[str, Any],
                       prompt_tokens: int, release: Callable[[], None]) -> AsyncIterator[str]:

@@ -37,6 +37,7 @@ import ray
 
 from kvflow_ray.engines.base import CacheEvent
 from kvflow_ray.router.core import RouterCore
+from kvflow_ray.router.origins import CallOrigins, Ended
 from kvflow_ray.router.settings import RouterSettings
 from kvflow_ray.router.store import BufferedStore, RedisStore, open_store
 from kvflow_ray.serve.metrics import RouterMetrics, merge_expositions
@@ -45,12 +46,13 @@ ROUTER_NAME = "kvflow-router"
 ROUTER_NAMESPACE = "kvflow"
 HEARTBEAT_MAX_AGE_S = 60.0  # replicas a restarted router trusts
 STALE_REPLICA_S = 15.0  # a live replica reports every second; this long without a word means it is gone
+# an ingress with calls in flight calls at least every INGRESS_BEAT_S (ingress.py); this long silent, it is gone
+INGRESS_SILENT_S = 5.0
 FLUSH_PERIOD_S = 0.02  # how far the store may lag the router's memory
 HINT_BATCH_S = 0.1  # hints for a replica wait this long for more to go with them
 PROBE_PERIOD_S = 1.0  # store health checks, expiry and replica pruning
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-Ended = tuple[str, str, str, str | None]  # an agent call that ended: (tenant, client id, agent, replica counted)
 
 
 # no task events: at hundreds of calls a second they would fill the GCS with records nobody reads
@@ -71,6 +73,8 @@ class WorkflowRouterActor:
         store.notify = self._dirty.set
         self._reported: dict[str, float] = {}  # replica -> when it last said something (monotonic)
         self.other_calls: Counter[str] = Counter()  # calls besides the agent calls, by method (what they cost)
+        self.origins = CallOrigins(INGRESS_SILENT_S)  # which ingress each call in flight came through
+        self.ingresses_lost = 0
         self._maintenance: asyncio.Task[None] | None = None
         now = time.monotonic()
         for replica in inner.replicas(HEARTBEAT_MAX_AGE_S):  # a restart: who was serving
@@ -131,22 +135,27 @@ class WorkflowRouterActor:
     async def get_template(self, tenant: str, name: str) -> dict[str, Any]:
         return self.core.template(tenant, name).to_dict()
 
-    async def client_workflow(self, tenant: str, client_id: str, ended: Sequence[Ended] = ()) -> str:
-        self._end_calls(ended)
+    async def client_workflow(self, tenant: str, client_id: str, ended: Sequence[Ended] = (),
+                              ingress: str | None = None) -> str:
+        self._end_calls(ended, ingress)
         return self.core.client_workflow(tenant, client_id)
 
     async def start_call(self, tenant: str, client_id: str, agent: str, *, workflow: str | None = None,
                          prefix_hash: str | None = None, prefix_tokens: int = 0, cache_salt: str = "",
                          retry: bool = False, tokens: Sequence[int] = (), max_new: int = 0,
-                         ended: Sequence[Ended] = ()) -> dict[str, Any]:
+                         ended: Sequence[Ended] = (), ingress: str | None = None) -> dict[str, Any]:
         """Route one agent call (`tokens` / `max_new`: its prompt's token ids and output budget, as the
         simulator gives them). `ended`: calls that ended since the caller's last router call (they are
-        ended first, so a client's next call always finds its previous one over)."""
+        ended first, so a client's next call always finds its previous one over). `ingress`: the
+        caller, which ends the call (or, should it die first, `_prune` does)."""
         self._start_maintenance()
-        self._end_calls(ended)
+        self._end_calls(ended, ingress)
         route = self.core.start_call(tenant, client_id, agent, workflow=workflow, prefix_hash=prefix_hash,
                                      prefix_tokens=prefix_tokens, cache_salt=cache_salt, retry=retry,
                                      tokens=tokens, max_new=max_new)
+        if ingress is not None:
+            self.origins.started(ingress, (tenant, client_id, agent, route.replica), retry,
+                                 frozenset(self.core.loads))
         self.metrics.observe_decision(route.outcome, self.core.decision_seconds[-1], tenant, route.deviation)
         self._wake()
         # the replicas get the hints through their outboxes; the caller needs only where to go
@@ -155,20 +164,31 @@ class WorkflowRouterActor:
 
     async def end_call(self, tenant: str, client_id: str, agent: str, replica: str | None = None) -> None:
         """One-way (callers need not wait): the hints it makes reach the replicas through the outbox."""
-        self._end_calls([(tenant, client_id, agent, replica)])
+        self._end_calls([(tenant, client_id, agent, replica)], None)
 
-    async def end_calls(self, ended: list[Ended]) -> None:
+    async def end_calls(self, ended: list[Ended], ingress: str | None = None) -> None:
         """Several calls' ends at once (what the ingress had not sent with a later call)."""
         self.other_calls["end_calls"] += 1
-        self._end_calls(ended)
+        self._end_calls(ended, ingress)
 
-    async def finish_client(self, tenant: str, client_id: str, ended: Sequence[Ended] = ()) -> None:
-        self._end_calls(ended)
+    async def ingress_beat(self, ingress: str) -> None:
+        """An ingress with calls in flight that made no other router call for a while: it is alive."""
+        self.other_calls["ingress_beat"] += 1
+        self.origins.heard(ingress)
+
+    async def finish_client(self, tenant: str, client_id: str, ended: Sequence[Ended] = (),
+                            ingress: str | None = None) -> None:
+        self._end_calls(ended, ingress)
         self.core.finish_client(tenant, client_id)  # its retire hints go out through the outboxes
         self._wake()
 
-    def _end_calls(self, ended: Sequence[Ended]) -> None:
-        for tenant, client_id, agent, replica in ended:
+    def _end_calls(self, ended: Sequence[Ended], ingress: str | None) -> None:
+        if ingress is not None:
+            self.origins.heard(ingress)
+        for end in ended:
+            if not self.origins.ended(ingress, end):
+                continue
+            tenant, client_id, agent, replica = end
             try:
                 self.core.end_call(tenant, client_id, agent, replica)
             except Exception:  # one bad end (an agent its template lost) must not fail the calls it rides on
@@ -198,6 +218,7 @@ class WorkflowRouterActor:
         return {"pid": os.getpid(), "cpu_s": time.process_time(), "start_calls": self.core.calls["start_call"],
                 "end_calls": self.core.calls["end_call"], "first_tokens": self.core.calls["first_token"],
                 "routing": type(self.core.policy).__name__, "other_calls": dict(self.other_calls),
+                "ingresses_lost": self.ingresses_lost, "calls_by_ingress": self.origins.in_flight(),
                 "finish_seconds": list(self.core.finish_seconds),
                 "finish_cpu_seconds": list(self.core.finish_cpu_seconds),
                 **self.core.sizes(), "store_up": self.store.up, "pending_writes": self.store.pending,
@@ -271,11 +292,16 @@ class WorkflowRouterActor:
                            reason, writes)
 
     def _prune(self) -> None:
-        """Forget replicas that stopped reporting (killed without a goodbye) and clients idle past the
-        state TTL."""
+        """Forget replicas that stopped reporting (killed without a goodbye), end the calls of ingresses
+        that went silent with calls in flight (killed mid-call), and forget clients idle past the state
+        TTL."""
         horizon = time.monotonic() - STALE_REPLICA_S
         for name in [r for r in self.core.loads if self._reported.get(r, 0.0) < horizon]:
             self._forget(name)
+        for ingress, calls in self.origins.take_dead().items():
+            logger.warning("ingress %s went silent with %d calls in flight: ending them", ingress, len(calls))
+            self.ingresses_lost += 1
+            self._end_calls(calls, None)
         if self.core.expire():  # idle clients' retire hints go out to the replicas
             self._wake()
 
