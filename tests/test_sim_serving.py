@@ -205,3 +205,29 @@ def test_cache_events_leave_no_location_behind_when_both_tiers_evict() -> None:
         assert reported and reported <= holding  # nothing stale: bounded by the tiers, not by the requests
     finally:
         engine.close()
+
+
+def test_the_engine_reports_its_own_compute_cpu_apart_from_the_process() -> None:
+    """`compute_cpu_s` is the clock thread's CPU (all the simulated engine's work): it grows with the
+    requests run, stays within the process's CPU, and /metrics exports it per replica."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvflow_ray.serve.metrics import COMPUTE_CPU, ReplicaMetrics
+
+    engine = SimEngine("a10g-llama3.1-8b", time_scale=1e-4)
+    try:
+        idle = engine.stats()["compute_cpu_s"]
+        process_before = time.process_time()
+        for i in range(40):
+            engine.generate(_request([(i + j) % 256 for j in range(2000)]))
+        stats = engine.stats()
+        busy = stats["compute_cpu_s"] - idle
+        assert 0 < busy <= time.process_time() - process_before
+        metrics = ReplicaMetrics("r1")
+        metrics.observe_stats(stats)
+        samples = {s.name: s for f in text_string_to_metric_families(metrics.exposition().decode())
+                   for s in f.samples}
+        sample = samples[COMPUTE_CPU + "_total"]
+        assert sample.labels == {"replica": "r1"} and sample.value == stats["compute_cpu_s"]
+    finally:
+        engine.close()

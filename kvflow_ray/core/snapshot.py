@@ -27,6 +27,9 @@ class EngineSnapshot:
     cache_tokens: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "cpu": 0})
     capacity_tokens: dict[str, int] = field(default_factory=dict)
     held: int = 0  # admission passes that skipped a request whose prefix was loading
+    # CPU seconds the engine's own compute threads used (None: the engine does not measure it); the rest
+    # of a replica process's CPU is serving overhead
+    compute_cpu_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

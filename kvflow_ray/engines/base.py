@@ -9,8 +9,10 @@ metrics and routing.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -169,6 +171,18 @@ def prefix_hash(tokens: Sequence[int], salt: Namespace = "") -> str:
     elif salt:
         data = salt.encode() + b"\x00" + data
     return hashlib.blake2b(data, digest_size=12).hexdigest()
+
+
+def thread_cpu_seconds(*threads: threading.Thread) -> float:
+    """CPU time (user + system) the given threads have used so far, from their POSIX thread clocks;
+    a thread not running (not started, or over) counts 0."""
+    total = 0.0
+    for thread in threads:
+        ident = thread.ident
+        if ident is not None and thread.is_alive():
+            with contextlib.suppress(OSError):  # it ended between the check and the read
+                total += time.clock_gettime(time.pthread_getcpuclockid(ident))
+    return total
 
 
 class Engine(Protocol):

@@ -32,6 +32,7 @@ DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01
 PER_RESULT = (defs.PROMPT_TOKENS, defs.PREFETCH_STALL)
 FROM_SNAPSHOT = tuple(d for d in defs.ENGINE_METRICS if d.read is not None and d not in PER_RESULT)
 
+COMPUTE_CPU = "kvflow_engine_compute_cpu_seconds"  # (a counter: exposed with _total) engines that measure it
 StatsSource = Callable[[], "Mapping[str, Any] | EngineSnapshot"]
 
 
@@ -56,6 +57,11 @@ class SnapshotCollector:
                 for labels, value in d.values(snapshot).items():
                     family.add_metric((self.replica, *labels), value)
             yield family
+        compute = CounterMetricFamily(COMPUTE_CPU, "CPU time of the engine's own compute threads (the rest of "
+                                      "the replica's CPU is serving overhead)", labels=("replica",))
+        if snapshot is not None and snapshot.compute_cpu_s is not None:
+            compute.add_metric((self.replica,), snapshot.compute_cpu_s)
+        yield compute
 
     def describe(self) -> Iterable[Metric]:
         """The family names, without reading the engine (the registry checks them for collisions)."""

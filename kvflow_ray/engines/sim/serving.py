@@ -21,7 +21,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow_ray.engines.base import BackgroundEngine, CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
+from kvflow_ray.engines.base import (
+    BackgroundEngine,
+    CacheEvent,
+    GenerateRequest,
+    GenerateResult,
+    Hints,
+    request_tokens,
+    thread_cpu_seconds,
+)
 from kvflow_ray.engines.events import CacheEventLog
 from kvflow_ray.engines.sim.profile import Profile, load_profile
 from kvflow_ray.engines.sim.replica import SimReplica, SimRequest
@@ -66,6 +74,10 @@ class WallClock:
 
     def soon(self, fn: Callable[[], None]) -> None:
         self.at(self.now, fn)
+
+    def cpu_seconds(self) -> float:
+        """CPU time the clock's thread has used: all of the simulated engine's work runs on it."""
+        return thread_cpu_seconds(self._thread)
 
     def close(self) -> None:
         with self._cond:
@@ -179,7 +191,7 @@ class SimEngine(BackgroundEngine):
     def stats(self) -> dict[str, Any]:
         return {"policy": self.policy, "profile": self.profile.name, "requests_done": self.requests_done,
                 "requests_failed": 0, "requests_rejected": self.requests_rejected,
-                **self.scheduler.snapshot().to_dict()}
+                **self.scheduler.snapshot().to_dict(), "compute_cpu_s": self.clock.cpu_seconds()}
 
     def start(self) -> SimEngine:
         return self  # the clock thread runs from construction
