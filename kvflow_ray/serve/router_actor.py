@@ -10,10 +10,10 @@ waits until the router has something for it, which is how priorities and prefetc
 without the router holding handles to Serve's replica actors. `RouterCore` itself is synchronous and
 runs on the actor's one event loop, so no two calls interleave inside it.
 
-A maintenance task on the same loop writes the store behind the calls (within `FLUSH_PERIOD_S` of a
-change; Redis from a worker thread, so no call waits on it), and once a second probes the store (back after
-an outage? lost its data?), writes the router's state back when needed, and forgets replicas that
-stopped reporting and clients idle past the state TTL.
+The store's keeper (`router/keeper.py`) runs on the same loop: it writes the store behind the calls,
+probes it once a second and has the router write its state back when needed; each probe also forgets
+replicas that stopped reporting, ends the calls of ingresses that went silent, and retires clients
+idle past the state TTL (`_prune`).
 
 Every actor call costs this process about a millisecond of CPU (Ray's own work), more than a routing
 decision, so calls are few: the end of an agent call rides on the ingress's next call (`ended`), and
@@ -30,13 +30,14 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import ray
 
 from kvflow_ray.engines.base import CacheEvent
 from kvflow_ray.router.core import RouterCore
+from kvflow_ray.router.keeper import StoreKeeper
 from kvflow_ray.router.origins import CallOrigins, Ended
 from kvflow_ray.router.settings import RouterSettings
 from kvflow_ray.router.store import BufferedStore, RedisStore, open_store
@@ -48,11 +49,8 @@ HEARTBEAT_MAX_AGE_S = 60.0  # replicas a restarted router trusts
 STALE_REPLICA_S = 15.0  # a live replica reports every second; this long without a word means it is gone
 # an ingress with calls in flight calls at least every INGRESS_BEAT_S (ingress.py); this long silent, it is gone
 INGRESS_SILENT_S = 5.0
-FLUSH_PERIOD_S = 0.02  # how far the store may lag the router's memory
 HINT_BATCH_S = 0.1  # hints for a replica wait this long for more to go with them
-PROBE_PERIOD_S = 1.0  # store health checks, expiry and replica pruning
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 # no task events: at hundreds of calls a second they would fill the GCS with records nobody reads
@@ -69,13 +67,12 @@ class WorkflowRouterActor:
         self.expositions: dict[str, bytes] = {}  # replica -> its latest metrics
         self._wakeups: dict[str, asyncio.Event] = {}
         self._wake_scheduled = False
-        self._dirty = asyncio.Event()  # the store has writes queued
-        store.notify = self._dirty.set
+        self.keeper = StoreKeeper(store, threaded=self.backend == "redis", reconcile=self.core.reconcile,
+                                  every_probe=self._prune)
         self._reported: dict[str, float] = {}  # replica -> when it last said something (monotonic)
         self.other_calls: Counter[str] = Counter()  # calls besides the agent calls, by method (what they cost)
         self.origins = CallOrigins(INGRESS_SILENT_S)  # which ingress each call in flight came through
         self.ingresses_lost = 0
-        self._maintenance: asyncio.Task[None] | None = None
         now = time.monotonic()
         for replica in inner.replicas(HEARTBEAT_MAX_AGE_S):  # a restart: who was serving
             self.core.add_replica(replica)
@@ -248,48 +245,7 @@ class WorkflowRouterActor:
         self._start_maintenance()
 
     def _start_maintenance(self) -> None:
-        """Started by the first call (an actor's `__init__` runs before its event loop does)."""
-        if self._maintenance is None or self._maintenance.done():
-            self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
-
-    async def _maintain(self) -> None:
-        probed_at = 0.0
-        while True:
-            try:
-                # asleep until a write is queued (or it is time to probe), then a moment for more to come
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._dirty.wait(), max(0.0, probed_at + PROBE_PERIOD_S - time.monotonic()))
-                self._dirty.clear()
-                await asyncio.sleep(FLUSH_PERIOD_S)
-                if self.store.up:
-                    batch = self.store.take()
-                    if batch:
-                        self.store.sent(batch, await self._off_loop(self.store.send, batch))
-                if time.monotonic() - probed_at >= PROBE_PERIOD_S:
-                    probed_at = time.monotonic()
-                    await self._probe()
-                    self._prune()
-            except Exception:  # a bug here must not end maintenance (the store would never be written)
-                logger.exception("router maintenance failed; retrying")
-                await asyncio.sleep(PROBE_PERIOD_S)
-
-    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
-        """A blocking store call: Redis's in a worker thread (the loop keeps serving meanwhile); the
-        in-process store's right here (a thread would only add GIL handoffs)."""
-        if self.backend == "redis":
-            return await asyncio.to_thread(fn, *args)
-        return fn(*args)
-
-    async def _probe(self) -> None:
-        was_up = self.store.up
-        reason = self.store.probed(await self._off_loop(self.store.probe))
-        if was_up and not self.store.up:
-            logger.warning("the state store is unreachable: serving from memory, %d writes queued",
-                           self.store.pending)
-        if reason is not None:
-            writes = self.core.reconcile()
-            logger.warning("the state store is back (%s): writing the router's state to it again (%d writes)",
-                           reason, writes)
+        self.keeper.start()
 
     def _prune(self) -> None:
         """Forget replicas that stopped reporting (killed without a goodbye), end the calls of ingresses
