@@ -772,3 +772,22 @@ def test_the_device_pool_never_falls_behind_the_cache_books() -> None:
         assert not failed, f"step {step}: {failed[0]}"
         live = [req for req in live if req.result is None]
     assert engine.requests_done > 100
+
+
+def test_a_cache_snapshot_names_every_copy_the_engine_holds(model: CpuModel) -> None:
+    """The CPU engine's snapshot (taken under its step lock) is "stored" events for the device copies
+    and host copies its tree holds, in place of the events not drained yet."""
+    from kvflow_ray.core.radix import GpuState
+    from kvflow_ray.engines.base import prefix_hash
+
+    fixed = _tokens(100, 40)
+    with CpuEngine(_config("hicache", 300, host=360), model=model) as engine:
+        engine.generate(GenerateRequest(tokens=fixed + _tokens(5, 41), max_tokens=2, ignore_eos=True,
+                                        workflow="wf", agent="a", fixed_prefix_tokens=100))
+        engine.generate(GenerateRequest(tokens=_tokens(250, 42), max_tokens=5, ignore_eos=True))  # evicts it
+        snapshot = engine.cache_snapshot()
+        assert snapshot is not None and engine.cache_events() == []
+        nodes = list(engine.cache.tree.nodes())
+        assert len([e for e in snapshot if e.tier == "gpu"]) == sum(n.gpu is GpuState.READY for n in nodes)
+        assert len([e for e in snapshot if e.tier == "cpu"]) == sum(n.cpu for n in nodes) > 0
+        assert ("cpu", prefix_hash(fixed)) in {(e.tier, e.prefix_hash) for e in snapshot}  # written back

@@ -259,6 +259,8 @@ def test_the_router_killed_mid_run(server: LocalServer) -> None:
     outcome = _run_with_fault(server, "router", lambda: ray.kill(router, no_restart=False))
     _assert_clean(outcome)
     _wait(lambda: _router_stats()["live_clients"] == 0, "finished clients stayed live after the restart")
+    # the restarted router met the replicas' event feeds mid-way and had their snapshots repair its view
+    _wait(lambda: _router_stats()["other_calls"].get("cache_snapshot", 0) >= 1, "no replica sent a snapshot")
 
 
 def test_an_ingress_replica_killed_mid_run(server: LocalServer) -> None:

@@ -467,3 +467,31 @@ def test_the_default_policy_is_the_workflow_router_and_first_tokens_end_prefill_
     assert work.prefill_tokens(route.replica) == 0 and work.blocks(route.replica) == 4  # its KV stays
     core.end_call("acme", "c1", "planner", route.replica)
     assert work.blocks(route.replica) == 0
+
+
+def test_a_gap_in_a_replicas_event_feed_is_repaired_by_its_snapshot(store: Store) -> None:
+    """Batches are numbered: one that does not follow the last applied (lost on its way, or a router
+    restarted mid-feed) makes the replica's view stale until its snapshot replaces it, phantom
+    holders included; a replica that cannot snapshot keeps its view and the feed goes on."""
+    core = RouterCore(store)
+    for name in ("r1", "r2"):
+        core.add_replica(name)
+    stored = [CacheEvent("stored", "gpu", "p1", 64, (1, 2)), CacheEvent("stored", "gpu", "p2", 64, (3, 4))]
+    core.cache_events("r1", stored, seq=1)
+    core.cache_events("r1", [], seq=2)
+    assert not core.snapshot_due("r1")
+    # batch 3, which removed p1, was lost: r1 is a phantom holder of p1 until it is repaired
+    core.cache_events("r1", [CacheEvent("stored", "cpu", "p3", 64, (5,))], seq=4)
+    assert core.snapshot_due("r1") and core.holdings.holders("p1") == {"r1": "gpu"}
+    core.cache_snapshot("r1", 5, [CacheEvent("stored", "gpu", "p2", 64, (3, 4)),
+                                  CacheEvent("stored", "cpu", "p3", 64, (5,))])
+    assert not core.snapshot_due("r1")
+    assert core.holdings.holders("p1") == {} and core.fleet.blocks.overlaps([1, 2]) == {}
+    assert core.holdings.holders("p2") == {"r1": "gpu"} and core.holdings.holders("p3") == {"r1": "cpu"}
+    core.cache_events("r1", [], seq=6)
+    assert not core.snapshot_due("r1")
+    core.cache_events("r2", [], seq=9)  # a router that starts mid-feed
+    assert core.snapshot_due("r2")
+    core.cache_snapshot("r2", 10, None)  # an engine that cannot tell (SGLang): the feed goes on
+    core.cache_events("r2", [], seq=11)
+    assert not core.snapshot_due("r2")

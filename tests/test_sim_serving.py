@@ -231,3 +231,43 @@ def test_the_engine_reports_its_own_compute_cpu_apart_from_the_process() -> None
         assert sample.labels == {"replica": "r1"} and sample.value == stats["compute_cpu_s"]
     finally:
         engine.close()
+
+
+def test_a_snapshot_holds_what_the_whole_event_feed_adds_up_to() -> None:
+    """After evictions, write-backs and a prefetch, the replica's snapshot gives a router that lost its
+    feed the view of one that applied every event, for every prefix the feed reported: the same
+    holders, in the same tiers, and the same blocks. It also names the device copies of generated
+    tokens, which the feed does not report. Events not drained when it is taken are in it, not after."""
+    from kvflow_ray.core.routing import BlockIndex
+    from kvflow_ray.router.holdings import Holdings
+    from kvflow_ray.router.store import BufferedStore, MemoryStore
+
+    engine = SimEngine("a10g-llama3.1-8b", time_scale=FAST, device_kv_tokens=2000)
+    try:
+        fed_blocks, fresh_blocks = BlockIndex(), BlockIndex()
+        fed = Holdings(BufferedStore(MemoryStore()), fed_blocks)  # applied every batch
+        fresh = Holdings(BufferedStore(MemoryStore()), fresh_blocks)  # a router restarted mid-feed
+        _prefetch_after_eviction(engine, [i % 256 for i in range(1400)])
+        first = engine.cache_events()
+        fed.feed("r1", first, 1)
+        engine.generate(_request([7] + [i % 100 for i in range(300)]))  # fits beside the prefetched prompt
+        second = engine.cache_events()
+        fed.feed("r1", second, 2)
+        fresh.feed("r1", second, 2)  # its first batch is not the feed's first: stale
+        assert fresh.stale("r1") and not fed.stale("r1")
+        snapshot = engine.cache_snapshot()
+        assert snapshot is not None and {e.kind for e in snapshot} == {"stored"}
+        assert {"gpu", "cpu"} <= {e.tier for e in snapshot}  # device and host copies both
+        fresh.replace("r1", 3, snapshot)
+        assert not fresh.stale("r1")
+        reported = [*first, *second]
+        for e in reported:
+            assert fresh.holders(e.prefix_hash) == fed.holders(e.prefix_hash), e
+            assert fresh_blocks.overlaps(e.blocks) == fed_blocks.overlaps(e.blocks), e
+        unreported = [e for e in snapshot if e.prefix_hash not in {r.prefix_hash for r in reported}]
+        assert unreported and all(e.tier == "gpu" for e in unreported)  # the answers' tokens
+        assert fresh_blocks.device_blocks("r1") > fed_blocks.device_blocks("r1") > 0
+        engine.generate(_request([5] + [i % 90 for i in range(300)]))  # events left undrained
+        assert engine.cache_snapshot() and engine.cache_events() == []  # in the snapshot, not after it
+    finally:
+        engine.close()

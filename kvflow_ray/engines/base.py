@@ -202,6 +202,11 @@ class Engine(Protocol):
         """Events since the last call (drained)."""
         ...
 
+    def cache_snapshot(self) -> list[CacheEvent] | None:
+        """What the cache holds now, as "stored" events, replacing the events not drained yet (for a
+        router that lost track of them); None when the engine cannot tell."""
+        ...
+
 
 class BackgroundEngine:
     """`generate` and `stream` for an engine that runs requests in the background behind

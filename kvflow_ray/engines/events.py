@@ -4,8 +4,9 @@ One log for every engine (the CPU engine, the serving simulator), fed by the sam
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
-from kvflow_ray.core.radix import RadixNode
+from kvflow_ray.core.radix import GpuState, RadixNode
 from kvflow_ray.core.routing import BLOCK_TOKENS, block_hashes
 from kvflow_ray.engines.base import CacheEvent, prefix_hash
 
@@ -17,8 +18,10 @@ class CacheEventLog:
         self._events: deque[CacheEvent] = deque(maxlen=maxlen)
 
     def record(self, kind: str, tier: str, node: RadixNode) -> None:
-        if node.parent is None:
-            return
+        if node.parent is not None:
+            self._events.append(self._event(kind, tier, node))
+
+    def _event(self, kind: str, tier: str, node: RadixNode) -> CacheEvent:
         if node.route_ids is None:
             # the namespace is part of the prefix's identity: a router never sends one tenant's
             # request to a replica for KV that only another tenant may use
@@ -27,7 +30,7 @@ class CacheEventLog:
                               block_hashes(sequence, node.namespace, BLOCK_TOKENS), len(sequence))
         name, blocks, end = node.route_ids
         first = -(-(end - len(node.key) + 1) // BLOCK_TOKENS) - 1  # the first block ending inside the node
-        self._events.append(CacheEvent(kind, tier, name, len(node.key), blocks[max(first, 0):end // BLOCK_TOKENS]))
+        return CacheEvent(kind, tier, name, len(node.key), blocks[max(first, 0):end // BLOCK_TOKENS])
 
     def on_free(self, node: RadixNode, tier: str) -> None:
         """The tree dropped `node`'s copy in `tier` (its `on_free` hook)."""
@@ -43,6 +46,20 @@ class CacheEventLog:
             if any(lo <= start and end <= hi for lo, hi in adopted):
                 self.record("stored", "gpu", node)
             end = start
+
+    def snapshot(self, nodes: Iterable[RadixNode]) -> list[CacheEvent]:
+        """Everything the cache holds now, as events: "stored" for each device copy that is ready and
+        each host copy of `nodes` (a tree's `nodes()`), for a consumer that lost track of the feed.
+        The events not drained yet are dropped: their effect is in it. Call it where the tree cannot
+        change meanwhile (the engine's own thread, or under its lock)."""
+        self._events.clear()
+        out = []
+        for node in nodes:
+            if node.gpu is GpuState.READY:
+                out.append(self._event("stored", "gpu", node))
+            if node.cpu:
+                out.append(self._event("stored", "cpu", node))
+        return out
 
     def drain(self) -> list[CacheEvent]:
         out = []

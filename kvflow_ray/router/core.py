@@ -135,9 +135,16 @@ class RouterCore:
         self.outbox.drop(name)
         self.holdings.drop(name)
 
-    def cache_events(self, replica: str, events: Iterable[CacheEvent]) -> None:
-        """Replica `replica` reports prefixes stored in / removed from a tier."""
-        self.holdings.apply(replica, events)
+    def cache_events(self, replica: str, events: Iterable[CacheEvent], seq: int | None = None) -> None:
+        """Replica `replica` reports prefixes stored in / removed from a tier (batch `seq` of its feed)."""
+        self.holdings.feed(replica, events, seq)
+
+    def cache_snapshot(self, replica: str, seq: int, events: Iterable[CacheEvent] | None) -> None:
+        """Everything `replica` holds as of batch `seq`, after its feed had a gap (`snapshot_due`)."""
+        self.holdings.replace(replica, seq, events)
+
+    def snapshot_due(self, replica: str) -> bool:
+        return self.holdings.stale(replica)
 
     # ------------------------------------------------------------------ templates
     def put_template(self, tenant: str, spec: Mapping[str, Any]) -> WorkflowSpec:

@@ -5,6 +5,12 @@ blocks ending inside it; the index keeps both views a routing policy reads: per 
 each replica holds it in (`holders`, exact for a fixed prompt), and per block (`Fleet.blocks`, for
 policies pricing any prompt's overlap, as Dynamo's and llm-d's). The store keeps the prefix view so a
 restarted router starts with it.
+
+Each replica's events come as a feed of numbered batches. A batch that does not follow the last one
+applied (one lost on its way, or a router restarted mid-feed, which starts from the store's possibly
+stale copy) makes the replica's view stale: a phantom holder would draw calls that then miss, and a
+prefix stored meanwhile would be unknown. The replica is asked for a snapshot of what it holds, which
+replaces its view (as Dynamo repairs an event-id gap from the worker).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ class Holdings:
         # replica -> prefix -> tiers it holds the prefix in (a write-back briefly holds both)
         self._held: dict[str, dict[str, set[str]]] = {}
         self._locations: dict[str, dict[str, str]] = {}  # prefix hash -> {replica: best tier}
+        self._seq: dict[str, int] = {}  # replica -> the number of its last batch applied
+        self._stale: set[str] = set()  # replicas whose feed had a gap: their snapshot is due
 
     def load(self) -> None:
         """The prefix view the store holds, once, at (re)start."""
@@ -51,6 +59,28 @@ class Holdings:
         copy elsewhere. (Memory only: the store keeps what replicas report.)"""
         self._locations.setdefault(prefix_hash, {})[replica] = "gpu"
 
+    def feed(self, replica: str, events: Iterable[CacheEvent], seq: int | None) -> None:
+        """Batch `seq` of `replica`'s feed (numbered from 1; None: unnumbered). A batch that does not
+        follow the last one applied marks the replica stale; its events are applied either way."""
+        if seq is not None:
+            if seq != self._seq.get(replica, 0) + 1:
+                self._stale.add(replica)
+            self._seq[replica] = seq
+        self.apply(replica, events)
+
+    def replace(self, replica: str, seq: int, events: Iterable[CacheEvent] | None) -> None:
+        """`replica`'s snapshot as of batch `seq`: what it holds replaces what it was thought to hold
+        (O(what it held)). None: the replica cannot tell (its view stays, and the feed goes on)."""
+        if events is not None:
+            self.drop(replica)
+            self.blocks.drop(replica)
+            self.apply(replica, events)
+        self._seq[replica] = seq
+        self._stale.discard(replica)
+
+    def stale(self, replica: str) -> bool:
+        return replica in self._stale
+
     def apply(self, replica: str, events: Iterable[CacheEvent]) -> None:
         """`replica` stored or removed prefixes in a tier."""
         held = self._held.setdefault(replica, {})
@@ -76,6 +106,8 @@ class Holdings:
     def drop(self, replica: str) -> None:
         """`replica` left: it holds nothing (O(what it held)). Its blocks go with the fleet's entry."""
         held = self._held.pop(replica, {})
+        self._seq.pop(replica, None)
+        self._stale.discard(replica)
         for prefix_hash in held:
             holders = self._locations.get(prefix_hash, {})
             holders.pop(replica, None)

@@ -93,6 +93,7 @@ class EngineReplica:
         # thread appends (holding its own locks) while a push may be waiting on the engine
         self._first_tokens: list[tuple[str, str]] = []
         self._first_lock = threading.Lock()
+        self._events_sent = 0  # batches of cache events sent (the feed's sequence number)
         self._register()
         for target in (self._hint_loop, self._event_loop, self._report_loop):
             threading.Thread(target=target, name=f"kvflow-{target.__name__}", daemon=True).start()
@@ -182,17 +183,32 @@ class EngineReplica:
         return on_token
 
     def _push_events(self) -> None:
-        """The engine's cache events and the calls' first tokens to the router, in order (one drain at
-        a time, fire and forget: Ray runs one caller's calls to an actor in submission order)."""
+        """The engine's cache events and the calls' first tokens to the router, as numbered batches, in
+        order (one drain at a time, fire and forget: Ray runs one caller's calls to an actor in
+        submission order). A batch lost on its way (the router restarting) shows the router a gap;
+        it then asks for a snapshot (`_send_snapshot`)."""
         with self._events_lock:
             events = self.engine.cache_events()
             with self._first_lock:
                 first, self._first_tokens = self._first_tokens, []
             if events or first:
+                self._events_sent += 1
                 try:
-                    self.router.cache_events.remote(self.name, [dataclasses.astuple(e) for e in events], first)
-                except Exception:  # the router is restarting: its view heals from later events
+                    self.router.cache_events.remote(self.name, [dataclasses.astuple(e) for e in events], first,
+                                                    seq=self._events_sent)
+                except Exception:  # the router is restarting: the gap is repaired by a snapshot
                     logger.warning("could not send %d cache events to the router", len(events))
+
+    def _send_snapshot(self) -> None:
+        """What the engine's cache holds, as the next batch of the feed, in place of the events not
+        sent yet (an engine that cannot tell sends None: the router keeps its view)."""
+        with self._events_lock:
+            events = self.engine.cache_snapshot()
+            self._events_sent += 1
+            self.router.cache_snapshot.remote(
+                self.name, self._events_sent, None if events is None else [dataclasses.astuple(e) for e in events])
+            logger.info("sent the router a snapshot of %s cache events",
+                        "no" if events is None else len(events))
 
     def _register(self) -> None:
         deadline = time.monotonic() + 60
@@ -246,7 +262,9 @@ class EngineReplica:
                 self._push_events()
                 stats = self.engine.stats()  # once per report: the metrics and the load read the same
                 self.metrics.observe_stats(stats)
-                ray.get(self.router.report.remote(self.name, self.metrics.exposition(), load_report(stats)),
-                        timeout=10)
+                answer = ray.get(self.router.report.remote(self.name, self.metrics.exposition(),
+                                                           load_report(stats)), timeout=10)
+                if answer and answer.get("snapshot"):
+                    self._send_snapshot()
             except Exception as exc:  # the router is restarting: report again next period
                 logger.debug("report to the router failed: %s", exc)

@@ -89,10 +89,12 @@ class WorkflowRouterActor:
         self._start_maintenance()
         return dict(self.core.loads)
 
-    async def report(self, name: str, exposition: bytes | None = None, load: dict[str, float] | None = None) -> None:
+    async def report(self, name: str, exposition: bytes | None = None,
+                     load: dict[str, float] | None = None) -> dict[str, bool]:
         """A replica's periodic report: its heartbeat (which also re-registers it with a restarted
         router), its metrics, which `/metrics` serves merged with the router's, and its load
-        (`replica.load_report`: device KV pool, usage, waiting queue), which routing policies read."""
+        (`replica.load_report`: device KV pool, usage, waiting queue), which routing policies read.
+        The answer asks for a snapshot of its cache when its event feed had a gap."""
         self.other_calls["report"] += 1
         self._heard_from(name)
         self.store.heartbeat(name, {"load": self.core.loads[name]})
@@ -101,15 +103,23 @@ class WorkflowRouterActor:
         if load is not None:
             self.core.fleet.report(name, usage=float(load["usage"]), waiting=int(load["waiting"]),
                                    capacity=int(load["capacity"]))
+        return {"snapshot": self.core.snapshot_due(name)}
 
     async def cache_events(self, replica: str, events: list[tuple[Any, ...]],
-                           first_tokens: Sequence[tuple[str, str]] = ()) -> None:
-        """What `replica` did since its last report: cache events, and the calls ((workflow key, agent))
-        whose first token it produced (their prompts are computed: prefill work in flight ends)."""
+                           first_tokens: Sequence[tuple[str, str]] = (), seq: int | None = None) -> None:
+        """What `replica` did since its last report (batch `seq` of its feed): cache events, and the
+        calls ((workflow key, agent)) whose first token it produced (their prompts are computed:
+        prefill work in flight ends)."""
         self.other_calls["cache_events"] += 1
         self._heard_from(replica)  # a restarted router learns of it here too
-        self.core.cache_events(replica, [CacheEvent(*e) for e in events])
+        self.core.cache_events(replica, [CacheEvent(*e) for e in events], seq)
         self.core.first_tokens(replica, first_tokens)
+
+    async def cache_snapshot(self, replica: str, seq: int, events: list[tuple[Any, ...]] | None) -> None:
+        """What `replica` holds as of batch `seq`, asked for by `report` after a gap in its feed."""
+        self.other_calls["cache_snapshot"] += 1
+        self._heard_from(replica)
+        self.core.cache_snapshot(replica, seq, None if events is None else [CacheEvent(*e) for e in events])
 
     async def pull_hints(self, replica: str, timeout_s: float = 1.0) -> dict[str, Any] | None:
         """Long poll: the replica's pending hints, once the next wakeup (at most `HINT_BATCH_S` after

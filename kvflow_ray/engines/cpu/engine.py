@@ -125,6 +125,10 @@ class CpuEngine(BackgroundEngine):
     def cache_events(self) -> list[CacheEvent]:
         return self.events.drain()
 
+    def cache_snapshot(self) -> list[CacheEvent] | None:
+        with self._step_lock:  # the cache changes only inside a step
+            return self.events.snapshot(self.cache.tree.nodes())
+
     def stats(self) -> dict[str, Any]:
         return {
             "policy": self.config.policy,

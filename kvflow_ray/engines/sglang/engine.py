@@ -555,6 +555,10 @@ class SglangEngine(BackgroundEngine):
                 raise RuntimeError(f"{protocol.RPC_APPLY_HINTS} failed in the SGLang scheduler "
                                    f"(is the kvflow plugin loaded?): {exc}") from exc
 
+    def cache_snapshot(self) -> list[CacheEvent] | None:
+        """SGLang's tree lives in its scheduler process, which writes events only: no snapshot."""
+        return None
+
     def cache_events(self) -> list[CacheEvent]:
         with self._events_lock:
             events, self._events_offset = read_events(self.status_dir / EVENTS_FILE, self._events_offset)

@@ -185,6 +185,18 @@ class SimEngine(BackgroundEngine):
 
         self.clock.soon(apply)
 
+    def cache_snapshot(self) -> list[CacheEvent] | None:
+        """Taken on the clock's thread, where every change to the cache happens."""
+        done = threading.Event()
+        out: list[CacheEvent] = []
+
+        def take() -> None:
+            out.extend(self.events.snapshot(self.cache.tree.nodes()))
+            done.set()
+
+        self.clock.soon(take)
+        return out if done.wait(30) else None
+
     def cache_events(self) -> list[CacheEvent]:
         return self.events.drain()
 
