@@ -300,8 +300,10 @@ def test_an_ingress_replica_killed_mid_run(server: LocalServer) -> None:
         caller = threading.Thread(target=lambda: long_call.append(
             _post(server.url + "/v1/chat/completions", body, session=probe)[0]))
         caller.start()
-        time.sleep(1.0)
-        assert not long_call and _router_stats()["calls_by_ingress"].get(victim, 0) > 0, long_call
+        time.sleep(1.0)  # the long call (seconds of simulated decoding) is under way on the victim
+        _wait(lambda: _router_stats()["calls_by_ingress"].get(victim, 0) > 0, "nothing in flight on it",
+              timeout_s=10)
+        assert not long_call, long_call
         ray.kill(ray.get_actor(names[victim]["name"], namespace=names[victim]["namespace"]), no_restart=True)
         caller.join(timeout=60)
 
