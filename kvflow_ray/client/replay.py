@@ -133,9 +133,9 @@ class HttpHost:
         if answer is not None:
             with self._lock:
                 self.result.prompt_tokens += int(answer.get("usage", {}).get("prompt_tokens", 0))
-            self._done.put((client, agent))  # a failed call is counted, and its workflow goes on
-            with self._lock:
-                self._in_flight -= 1
+        self._done.put((client, agent))  # a failed call is counted, and its workflow goes on
+        with self._lock:
+            self._in_flight -= 1
 
     def _post(self, tenant: str, path: str, body: dict[str, Any] | None, client_id: str) -> dict[str, Any] | None:
         """The answer's JSON, or None when the call failed (counted in `failures`)."""
