@@ -141,32 +141,18 @@ def register_peer(port: int) -> None:
         raise RuntimeError(f"registering peer failed: {response.status} {body[:200]!r}")
 
 
-def engine_compute_s() -> float:
-    """The engines' own compute CPU so far, summed over replicas, as their last reports (every
-    REPORT_PERIOD_S) gave it to the router's /metrics; 0 for the bare application."""
-    import ray
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from kvflow_ray.serve.metrics import COMPUTE_CPU
-    from kvflow_ray.serve.router_actor import get_router
-
-    try:
-        text = ray.get(get_router(create=False).metrics_text.remote()).decode()
-    except ValueError:  # no router: the bare application
-        return 0.0
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == COMPUTE_CPU + "_total")
-
-
 def measure(port: int, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Both applications (deployed), in alternating rounds; per application, its summed windows."""
+    from kvflow_ray.client.loadgen import counter_delta, scrape
+    from kvflow_ray.serve.metrics import COMPUTE_CPU
     from kvflow_ray.serve.replica import REPORT_PERIOD_S
 
     procs = {app: Processes(labels, numbered=("engine", "ingress")) for app, labels in LABELS.items()}
+    root = f"http://127.0.0.1:{port}"  # kvflow-ray's /metrics (read between rounds, not in them)
     for app in procs:
         drive(port, args.clients, args.warmup, app == "kvflow", f"{app}-warm")
     time.sleep(REPORT_PERIOD_S * 1.5)  # the warm-up's compute reported, so the count starts clean
-    compute_before = engine_compute_s()
+    metrics_before = scrape(root)
     cpu: dict[str, dict[str, float]] = {app: {} for app in procs}
     wall = dict.fromkeys(procs, 0.0)
     failures = dict.fromkeys(procs, 0)
@@ -181,7 +167,8 @@ def measure(port: int, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             for label in after.keys() & before.keys():
                 cpu[app][label] = cpu[app].get(label, 0.0) + after[label] - before[label]
     time.sleep(REPORT_PERIOD_S * 1.5)  # the last round's compute reported (the engines idle meanwhile)
-    compute = {"bare": 0.0, "kvflow": engine_compute_s() - compute_before}
+    # the simulated engines' own compute; the bare engine computes nothing
+    compute = {"bare": 0.0, "kvflow": counter_delta(metrics_before, scrape(root), COMPUTE_CPU + "_total")}
     calls = per_round * args.rounds
     out = {}
     for app in procs:

@@ -65,7 +65,6 @@ def build_openai_response_types() -> tuple[type, ...]:
     return tuple(built)
 
 
-
 class Workflow:
     """A workflow template (spec) that runs as many instances (`client`) as you like."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Container
 
 Ended = tuple[str, str, str, str | None]  # an agent call, as its end names it: (tenant, client id, agent, replica)
 
@@ -27,7 +28,7 @@ class CallOrigins:
     def heard(self, ingress: str) -> None:
         self._heard[ingress] = time.monotonic()
 
-    def started(self, ingress: str, call: Ended, retry: bool = False, live: frozenset[str] | None = None) -> None:
+    def started(self, ingress: str, call: Ended, retry: bool = False, live: Container[str] | None = None) -> None:
         """`ingress` routed `call`. A retry moves the call off a replica that is gone (`live`: the
         replicas that are not), so one end ends it."""
         calls = self._calls.setdefault(ingress, Counter())

@@ -86,7 +86,7 @@ class WorkflowRouterActor:
         self._forget(name)
 
     async def replicas(self) -> dict[str, int]:
-        self._start_maintenance()
+        self.keeper.start()
         return dict(self.core.loads)
 
     async def report(self, name: str, exposition: bytes | None = None,
@@ -155,14 +155,13 @@ class WorkflowRouterActor:
         simulator gives them). `ended`: calls that ended since the caller's last router call (they are
         ended first, so a client's next call always finds its previous one over). `ingress`: the
         caller, which ends the call (or, should it die first, `_prune` does)."""
-        self._start_maintenance()
+        self.keeper.start()
         self._end_calls(ended, ingress)
         route = self.core.start_call(tenant, client_id, agent, workflow=workflow, prefix_hash=prefix_hash,
                                      prefix_tokens=prefix_tokens, cache_salt=cache_salt, retry=retry,
                                      tokens=tokens, max_new=max_new)
         if ingress is not None:
-            self.origins.started(ingress, (tenant, client_id, agent, route.replica), retry,
-                                 frozenset(self.core.loads))
+            self.origins.started(ingress, (tenant, client_id, agent, route.replica), retry, self.core.loads)
         self.metrics.observe_decision(route.outcome, self.core.decision_seconds[-1], tenant, route.deviation)
         self._wake()
         # the replicas get the hints through their outboxes; the caller needs only where to go
@@ -208,7 +207,7 @@ class WorkflowRouterActor:
         """The router's metrics and every live replica's, as one Prometheus exposition, built from what
         the router holds in memory (live clients per tenant, the store's health as its last flush and
         probe saw it: no store round trip), so a scrape costs the router next to nothing."""
-        self._start_maintenance()
+        self.keeper.start()
         self.metrics.set_active(self.core.active_clients())
         self.metrics.set_health(len(self.core.loads), self.backend, self.store.up)
         self.metrics.set_store(self.store.pending, self.store.reconciles)
@@ -252,9 +251,6 @@ class WorkflowRouterActor:
     def _heard_from(self, replica: str) -> None:
         self.core.add_replica(replica)  # idempotent
         self._reported[replica] = time.monotonic()
-        self._start_maintenance()
-
-    def _start_maintenance(self) -> None:
         self.keeper.start()
 
     def _prune(self) -> None:
