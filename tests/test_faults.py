@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PEER = Workflow.from_yaml(ROOT / "workflows" / "peer.yaml")
 GRACE_S = 6.0  # the stack's store_grace_s: the Redis outages below are shorter, but for the last one
 CLIENTS = 16
+RESEND_AFTER_S = 30.0  # a call normally takes under 3 s here
 
 
 @dataclass
@@ -48,7 +49,8 @@ class Outcome:
     completed: int = 0
     failed: dict[str, str] = field(default_factory=dict)  # client id -> its first error
     statuses: list[int] = field(default_factory=list)  # kvflow-ray's answers
-    proxy_errors: list[str] = field(default_factory=list)  # Ray Serve's proxy's own 500s (not JSON)
+    # Ray Serve's proxy's own 500s (not JSON), and calls it never answered (the client timed out)
+    proxy_errors: list[str] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -71,24 +73,34 @@ def _post(url: str, body: dict[str, Any], timeout: float = 120, session: str | N
         return error.code, answer, {k.lower(): v for k, v in error.headers.items()}
 
 
-def _call(server: LocalServer, client_id: str, agent: str, text: str) -> tuple[int, dict[str, Any], dict[str, str]]:
+def _call(server: LocalServer, client_id: str, agent: str, text: str, timeout: float = 120
+          ) -> tuple[int, dict[str, Any], dict[str, str]]:
     run = PEER.client(base_url=server.url + "/v1", client_id=client_id, register=False)
     body = {"model": "default", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "messages": run.agent(agent).messages([{"role": "user", "content": text}]),
             "kvflow": run.metadata(agent)}
-    return _post(server.url + "/v1/chat/completions", body, session=client_id)
+    return _post(server.url + "/v1/chat/completions", body, timeout, session=client_id)
 
 
-def _finish(server: LocalServer, client_id: str) -> tuple[int, dict[str, Any], dict[str, str]]:
-    return _post(f"{server.url}/v1/clients/{client_id}/finish", {}, session=client_id)
+def _finish(server: LocalServer, client_id: str, timeout: float = 120) -> tuple[int, dict[str, Any], dict[str, str]]:
+    return _post(f"{server.url}/v1/clients/{client_id}/finish", {}, timeout, session=client_id)
 
 
 def _answer(outcome: Outcome, send: Callable[[], tuple[int, dict[str, Any], dict[str, str]]],
             retry_proxy_errors: bool) -> tuple[int, dict[str, Any]]:
     """`send()`, recorded. With `retry_proxy_errors`, a 500 from Ray Serve's proxy (a request in flight
-    on an ingress replica that was killed) is sent again, as the OpenAI SDK retries a 500 by default."""
+    on an ingress replica that was killed), or no answer at all (the proxy sometimes keeps a request
+    it had for the dead replica until the client gives up), is sent again, as the OpenAI SDK does with
+    a 500 or a timeout by default."""
     for attempt in range(3):
-        status, body, _headers = send()
+        try:
+            status, body, _headers = send()
+        except TimeoutError:
+            if not (retry_proxy_errors and attempt < 2):
+                raise
+            with outcome.lock:
+                outcome.proxy_errors.append("timed out")
+            continue
         with outcome.lock:
             if status == 500 and "proxy" in body:
                 outcome.proxy_errors.append(body["proxy"][:200])
@@ -103,7 +115,9 @@ def _answer(outcome: Outcome, send: Callable[[], tuple[int, dict[str, Any], dict
 def _workflow(server: LocalServer, client_id: str, iterations: int, outcome: Outcome, finish: bool = True,
               retry_proxy_errors: bool = False) -> None:
     """One instance: `iterations` passes of the step graph (stages' agents concurrently), then finish.
-    No retries (but for `_answer`'s): the first non-200 fails the workflow."""
+    No retries (but for `_answer`'s): the first non-200 fails the workflow. Resending a call the proxy
+    never answered waits RESEND_AFTER_S for it, not the default two minutes."""
+    timeout = RESEND_AFTER_S if retry_proxy_errors else 120
     with outcome.lock:
         outcome.started += 1
     try:
@@ -112,14 +126,14 @@ def _workflow(server: LocalServer, client_id: str, iterations: int, outcome: Out
                 for agent in stage:
                     started = time.perf_counter()
                     text = f"{client_id} pass {iteration}"
-                    status, body = _answer(outcome, lambda a=agent, t=text: _call(server, client_id, a, t),
+                    status, body = _answer(outcome, lambda a=agent, t=text: _call(server, client_id, a, t, timeout),
                                            retry_proxy_errors)
                     with outcome.lock:
                         outcome.latencies.append(time.perf_counter() - started)
                     if status != 200:
                         raise RuntimeError(f"{agent}: HTTP {status} {body.get('error', {}).get('message')}")
         if finish:
-            status, body = _answer(outcome, lambda: _finish(server, client_id), retry_proxy_errors)
+            status, body = _answer(outcome, lambda: _finish(server, client_id, timeout), retry_proxy_errors)
             if status != 200:
                 raise RuntimeError(f"finish: HTTP {status} {body.get('error', {}).get('message')}")
         with outcome.lock:
@@ -149,7 +163,7 @@ def _run_with_fault(server: LocalServer, name: str, fault: Callable[[], None], a
 
 def _assert_clean(outcome: Outcome, proxy_errors: int = 0) -> None:
     """Every workflow completed, and kvflow-ray answered every call 200; at most `proxy_errors` calls
-    met Ray Serve's proxy's own 500 (see `test_an_ingress_replica_killed_mid_run`)."""
+    met Ray Serve's proxy's own 500 or no answer (see `test_an_ingress_replica_killed_mid_run`)."""
     assert outcome.started == CLIENTS and not outcome.failed, outcome.failed
     assert outcome.completed == CLIENTS and 500 not in outcome.statuses
     assert set(outcome.statuses) == {200}
@@ -273,8 +287,9 @@ def test_an_ingress_replica_killed_mid_run(server: LocalServer) -> None:
     The calls in flight on the killed process are answered by Ray Serve's proxy itself: a 500 with a
     text body (`ray/serve/_private/http_util.py` `get_http_response_status` maps the replica's
     RayActorError to 500; proxy middlewares, which could have retried, were removed from HTTPOptions).
-    The clients send those again, as the OpenAI SDK does with a 500, and kvflow-ray itself answers no
-    500: at most one proxy error per client, and every workflow completes."""
+    The proxy sometimes keeps instead a request it had for the dead replica until the client gives up.
+    The clients send those again, as the OpenAI SDK does with a 500 or a timeout, and kvflow-ray itself
+    answers no 500: at most one proxy error per client, and every workflow completes."""
     router = get_router(create=False)
     lost_before = _router_stats()["ingresses_lost"]
     names = {name["name"].rsplit("#", 1)[1]: name for name in ray.util.list_named_actors(all_namespaces=True)
