@@ -51,6 +51,10 @@ def test_client_state_is_per_tenant_and_restorable(store: Store) -> None:
     assert store.get_client("acme", "c1") == state
     assert store.get_client("globex", "c1")["running"] == []
     assert store.get_client("initech", "c1") is None
+    # what an ingress recalls in one batch (one MGET from Redis), in the order asked, each per tenant
+    assert store.get_clients([("globex", "c1"), ("initech", "c1"), ("acme", "c1")]) == [
+        {**state, "running": []}, None, state]
+    assert store.get_clients([]) == []
     # what a restarted router reloads: every tenant's clients, each under its own tenant
     assert sorted((t, c) for t, c, _s in store.clients()) == [("acme", "c1"), ("globex", "c1")]
     assert store.delete_client("acme", "c1") is True

@@ -110,6 +110,16 @@ class BlockIndex:
     def device_blocks(self, replica: str) -> int:
         return self._blocks.get(replica, 0)
 
+    def export(self) -> dict[str, dict[str, list[int]]]:
+        """replica -> tier -> the blocks it holds there: the whole index as plain data, for a router
+        that starts from another's view (O(blocks held), rare)."""
+        out: dict[str, dict[str, list[int]]] = {}
+        for h, holders in self._holders.items():
+            for replica, tiers in holders.items():
+                for tier in tiers:
+                    out.setdefault(replica, {}).setdefault(tier, []).append(h)
+        return out
+
     def overlaps(self, blocks: Sequence[int]) -> dict[str, tuple[int, int]]:
         """replica -> (leading blocks of `blocks` it holds on the device, leading blocks it holds on
         the device or the host), for every replica holding the first block."""
@@ -161,14 +171,26 @@ class WorkInFlight:
         self._replicas: dict[str, _Work] = {}
         self._prefill: dict[int, tuple[str, int]] = {}  # id(request) -> (replica, prefill tokens it added)
         self._where: dict[int, set[str]] = {}  # block hash -> replicas whose calls in flight hold it
+        # replica -> (prefill tokens, KV blocks) of the other routers' calls there, as they last said
+        # (Dynamo's router replicas share their active sequences the same way); counted in the totals
+        self.elsewhere: Mapping[str, Sequence[float]] = {}
 
-    def prefill_tokens(self, replica: str) -> int:
+    def prefill_tokens(self, replica: str) -> float:
         work = self._replicas.get(replica)
-        return work.prefill_tokens if work else 0
+        return (work.prefill_tokens if work else 0) + self._elsewhere(replica, 0)
 
-    def blocks(self, replica: str) -> int:
+    def blocks(self, replica: str) -> float:
         work = self._replicas.get(replica)
-        return len(work.blocks) if work else 0
+        return (len(work.blocks) if work else 0) + self._elsewhere(replica, 1)
+
+    def _elsewhere(self, replica: str, i: int) -> float:
+        other = self.elsewhere.get(replica)
+        return other[i] if other else 0
+
+    def own(self) -> dict[str, list[float]]:
+        """replica -> [prefill tokens, KV blocks] of this router's own calls there (for the others)."""
+        return {replica: [work.prefill_tokens, len(work.blocks)] for replica, work in self._replicas.items()
+                if work.prefill_tokens or work.blocks}
 
     def shared_blocks(self, request: RouteRequest) -> dict[str, int]:
         """replica -> the call's prompt blocks that calls in flight there already hold."""
@@ -347,6 +369,15 @@ class RoutingPolicy(Protocol):
         """`replica` left the fleet."""
         ...
 
+    def shared(self) -> dict[str, dict[str, list[float]]]:
+        """What the other routers of the fleet (other ingress replicas) price with of this one's own
+        state: name -> replica -> numbers. Empty: nothing (a policy with a history of its own)."""
+        ...
+
+    def absorb(self, others: Mapping[str, Mapping[str, Sequence[float]]]) -> None:
+        """The other routers' `shared`, summed per name and replica (it replaces the last)."""
+        ...
+
 
 class RoutingHooks:
     """`RoutingPolicy`'s hooks, doing nothing: a policy overrides those it needs."""
@@ -363,6 +394,12 @@ class RoutingHooks:
         return None
 
     def removed(self, replica: str) -> None:
+        return None
+
+    def shared(self) -> dict[str, dict[str, list[float]]]:
+        return {}
+
+    def absorb(self, others: Mapping[str, Mapping[str, Sequence[float]]]) -> None:
         return None
 
 
@@ -664,6 +701,15 @@ class WorkflowRouter(WorkPricingRouter):
     def removed(self, replica: str) -> None:
         super().removed(replica)
         self.apps.removed(replica)
+
+    def shared(self) -> dict[str, dict[str, list[float]]]:
+        """Its work in flight, which the routers of the other ingress replicas price with (Dynamo's
+        router replicas can share their active blocks the same way, `--router-replica-sync`; the
+        Dynamo rule here keeps its default, each router its own)."""
+        return {"work": self.work.own()}
+
+    def absorb(self, others: Mapping[str, Mapping[str, Sequence[float]]]) -> None:
+        self.work.elsewhere = others.get("work", {})
 
 
 # ---------------------------------------------------------------------------------------------- load only

@@ -23,6 +23,8 @@ class Clients:
     def __init__(self, store: BufferedStore, limits: TenantLimits) -> None:
         self.store = store
         self.limits = limits  # read at each admission: `max_live_clients` per tenant
+        # per tenant: live clients other owners hold (as they last said), counted against the limit
+        self.elsewhere: Counter[str] = Counter()
         self.records: dict[Client, dict[str, Any]] = {}  # live clients' records (the store's copy, in memory)
         # per tenant: live clients, least recently called first (expired ones leave from the front, so
         # counting them is O(what expired))
@@ -51,6 +53,14 @@ class Clients:
     def get(self, tenant: str, client_id: str) -> dict[str, Any] | None:
         return self.records.get((tenant, client_id))
 
+    def adopt(self, tenant: str, client_id: str, record: dict[str, Any]) -> None:
+        """A client whose record another owner wrote (an ingress replica that is gone): live here now,
+        unless it is known here already or was finished here."""
+        client = (tenant, client_id)
+        if client not in self.records and not self.was_finished(client):
+            self.records[client] = record
+            self._live.setdefault(tenant, OrderedDict())[client_id] = time.monotonic()
+
     def save(self, tenant: str, client_id: str, record: dict[str, Any]) -> None:
         self.store.put_client(tenant, client_id, record)
         self.records[(tenant, client_id)] = record
@@ -62,8 +72,9 @@ class Clients:
         if admit and client_id not in live:
             self._finished.pop((tenant, client_id), None)  # a new instance under the id
             self.expire(tenant, expired)
-            if len(live) >= self.limits.max_live_clients:
-                raise TenantLimitError("max_live_clients", f"tenant has {len(live)} live workflow clients, the most "
+            count = len(live) + self.elsewhere[tenant]
+            if count >= self.limits.max_live_clients:
+                raise TenantLimitError("max_live_clients", f"tenant has {count} live workflow clients, the most "
                                                            "allowed; finish some (POST /v1/clients/{id}/finish)")
         live[client_id] = time.monotonic()
         live.move_to_end(client_id)

@@ -79,10 +79,13 @@ def application_key(tenant: str, workflow: str) -> str:
 class RouterCore:
     def __init__(self, store: Store | BufferedStore, policy: RoutingPolicy | None = None,
                  prefetch_horizon: int = 1, limits: TenantLimits | None = None,
-                 template_ttl_s: float | None = None, prediction: str = "graph") -> None:
+                 template_ttl_s: float | None = None, prediction: str = "graph", *, owner: bool = True) -> None:
         """`prediction`: how agents are ranked in the hints (`core.predict.PREDICTION`): `graph`
         (steps-to-execution), `priors` or `learned` (expected steps; `learned` learns each tenant's
-        templates' choices from the calls it routes and keeps the models in the store)."""
+        templates' choices from the calls it routes and keeps the models in the store).
+        `owner`: this core owns the templates and the holdings (loads them, writes them); otherwise
+        (an ingress replica's core, `router/peers.py`) it holds copies the router actor sends, and
+        owns only its clients, which it recalls from the store one by one, not all at start."""
         # a plain store (tests, tools): every write goes through at once
         self.store = store if isinstance(store, BufferedStore) else BufferedStore(store, sync=True)
         self.limits = limits or TenantLimits()
@@ -92,9 +95,11 @@ class RouterCore:
         self.fleet = Fleet()
         self.loads = self.fleet.loads
         # templates outlive the clients using them
-        self.templates = Templates(self.store, self.limits, max(template_ttl_s or 0.0, self.store.ttl_s))
+        self.owner = owner
+        self.templates = Templates(self.store, self.limits, max(template_ttl_s or 0.0, self.store.ttl_s),
+                                   copy=not owner)
         self.clients = Clients(self.store, self.limits)
-        self.holdings = Holdings(self.store, self.fleet.blocks)
+        self.holdings = Holdings(self.store, self.fleet.blocks, persist=owner)
         self.outbox = HintOutbox()
         self.forecast = Forecaster(prediction)
         self.decisions: Counter[str] = Counter()
@@ -105,15 +110,16 @@ class RouterCore:
         self.finish_seconds: deque[float] = deque(maxlen=10_000)  # recent finish_client latencies (wall)
         self.finish_cpu_seconds: deque[float] = deque(maxlen=10_000)  # ... and the CPU each took (this thread)
         self.templates.load()
-        self.clients.load()
+        if owner:
+            self.clients.load()
         self.holdings.load()
         if self.store.get_marker() is None:
             self.store.set_marker("kvflow-router")
 
     @classmethod
-    def from_settings(cls, store: Store | BufferedStore, settings: RouterSettings) -> RouterCore:
+    def from_settings(cls, store: Store | BufferedStore, settings: RouterSettings, *, owner: bool = True) -> RouterCore:
         return cls(store, settings.policy(), prefetch_horizon=settings.prefetch_horizon, limits=settings.limits,
-                   template_ttl_s=settings.template_ttl_s, prediction=settings.prediction)
+                   template_ttl_s=settings.template_ttl_s, prediction=settings.prediction, owner=owner)
 
     def reconcile(self) -> int:
         """Queue the router's whole durable state for the store (after an outage, or a store that lost
@@ -310,6 +316,12 @@ class RouterCore:
         heard of it, so their books and tags let go of it too."""
         self.clients.forget(tenant, client_id)
         return self.outbox.retire(workflow_key(tenant, client_id), self.loads.keys())
+
+    def release(self, tenant: str, client_id: str) -> None:
+        """Another router took the client over (an ingress that recalled it from the store): it is
+        forgotten here without retiring it, since it goes on there. O(1)."""
+        self.clients.forget(tenant, client_id)
+        self.outbox.forget(workflow_key(tenant, client_id))
 
     def expire(self) -> int:
         """Retire every client idle for longer than the state TTL (its store entry expires by the same

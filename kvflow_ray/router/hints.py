@@ -81,6 +81,25 @@ class HintOutbox:
         retire = Hints(retire=[key])
         return [(replica, retire) for replica in replicas]
 
+    def merge(self, replica: str, batch: HintBatch) -> None:
+        """Add a batch made elsewhere (an ingress replica's outbox) to what waits for `replica`, as if
+        its updates had been made here after what waits: a retirement drops what waits of the
+        instance, later steps replace earlier ones. Instances are per client and a client is routed
+        by one ingress, so batches of different ingresses never touch the same instance."""
+        waiting = self._outbox.setdefault(replica, HintBatch())
+        for key in batch.retire:
+            for part in (waiting.steps, waiting.prompts, waiting.salts, waiting.elsewhere):
+                part.pop(key, None)
+            waiting.retire.append(key)
+        waiting.steps.update(batch.steps)
+        waiting.prompts.update(batch.prompts)
+        waiting.salts.update(batch.salts)
+        for key in batch.steps:
+            if key in batch.elsewhere:
+                waiting.elsewhere[key] = batch.elsewhere[key]
+            else:
+                waiting.elsewhere.pop(key, None)
+
     def take(self, replica: str) -> HintBatch | None:
         """The hints waiting for `replica` (removed from the outbox), or None."""
         batch = self._outbox.pop(replica, None)
@@ -94,6 +113,11 @@ class HintOutbox:
 
     def told(self, key: str) -> bool:
         return key in self._told
+
+    def forget(self, key: str) -> None:
+        """Instance `key` is routed elsewhere now: which replicas heard of it is the new router's
+        to learn (not knowing, it retires the instance everywhere)."""
+        self._told.pop(key, None)
 
     def drop(self, replica: str) -> None:
         """`replica` left: nothing waits for it, and no instance counts it as told (O(instances), rare)."""

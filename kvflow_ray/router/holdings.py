@@ -11,6 +11,9 @@ applied (one lost on its way, or a router restarted mid-feed, which starts from 
 stale copy) makes the replica's view stale: a phantom holder would draw calls that then miss, and a
 prefix stored meanwhile would be unknown. The replica is asked for a snapshot of what it holds, which
 replaces its view (as Dynamo repairs an event-id gap from the worker).
+
+An ingress replica keeps a copy (`persist=False`: the router actor alone writes the store), fed with
+the events the actor relays and started, or repaired, from the actor's `export`.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from kvflow_ray.router.store import BufferedStore
 
 
 class Holdings:
-    def __init__(self, store: BufferedStore, blocks: BlockIndex) -> None:
+    def __init__(self, store: BufferedStore, blocks: BlockIndex, *, persist: bool = True) -> None:
         self.store = store
         self.blocks = blocks
+        self.persist = persist  # the store keeps this view (the router actor's), or it is a copy
         # replica -> prefix -> tiers it holds the prefix in (a write-back briefly holds both)
         self._held: dict[str, dict[str, set[str]]] = {}
         self._locations: dict[str, dict[str, str]] = {}  # prefix hash -> {replica: best tier}
@@ -34,6 +38,8 @@ class Holdings:
 
     def load(self) -> None:
         """The prefix view the store holds, once, at (re)start."""
+        if not self.persist:
+            return
         for prefix_hash, holders in self.store.location_items():
             self._locations[prefix_hash] = holders
             for replica, tier in holders.items():
@@ -42,6 +48,8 @@ class Holdings:
     def reconcile(self) -> int:
         """Queue every reported location for the store (not the foreseen ones); how many writes."""
         writes = 0
+        if not self.persist:
+            return writes
         for prefix_hash, holders in self._locations.items():
             for replica, tier in holders.items():
                 if prefix_hash in self._held.get(replica, {}):
@@ -101,7 +109,8 @@ class Holdings:
                     del self._locations[event.prefix_hash]
             else:
                 holders[replica] = best
-            self.store.set_location(event.prefix_hash, replica, best)
+            if self.persist:
+                self.store.set_location(event.prefix_hash, replica, best)
 
     def drop(self, replica: str) -> None:
         """`replica` left: it holds nothing (O(what it held)). Its blocks go with the fleet's entry."""
@@ -113,7 +122,29 @@ class Holdings:
             holders.pop(replica, None)
             if not holders:
                 self._locations.pop(prefix_hash, None)
-        self.store.drop_replica(replica, list(held))
+        if self.persist:
+            self.store.drop_replica(replica, list(held))
+
+    def export(self) -> dict[str, dict[str, object]]:
+        """Everything reported, as plain data: replica -> {"prefixes": [[hash, [tiers]]], "blocks":
+        {tier: [block hashes]}} (O(what is held); sent to an ingress that starts or lost track)."""
+        blocks = self.blocks.export()
+        return {replica: {"prefixes": [[h, sorted(tiers)] for h, tiers in held.items()],
+                          "blocks": blocks.get(replica, {})}
+                for replica, held in self._held.items()}
+
+    def restore(self, exported: dict[str, dict[str, object]]) -> None:
+        """Replace the whole view with another's `export` (replicas it does not name hold nothing)."""
+        for replica in [*self._held, *exported]:
+            self.drop(replica)
+            self.blocks.drop(replica)
+        for replica, view in exported.items():
+            held = self._held.setdefault(replica, {})
+            for prefix_hash, tiers in view["prefixes"]:  # type: ignore[union-attr]
+                held[prefix_hash] = set(tiers)
+                self._locations.setdefault(prefix_hash, {})[replica] = "gpu" if "gpu" in tiers else "cpu"
+            for tier, hashes in view["blocks"].items():  # type: ignore[union-attr]
+                self.blocks.stored(replica, tier, hashes)
 
     def __len__(self) -> int:
         return len(self._locations)

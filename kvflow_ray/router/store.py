@@ -19,7 +19,7 @@ import json
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from kvflow_ray.core.graph import KEY_PART_RE, is_name
@@ -66,6 +66,10 @@ class Store(Protocol):
     def get_model(self, tenant: str, template: str) -> dict[str, Any] | None: ...
 
     def get_client(self, tenant: str, client_id: str) -> dict[str, Any] | None: ...
+
+    def get_clients(self, clients: Sequence[tuple[str, str]]) -> list[dict[str, Any] | None]:
+        """Several clients' records at once ((tenant, client id) each; None where there is none)."""
+        ...
 
     def delete_client(self, tenant: str, client_id: str) -> bool: ...
 
@@ -225,6 +229,9 @@ class MemoryStore:
             raw = self._get(key)
         return None if raw is None else json.loads(raw)
 
+    def get_clients(self, clients: Sequence[tuple[str, str]]) -> list[dict[str, Any] | None]:
+        return [self.get_client(tenant, client_id) for tenant, client_id in clients]
+
     def delete_client(self, tenant: str, client_id: str) -> bool:
         key = _client_key(tenant, client_id)
         with self._lock:
@@ -351,6 +358,13 @@ class RedisStore:
         raw = self._r.get(_client_key(tenant, client_id))
         return None if raw is None else json.loads(raw)
 
+    def get_clients(self, clients: Sequence[tuple[str, str]]) -> list[dict[str, Any] | None]:
+        """One MGET for them all."""
+        if not clients:
+            return []
+        raws = self._r.mget([_client_key(tenant, client_id) for tenant, client_id in clients])
+        return [None if raw is None else json.loads(raw) for raw in raws]
+
     def delete_client(self, tenant: str, client_id: str) -> bool:
         key = _client_key(tenant, client_id)
         return bool(self._r.delete(key))
@@ -422,7 +436,7 @@ class StoreUnavailableError(RuntimeError):
     it: state changes are refused (503 with Retry-After) until it answers again."""
 
 
-READS = frozenset({"get_template", "templates", "template_items", "get_client", "clients", "locations",
+READS = frozenset({"get_template", "templates", "template_items", "get_client", "get_clients", "clients", "locations",
                    "location_items", "replicas", "get_marker", "get_model"})
 
 

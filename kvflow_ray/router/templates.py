@@ -8,7 +8,7 @@ import hashlib
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +46,13 @@ class Templates:
     """The tenants' templates, in memory (the store holds their durable copies). A template unused for
     `ttl_s` is dropped; registrations that change one are rate limited per tenant."""
 
-    def __init__(self, store: BufferedStore, limits: TenantLimits, ttl_s: float) -> None:
+    def __init__(self, store: BufferedStore, limits: TenantLimits, ttl_s: float, *, copy: bool = False) -> None:
+        """`copy`: an ingress replica's copy of the router actor's templates (`adopt`ed from it): it
+        never writes the store, and it notes which templates it used (`take_used`), so the actor,
+        which owns them, keeps them alive."""
         self.store = store
+        self.copy = copy
+        self._used: set[tuple[str, str]] = set()  # (tenant, name) used since `take_used` (copies only)
         self.limits = limits
         self.spec_limits = limits.spec_limits()
         self.ttl_s = ttl_s
@@ -60,6 +65,8 @@ class Templates:
 
     def load(self) -> None:
         """What the store holds, once, at (re)start."""
+        if self.copy:
+            return
         now = time.monotonic()
         for tenant, name, raw in self.store.template_items():
             spec = parse_spec(raw)
@@ -71,6 +78,8 @@ class Templates:
     def reconcile(self) -> int:
         """Queue every template and kept version for the store; how many writes."""
         writes = 0
+        if self.copy:
+            return writes
         for tenant, templates in self.current.items():
             for name, template in templates.items():
                 self.store.put_template(tenant, name, template.spec.to_dict(), ttl_s=self.ttl_s)
@@ -112,6 +121,41 @@ class Templates:
         templates.move_to_end(parsed.name)
         self.store.put_template(tenant, parsed.name, parsed.to_dict(), ttl_s=self.ttl_s)
         return template.spec
+
+    def adopt(self, tenant: str, raw: Mapping[str, Any], version: str) -> WorkflowSpec:
+        """A copy takes the owner's current version of a template (checked there already); the version
+        it replaces stays readable for the clients that started on it."""
+        templates = self.current.setdefault(tenant, OrderedDict())
+        current = templates.get(str(raw.get("name")))
+        if current is not None and current.version == version:
+            return current.spec
+        spec = parse_spec(dict(raw))
+        if current is not None:
+            self._remember_version(tenant, current.version, current.spec)
+        now = time.monotonic()
+        templates[spec.name] = Template(spec, version, None, now, now)
+        return spec
+
+    def exported(self, tenant: str, name: str) -> dict[str, Any]:
+        """The current template and its version, for a copy to `adopt` (marked used)."""
+        template = self.get(tenant, name)
+        return {"spec": template.spec.to_dict(), "version": template.version}
+
+    def take_used(self) -> list[tuple[str, str]]:
+        """The templates a copy used since the last take (to tell the owner)."""
+        used, self._used = self._used, set()
+        return sorted(used)
+
+    def untake_used(self, used: Iterable[tuple[str, str]]) -> None:
+        """Taken, but the owner never heard: told with the next take."""
+        self._used.update((tenant, name) for tenant, name in used)
+
+    def touch(self, used: list[tuple[str, str]]) -> None:
+        """Templates a copy used: they stay alive here (the owner) as if used here."""
+        for tenant, name in used:
+            template = self.current.get(tenant, {}).get(name)
+            if template is not None:
+                self._use(tenant, template)
 
     def get(self, tenant: str, name: str) -> Template:
         """The tenant's current template `name`, marked used."""
@@ -163,7 +207,9 @@ class Templates:
         now = time.monotonic()
         template.used_at = now
         self.current[tenant].move_to_end(template.spec.name)
-        if now - template.renewed_at > self.ttl_s / 4:
+        if self.copy:
+            self._used.add((tenant, template.spec.name))
+        elif now - template.renewed_at > self.ttl_s / 4:
             template.renewed_at = now
             self.store.put_template(tenant, template.spec.name, template.spec.to_dict(), ttl_s=self.ttl_s)
 
@@ -179,7 +225,8 @@ class Templates:
             if template.used_at > horizon:
                 break
             del templates[name]
-            self.store.delete_template(tenant, name)
+            if not self.copy:
+                self.store.delete_template(tenant, name)
             expired += 1
         return expired
 

@@ -1,0 +1,228 @@
+"""The router actor and its ingress replicas without Ray (`router/peers.py`): a hub core that hears the
+replicas, ingress cores that route on their own and stay in step through syncs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvflow_ray.core.routing import block_hashes
+from kvflow_ray.engines.base import CacheEvent
+from kvflow_ray.router.core import RouterCore, TenantLimitError
+from kvflow_ray.router.hints import HintBatch, HintOutbox
+from kvflow_ray.router.limits import TenantLimits
+from kvflow_ray.router.peers import HubLink, Peers
+from kvflow_ray.router.store import MemoryStore
+from kvflow_ray.serve.metrics import merge_expositions
+
+PEER = {"name": "peer", "entry": "planner", "agents": {
+    "planner": {"prompt": "You are the Planner.", "after": ["reviewer"]},
+    "executor": {"after": ["planner"]},
+    "expresser": {"after": ["executor"]},
+    "reviewer": {"after": ["expresser"]},
+}}
+HUB = "hub-1"
+
+
+class Fleet:
+    """A hub core, its peers, and the calls the router actor makes on them (what `router_actor.py`
+    does around them is Ray)."""
+
+    def __init__(self, limits: TenantLimits | None = None, max_queued: int = 20_000) -> None:
+        self.limits = limits or TenantLimits()
+        self.hub = RouterCore(MemoryStore(), limits=self.limits)
+        self.peers = Peers(max_queued=max_queued)
+        for replica in ("r1", "r2"):
+            self.hub.add_replica(replica)
+        self.hub.put_template("acme", PEER)
+
+    def ingress(self, store: MemoryStore | None = None) -> HubLink:
+        link = HubLink(RouterCore(store or MemoryStore(), limits=self.limits, owner=False))
+        exported = self.hub.templates.exported("acme", "peer")
+        link.core.templates.adopt("acme", exported["spec"], exported["version"])
+        return link
+
+    def sync(self, link: HubLink, name: str) -> list[tuple[str, str]]:
+        return link.apply(self.peers.sync(self.hub, HUB, name, link.outbound()))
+
+    def events(self, replica: str, events: list[CacheEvent]) -> None:
+        self.hub.cache_events(replica, events)
+        self.peers.publish(("events", replica, [dataclasses.astuple(e) for e in events]))
+
+
+def stored(prefix: str, tokens: list[int], tier: str = "gpu") -> CacheEvent:
+    return CacheEvent("stored", tier, prefix, len(tokens), tuple(block_hashes(tokens, "")))
+
+
+def test_an_ingress_routes_on_what_the_replicas_reported_to_the_hub() -> None:
+    fleet = Fleet()
+    a = fleet.ingress()
+    fleet.sync(a, "A")
+    assert set(a.core.loads) == {"r1", "r2"} and a.hub == HUB
+    fleet.events("r2", [stored("hp", list(range(64)))])
+    fleet.sync(a, "A")
+    assert a.core.holdings.holders("hp") == {"r2": "gpu"}
+    route = a.core.start_call("acme", "c1", "planner", workflow="peer", prefix_hash="hp", prefix_tokens=64)
+    assert route.replica == "r2" and route.outcome == "affinity"
+    assert fleet.hub.take_hints("r2") is None  # the hints leave with the next sync, not before
+    fleet.sync(a, "A")
+    assert fleet.hub.take_hints("r2").steps["acme/c1"]["planner"] == 0
+
+
+def test_every_ingress_counts_the_others_calls_in_flight() -> None:
+    fleet = Fleet()
+    a, b = fleet.ingress(), fleet.ingress()
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    route = a.core.start_call("acme", "c1", "planner", workflow="peer")
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    assert b.core.loads[route.replica] == 1 and a.core.loads[route.replica] == 1
+    b.core.start_call("acme", "c2", "planner", workflow="peer")
+    fleet.sync(b, "B")
+    fleet.sync(a, "A")
+    assert sum(a.core.loads.values()) == 2 and a.own_loads() == {route.replica: 1}
+    a.core.end_call("acme", "c1", "planner", route.replica)
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    assert sum(b.core.loads.values()) == 1 and sum(a.core.loads.values()) == 1
+    assert fleet.peers.totals()["calls_in_flight"] == 1
+    # an ingress that stops syncing stops counting
+    fleet.peers.silent_s = 0.0
+    assert set(fleet.peers.prune()) == {"A", "B"}
+    fleet.sync(a, "A")
+    assert sum(a.core.loads.values()) == 0
+
+
+def test_the_live_client_limit_counts_every_ingress() -> None:
+    fleet = Fleet(TenantLimits(max_live_clients=1))
+    a, b = fleet.ingress(), fleet.ingress()
+    fleet.sync(a, "A")
+    a.core.start_call("acme", "c1", "planner", workflow="peer")
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    with pytest.raises(TenantLimitError, match="1 live workflow clients"):
+        b.core.start_call("acme", "c2", "planner", workflow="peer")
+
+
+def test_a_new_ingress_starts_from_the_hubs_holdings() -> None:
+    fleet = Fleet(max_queued=2)
+    a = fleet.ingress()
+    fleet.sync(a, "A")
+    tokens = list(range(48))
+    fleet.events("r1", [stored("h1", tokens), stored("h1", tokens, "cpu")])
+    fleet.events("r2", [stored("h2", tokens, "cpu")])
+    fleet.sync(a, "A")  # the events, in order
+    late = fleet.ingress()
+    fleet.sync(late, "late")  # the whole holdings
+    for link in (a, late):
+        assert link.core.holdings.holders("h1") == {"r1": "gpu"} and link.core.holdings.holders("h2") == {"r2": "cpu"}
+        assert link.core.fleet.blocks.export() == fleet.hub.fleet.blocks.export()
+    # a queue that overflows (an ingress that did not sync for long) is replaced by the holdings
+    for i in range(3):
+        fleet.events("r2", [stored(f"x{i}", [i] * 16)])
+    assert fleet.peers.peers["A"].owes_snapshot
+    fleet.sync(a, "A")
+    assert a.core.holdings.holders("x2") == {"r2": "gpu"} and len(a.core.holdings) == len(fleet.hub.holdings)
+
+
+def test_replicas_the_hub_forgets_leave_every_ingress() -> None:
+    fleet = Fleet()
+    a = fleet.ingress()
+    fleet.sync(a, "A")
+    fleet.hub.fleet.report("r1", usage=0.5, waiting=3, capacity=1000)
+    fleet.hub.remove_replica("r2")
+    fleet.sync(a, "A")
+    assert set(a.core.loads) == {"r1"} and a.core.fleet.capacity == {"r1": 1000} and a.core.fleet.waiting["r1"] == 3
+
+
+def test_a_failed_sync_keeps_its_hints_for_the_next() -> None:
+    fleet = Fleet()
+    a = fleet.ingress()
+    fleet.sync(a, "A")
+    route = a.core.start_call("acme", "c1", "planner", workflow="peer")
+    lost = a.outbound()
+    assert lost["hints"] and not a.core.pending_hints()
+    a.unsent(lost)
+    fleet.sync(a, "A")
+    assert "acme/c1" in fleet.hub.take_hints(route.replica).steps
+
+
+def test_a_client_another_ingress_routed_is_recalled_from_a_shared_store() -> None:
+    fleet = Fleet()
+    shared = MemoryStore()
+    a, b = fleet.ingress(shared), fleet.ingress(shared)
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    route = a.core.start_call("acme", "c1", "planner", workflow="peer")
+    a.core.end_call("acme", "c1", "planner", route.replica)
+    assert b.core.clients.get("acme", "c1") is None
+    b.core.clients.adopt("acme", "c1", shared.get_client("acme", "c1"))
+    b.claim("acme", "c1")  # what the ingress does when it recalls one
+    assert b.core.client_workflow("acme", "c1") == "peer"
+    assert not b.core.start_call("acme", "c1", "executor").deviation  # its step graph came with it
+    # the ingress that routed it before lets go (without retiring it: it goes on at b)
+    fleet.sync(b, "B")
+    fleet.sync(a, "A")
+    assert a.core.clients.get("acme", "c1") is None
+    fleet.sync(a, "A")  # ... and says so with its next
+    assert fleet.peers.totals()["live_clients"] == 1
+    assert b.core.clients.get("acme", "c1") is not None and not a.core.pending_hints()
+
+
+def test_a_changed_template_reaches_every_ingress_and_old_clients_keep_theirs() -> None:
+    fleet = Fleet()
+    a = fleet.ingress()
+    fleet.sync(a, "A")
+    a.core.start_call("acme", "old", "planner", workflow="peer")
+    changed = {**PEER, "agents": {**PEER["agents"], "critic": {"after": ["reviewer"]}}}
+    fleet.hub.put_template("acme", changed)
+    fleet.peers.publish(("template", "acme", "peer"))  # what the actor does when a version changes
+    assert fleet.sync(a, "A") == [("acme", "peer")]
+    exported = fleet.hub.templates.exported("acme", "peer")
+    a.core.templates.adopt("acme", exported["spec"], exported["version"])
+    assert "critic" in a.core.template("acme", "peer").agents
+    a.core.start_call("acme", "new", "critic", workflow="peer")
+    with pytest.raises(ValueError, match="critic"):  # the old client runs the version it started on
+        a.core.start_call("acme", "old", "critic")
+    # the templates an ingress used stay alive at the hub
+    used = a.core.templates.take_used()
+    assert used == [("acme", "peer")] and a.core.templates.take_used() == []
+
+
+def test_merged_hints_read_as_if_made_in_order() -> None:
+    outbox = HintOutbox()
+    outbox.merge("r1", HintBatch(steps={"t/a": {"x": 1.0}, "t/b": {"y": 2.0}}, prompts={"t/a": {"x": "p"}},
+                                 salts={"t/a": "s"}, elsewhere={"t/a": ["x"]}))
+    outbox.merge("r1", HintBatch(steps={"t/a": {"x": 0.0}}, retire=["t/b"]))
+    batch = outbox.take("r1")
+    assert batch.steps == {"t/a": {"x": 0.0}} and batch.retire == ["t/b"]
+    assert batch.prompts == {"t/a": {"x": "p"}} and batch.elsewhere == {}  # the later steps said nowhere else
+
+
+def test_each_ingress_metrics_keep_their_own_label() -> None:
+    text = b"# HELP kvflow_router_decisions_total d\n# TYPE kvflow_router_decisions_total counter\n" \
+           b'kvflow_router_decisions_total{outcome="affinity"} 3.0\n'
+    merged = merge_expositions([(text, {"ingress": "a"}), (text, {"ingress": "b"})]).decode()
+    assert 'kvflow_router_decisions_total{ingress="a",outcome="affinity"} 3.0' in merged
+    assert 'kvflow_router_decisions_total{ingress="b",outcome="affinity"} 3.0' in merged
+    assert merged.count("# TYPE kvflow_router_decisions_total") == 1
+
+
+def test_the_workflow_router_prices_the_other_ingresses_work_in_flight() -> None:
+    fleet = Fleet()
+    a, b = fleet.ingress(), fleet.ingress()
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    first = a.core.start_call("acme", "c1", "planner", workflow="peer", tokens=list(range(2048)), max_new=8)
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    assert b.core.policy.work.prefill_tokens(first.replica) == 2048  # a's prompt, still to prefill there
+    # another application's call at b goes where no prefill waits, as one router would send it
+    other = b.core.start_call("acme", "c2", "planner", workflow="peer", tokens=list(range(5000, 7048)), max_new=8)
+    assert other.replica != first.replica
+    a.core.end_call("acme", "c1", "planner", first.replica)
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    assert b.core.policy.work.prefill_tokens(first.replica) == 0
