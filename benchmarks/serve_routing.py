@@ -9,10 +9,10 @@ policy (host tier, prefetch) and under lru (device only, like an engine without 
 application has its own prompt preamble, so where an agent runs decides whether its prompt is
 already cached there.
 
-Part 2 (router only): the router actor (`WorkflowRouterActor`) with 1,000 live clients (PEER, 2 replicas), all
-calling start_call / end_call concurrently; reports the decision time inside the router and the
-round trip seen by a caller, p50 / p99, with the embedded store and with Redis (when
-redis-server is installed).
+Part 2 (router only): an ingress's router (`IngressRouter`, syncing with the router actor) with 1,000
+live clients (PEER, 2 replicas), all calling start_call / end_call concurrently from one event loop;
+reports the decision time and what a call waits for its route, p50 / p99, with the embedded store
+and with Redis (when redis-server is installed).
 
 Writes serve_routing.json into --out (default benchmarks/out; serve_routing_sim.json with --engine sim:
 the same comparison on simulated A10G replicas, where compute is a GPU profile's, not this machine's CPU).
@@ -101,13 +101,16 @@ def routing_comparison(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-async def _decisions(router: Any, clients: int, iterations: int, think_s: float, tag: str) -> list[float]:
+async def _decisions(router: Any, hub: Any, clients: int, iterations: int, think_s: float, tag: str) -> list[float]:
     """Every client loops over PEER; between its calls it 'runs the agent' for ~think_s (uniform
-    0.5-1.5x), so the router sees the arrival pattern of real agent calls (0: back to back)."""
+    0.5-1.5x), so the router sees the arrival pattern of real agent calls (0: back to back). `router`:
+    an ingress's `IngressRouter`, syncing with the router actor `hub` meanwhile, as in serving."""
     import random
 
     order = ["planner", "executor", "expresser", "reviewer"]
     trips: list[float] = []
+    await router.ready()
+    await router.template("bench", "peer")  # the ingress's copy, as its first call of the template takes it
 
     async def one(i: int) -> None:
         cid = f"{tag}{i}"
@@ -116,16 +119,16 @@ async def _decisions(router: Any, clients: int, iterations: int, think_s: float,
         for _ in range(iterations):
             for agent in order:
                 started = time.perf_counter()
-                route = await router.start_call.remote("bench", cid, agent, workflow="peer",
-                                                       prefix_hash=f"h{agent}", prefix_tokens=400)
+                await router.recall("bench", cid)  # as the ingress does (a Redis read for a client new here)
+                route = router.start_call("bench", cid, agent, workflow="peer", prefix_hash=f"h{agent}",
+                                          prefix_tokens=400)
                 trips.append(time.perf_counter() - started)
-                if think_s:
-                    await asyncio.sleep(rng.uniform(0.5 * think_s, 1.5 * think_s))
-                await router.end_call.remote("bench", cid, agent, route["replica"])
+                await asyncio.sleep(rng.uniform(0.5 * think_s, 1.5 * think_s) if think_s else 0)
+                router.end_call("bench", cid, agent, route.replica)
 
     async def heartbeats() -> None:  # the replicas' reports (stand-ins here), or the router forgets them
         while True:
-            await asyncio.gather(router.report.remote("r1"), router.report.remote("r2"))
+            await asyncio.gather(hub.report.remote("r1"), hub.report.remote("r2"))
             await asyncio.sleep(1.0)
 
     beating = asyncio.ensure_future(heartbeats())
@@ -135,11 +138,16 @@ async def _decisions(router: Any, clients: int, iterations: int, think_s: float,
 
 
 def decision_latency(args: argparse.Namespace) -> dict[str, Any]:
+    """An ingress's router with `--router-clients` live PEER clients (2 replicas), calling from one
+    event loop as an ingress's requests do: the decision time (all of `RouterCore.start_call`) and
+    what a call waits for its route (the decision, plus a Redis read for a client new to the ingress)."""
     import ray
 
     from kvflow_ray.core.graph import load_spec
     from kvflow_ray.core.stats import percentile
-    from kvflow_ray.serve.router_actor import WorkflowRouterActor
+    from kvflow_ray.router.settings import RouterSettings
+    from kvflow_ray.serve.ingress_router import IngressRouter
+    from kvflow_ray.serve.router_actor import get_router, stop_router
 
     spec = load_spec(ROOT / "workflows" / "peer.yaml").to_dict()
     stores: dict[str, str | None] = {"embedded": None}
@@ -153,28 +161,31 @@ def decision_latency(args: argparse.Namespace) -> dict[str, Any]:
         stores["redis"] = f"redis://127.0.0.1:{port}/0"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    out: dict[str, Any] = {"clients": args.router_clients, "calls_per_client": 4 * args.router_iterations}
+    out: dict[str, Any] = {"clients": args.router_clients, "calls_per_client": 4 * args.router_iterations,
+                           "where": "an ingress's router (no actor call per decision)"}
     try:
         for name, url in stores.items():
-            router = WorkflowRouterActor.remote(url)
-            ray.get([router.add_replica.remote("r1"), router.add_replica.remote("r2")])
-            ray.get(router.put_template.remote("bench", spec))
+            settings = RouterSettings(store_url=url)
+            hub = get_router(settings)
+            ray.get([hub.add_replica.remote("r1"), hub.add_replica.remote("r2")])
+            ray.get(hub.put_template.remote("bench", spec))
             for agent, replica in (("planner", "r1"), ("executor", "r2"), ("expresser", "r1"), ("reviewer", "r2")):
-                ray.get(router.cache_events.remote(replica, [("stored", "gpu", f"h{agent}", 400)]))
+                ray.get(hub.cache_events.remote(replica, [("stored", "gpu", f"h{agent}", 400)]))
             out[name] = {}
             for mode, think in (("paced", args.think_s), ("saturated", 0.0)):
                 print(f"router decisions, {name} store, {args.router_clients} clients, {mode}", file=sys.stderr)
+                router = IngressRouter(settings, f"bench-{mode}")
                 started = time.perf_counter()
-                trips = asyncio.run(_decisions(router, args.router_clients, args.router_iterations, think, mode))
+                trips = asyncio.run(_decisions(router, hub, args.router_clients, args.router_iterations, think, mode))
                 wall = time.perf_counter() - started
-                inside = ray.get(router.decision_latencies.remote())[-len(trips):]
+                inside = list(router.core.decision_seconds)[-len(trips):]
                 out[name][mode] = {
                     "think_s": think, "decisions": len(trips), "decisions_per_s": round(len(trips) / wall, 1),
                     "decision_ms": {"p50": round(1e3 * percentile(inside, 0.5), 4),
                                     "p99": round(1e3 * percentile(inside, 0.99), 4)},
-                    "round_trip_ms": {"p50": round(1e3 * percentile(trips, 0.5), 3),
+                    "route_wait_ms": {"p50": round(1e3 * percentile(trips, 0.5), 3),
                                       "p99": round(1e3 * percentile(trips, 0.99), 3)}}
-            ray.kill(router)
+            stop_router()
     finally:
         ray.shutdown()
         if redis_proc is not None:
@@ -209,8 +220,8 @@ def sim_parity(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"setup": {"scenario": scenario.params, "replicas": args.replicas, "profile": args.profile,
                                      "policy": args.parity_policy, "time_scale": args.time_scale},
                            "routers": {}}
-    # every router at one ingress replica; the first (the default) at two as well: decisions are the
-    # router actor's, so a second ingress must not change them
+    # every router at one ingress replica; the first (the default) at two as well: each ingress decides
+    # for the clients keyed to it, from the fleet the router actor relays, so a second must not change them
     runs = [(routing, 1) for routing in routers] + [(routers[0], n) for n in args.parity_ingress if n != 1]
     sims: dict[str, dict[str, Any]] = {}  # routing -> the simulator's result (deterministic: once each)
     with LocalServer(base, port=free_port(), num_cpus=2) as server:

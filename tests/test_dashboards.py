@@ -172,11 +172,11 @@ def test_queries_name_only_exported_metrics(name: str) -> None:
 def test_known_series_are_what_the_metrics_module_exports() -> None:
     """The list above against kvflow_ray/serve/metrics.py itself, so a renamed metric fails here too."""
     pytest.importorskip("prometheus_client")
-    from kvflow_ray.serve.metrics import ReplicaMetrics, RouterMetrics
+    from kvflow_ray.serve.metrics import HubMetrics, ReplicaMetrics, RouterMetrics
 
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
     exported = {family.name + suffix
-                for registry in (ReplicaMetrics("r0").registry, RouterMetrics().registry)
+                for registry in (ReplicaMetrics("r0").registry, RouterMetrics().registry, HubMetrics().registry)
                 for family in registry.collect() for suffix in suffixes[family.type]}
     assert exported >= KNOWN_SERIES, sorted(KNOWN_SERIES - exported)
 

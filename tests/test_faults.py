@@ -215,8 +215,10 @@ def test_redis_killed_and_restarted_with_its_aof(server: LocalServer, redis_serv
     outcome = _run_with_fault(server, "aof", _restart_redis(redis_server, 3.0, keep_data=True))
     _assert_clean(outcome)
     _wait(lambda: _router_stats()["reconciles"].get("reconnect", 0) >= 1, "the router never wrote its state back")
-    stats = _router_stats()
-    assert stats["store_up"] and stats["live_clients"] == 0  # every workflow finished: nothing live is left
+    # every store (the router actor's, each ingress's) is back, and every workflow finished: nothing
+    # live is left (the ingresses' counts reach the router with their next sync)
+    _wait(lambda: (stats := _router_stats())["store_up"] and stats["live_clients"] == 0,
+          "a store stayed down or a client live", timeout_s=10)
     _wait(lambda: _router_stats()["pending_writes"] == 0, "queued writes never reached Redis")
 
 
@@ -238,7 +240,10 @@ def test_redis_restarted_empty_then_the_router_restarted(server: LocalServer, re
     before = ray.get(router.ping.remote())
     ray.kill(router, no_restart=False)
     _wait(lambda: _ping() not in (None, before), "the router did not come back")
-    assert _router_stats()["live_clients"] == 4
+    # the live clients are the ingresses' (in memory, and in Redis again): the restarted router counts
+    # them once every ingress has synced with it
+    _wait(lambda: _router_stats()["live_clients"] == 4, "the live clients were not counted after the restart",
+          timeout_s=10)
     for i in range(4):
         status, body, _headers = _call(server, f"live-{i}", "planner", "the second pass")  # the loop goes on
         assert status == 200, body
@@ -270,19 +275,21 @@ def test_a_killed_replica_is_forgotten_at_once_and_its_calls_retried(server: Loc
 
 def test_the_router_killed_mid_run(server: LocalServer) -> None:
     router = get_router(create=False)
+    before = ray.get(router.ping.remote())
     outcome = _run_with_fault(server, "router", lambda: ray.kill(router, no_restart=False))
-    _assert_clean(outcome)
+    _assert_clean(outcome)  # the ingresses route on their own: no call waited for the router
+    _wait(lambda: _ping() not in (None, before), "the router did not come back")
     _wait(lambda: _router_stats()["live_clients"] == 0, "finished clients stayed live after the restart")
     # the restarted router met the replicas' event feeds mid-way and had their snapshots repair its view
-    _wait(lambda: _router_stats()["other_calls"].get("cache_snapshot", 0) >= 1, "no replica sent a snapshot")
+    _wait(lambda: _router_stats()["actor_calls"].get("cache_snapshot", 0) >= 1, "no replica sent a snapshot")
 
 
 def test_an_ingress_replica_killed_mid_run(server: LocalServer) -> None:
     """One of the two ingress replicas killed while calls routed through it are in flight (a long call
     of a client keyed to it is running, besides the workflows'). Its clients move to the other
-    (Serve's consistent-hash ring), whose router calls find their state in the router; the router
-    takes the silent ingress for dead and ends its calls in flight, so no replica's load and no
-    finished client stays counted.
+    (Serve's consistent-hash ring), which recalls their state from Redis; the router actor takes the
+    silent ingress for dead, so its calls in flight and its clients stop counting, and no replica's
+    load and no finished client stays counted.
 
     The calls in flight on the killed process are answered by Ray Serve's proxy itself: a 500 with a
     text body (`ray/serve/_private/http_util.py` `get_http_response_status` maps the replica's

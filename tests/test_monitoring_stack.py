@@ -184,9 +184,9 @@ def fake_app() -> Iterator[str]:
     wants the metrics token TOKEN, as the app started with `--metrics-token TOKEN` does."""
     pytest.importorskip("prometheus_client")
     from kvflow_ray.engines.base import GenerateResult
-    from kvflow_ray.serve.metrics import ReplicaMetrics, RouterMetrics, merge_expositions
+    from kvflow_ray.serve.metrics import HubMetrics, ReplicaMetrics, RouterMetrics, merge_expositions
 
-    router = RouterMetrics()
+    hub, router = HubMetrics(), RouterMetrics()
     replicas = [ReplicaMetrics("r0"), ReplicaMetrics("r1")]
     lock = threading.Lock()
     scrapes = [0]
@@ -204,9 +204,11 @@ def fake_app() -> Iterator[str]:
                     "evicted_tokens": {"gpu": 10 * n, "written_back": 5 * n, "cpu": 2 * n},
                     "prefetch": {"issued": 2 * n, "completed": 2 * n, "used": n, "wasted": n // 2}})
             router.observe_decision("affinity" if n % 4 else "cold", 0.0004, "default", deviation=False)
-            router.set_health(len(replicas), "memory", True)
+            hub.replicas.set(len(replicas))
+            hub.store.set("memory", True, 0, {})
             router.set_active({"default": 3})
-            return merge_expositions([router.exposition(), *(r.exposition() for r in replicas)])
+            return merge_expositions([hub.exposition(), (router.exposition(), {"ingress": "i0"}),
+                                      *(r.exposition() for r in replicas)])
 
     with serve_metrics(render, token=TOKEN) as address:
         assert _get_status(f"http://{address}/metrics") == 401

@@ -1,11 +1,13 @@
-"""The WorkflowRouterActor on a real local Ray cluster over a real redis-server: it is found by
-name, keeps routing, and comes back from Redis with every client's state after it is killed."""
+"""The router actor and the ingresses' routers on a real local Ray cluster over a real redis-server:
+the actor is found by name, the ingresses route without it (also while it is killed), and a client
+goes on from its record in Redis at another ingress."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -13,6 +15,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("redis")
 
 from kvflow_ray.router.settings import RouterSettings  # noqa: E402
+from kvflow_ray.serve.ingress_router import IngressRouter  # noqa: E402
 from kvflow_ray.serve.router_actor import get_router  # noqa: E402
 
 PEER = {"name": "peer", "entry": "planner", "agents": {
@@ -34,54 +37,81 @@ def ray_cluster() -> Iterator[None]:
 
 
 @pytest.mark.slow
-def test_router_actor_survives_a_kill(ray_cluster: None, redis_url: str) -> None:
+def test_ingresses_route_without_the_router_actor_and_it_comes_back(ray_cluster: None, redis_url: str) -> None:
+    """Two ingress routers (as two ingress replicas run them) and the router actor, over Redis: calls are
+    routed in the ingress, hints reach the replicas through the actor, an ingress routes on while the
+    actor is killed, and a client whose ingress is gone goes on from its record in Redis."""
     import redis
 
     redis.Redis.from_url(redis_url).flushdb()
-    router = get_router(RouterSettings(store_url=redis_url))
+    settings = RouterSettings(store_url=redis_url)
+    router = get_router(settings)
     assert get_router(create=False)._actor_id == router._actor_id  # one router, found by name
     ray.get([router.add_replica.remote("r1"), router.add_replica.remote("r2")])
     # a replica's report carries its load (replica.load_report): the fleet's device KV is what they report
     ray.get(router.report.remote("r1", None, {"capacity": 1000, "usage": 0.5, "waiting": 2}))
     assert ray.get(router.stats.remote())["device_kv_tokens"] == 1000
-    ray.get(router.put_template.remote("acme", PEER))
-    route = ray.get(router.start_call.remote("acme", "c1", "planner", workflow="peer"))
-    assert route["workflow_key"] == "acme/c1" and route["replica"] in ("r1", "r2")
-    ray.get(router.end_call.remote("acme", "c1", "planner", route["replica"]))
-    route = ray.get(router.start_call.remote("acme", "c1", "executor"))
-    # the store is written behind the calls, within milliseconds (FLUSH_PERIOD_S): what it has survives
-    deadline = time.monotonic() + 10
-    while ray.get(router.stats.remote())["pending_writes"]:
-        assert time.monotonic() < deadline, "the router never flushed its writes"
-        time.sleep(0.02)
+    asyncio.run(_two_ingresses(router, settings))
+    ray.kill(router, no_restart=True)
 
-    before = ray.get(router.ping.remote())
+
+async def _two_ingresses(router: object, settings: RouterSettings) -> None:
+    a, b = IngressRouter(settings, "ingress-a"), IngressRouter(settings, "ingress-b")
+    await a.ready()
+    await a.put_template("acme", PEER)
+    route = a.start_call("acme", "c1", "planner", workflow="peer")
+    assert route.workflow_key == "acme/c1" and route.replica in ("r1", "r2")
+    a.end_call("acme", "c1", "planner", route.replica)
+    await a.sync_now()  # the hints go up with the sync; the replica long-polls them
+    hints = await router.pull_hints.remote(route.replica, 5.0)
+    assert hints["steps"]["acme/c1"]["executor"] == 1  # next
+    route = a.start_call("acme", "c1", "executor")
+    await _until(lambda: a.store.pending == 0, "ingress a never flushed its writes")
+
+    before = await router.ping.remote()
     ray.kill(router, no_restart=False)  # the actor dies; Ray restarts it
-    deadline = time.monotonic() + 60
-    while True:
+    a.end_call("acme", "c1", "executor", route.replica)  # routing goes on meanwhile
+    assert not a.start_call("acme", "c1", "expresser").deviation
+
+    async def back() -> bool:
         try:
-            if ray.get(router.ping.remote(), timeout=5) != before:
-                break
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass  # dead, or restarting
+            return await asyncio.wait_for(router.ping.remote(), 5) != before
+        except (ray.exceptions.RayActorError, TimeoutError):
+            return False
+    deadline = time.monotonic() + 60
+    while not await back():
         assert time.monotonic() < deadline, "the router did not come back"
-        time.sleep(0.2)
-    # the restarted actor: replicas from their heartbeats, templates and client state from Redis
-    assert set(ray.get(router.replicas.remote())) == {"r1", "r2"}
-    ray.get(router.end_call.remote("acme", "c1", "executor", route["replica"]))
-    hints = ray.get(router.pull_hints.remote(route["replica"], 5.0))
-    assert hints["steps"]["acme/c1"] == {"planner": 3, "executor": 4, "expresser": 1, "reviewer": 2}
-    route = ray.get(router.start_call.remote("acme", "c1", "expresser"))
-    assert not route["deviation"]
+        await asyncio.sleep(0.2)
+    # the restarted actor: replicas from their heartbeats, templates from Redis; the ingress is new to it
+    assert set(await router.replicas.remote()) == {"r1", "r2"}
+    assert await a.sync_now()
+    stats = await router.stats.remote()
+    assert stats["start_calls"] == 3 and stats["calls_in_flight"] == 1 and stats["live_clients"] == 1
+
+    # ingress a is gone: b recalls c1 from Redis and goes on where a left it
+    await _until(lambda: a.store.pending == 0, "ingress a never flushed its writes")
+    await b.ready()
+    await b.recall("acme", "c1")
+    assert b.client_workflow("acme", "c1") == "peer"
+    await b.template("acme", "peer")
+    b.end_call("acme", "c1", "expresser", None)
+    assert not b.start_call("acme", "c1", "reviewer").deviation
     # errors keep their type across Ray (a bad request is a ValueError)
     with pytest.raises(ValueError, match="unknown workflow 'nope'"):
-        ray.get(router.start_call.remote("acme", "c2", "planner", workflow="nope"))
+        await b.template("acme", "nope")
     with pytest.raises(ValueError, match="unknown client"):
-        ray.get(router.finish_client.remote("globex", "c1"))
-    text = ray.get(router.metrics_text.remote()).decode()
-    assert 'kvflow_workflows_active{tenant="acme"} 1.0' in text
+        b.finish_client("globex", "c1")
+    text = (await b.metrics_text()).decode()
+    assert 'kvflow_workflows_active{ingress="ingress-b",tenant="acme"} 1.0' in text
     assert "kvflow_router_replicas 2.0" in text and 'kvflow_store_up{backend="redis"} 1.0' in text
-    ray.get(router.remove_replica.remote("r2"))  # what the ingress does when a call to it fails
-    text = ray.get(router.metrics_text.remote()).decode()
+    await b.remove_replica("r2")  # what the ingress does when a call to it fails
+    assert set(b.core.loads) == {"r1"}
+    text = (await router.metrics_text.remote()).decode()
     assert "kvflow_router_replicas 1.0" in text and "kvflow_router_replicas_lost_total 1.0" in text
-    ray.kill(router, no_restart=True)
+
+
+async def _until(ready: Callable[[], bool], message: str) -> None:
+    deadline = time.monotonic() + 10
+    while not ready():
+        assert time.monotonic() < deadline, message
+        await asyncio.sleep(0.02)

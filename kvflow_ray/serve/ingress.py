@@ -2,9 +2,9 @@
 
 Per agent call it: authenticates the bearer key (key -> tenant), admits the call within the
 tenant's limits, validates the body (`openai_api.parse_request`), tokenizes the prompt, finds the
-fixed-prompt boundary, asks the router actor (`WorkflowRouterActor`) where the call goes, and calls the engine
-replicas through a Serve handle whose request router honours that choice. When the replica dies
-mid-call, the router forgets it and the call is retried once elsewhere.
+fixed-prompt boundary, routes the call with this ingress's own router (`IngressRouter`: no actor call on
+the path), and calls the engine replicas through a Serve handle whose request router honours that
+choice. When the replica dies mid-call, the router forgets it and the call is retried once elsewhere.
 
 Errors: every route answers OpenAI's error body, through one mapping (`error_response`) installed as
 FastAPI exception handlers and a last-resort middleware; messages say what the caller did wrong and
@@ -16,14 +16,11 @@ cache namespace (`AppConfig.cache_salt`), so no tenant's KV, hit counts or routi
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import hashlib
 import hmac
 import json
 import logging
 import time
-import uuid
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, TypeVar
@@ -32,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import RayTaskError
 from starlette.background import BackgroundTask
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
@@ -44,10 +41,12 @@ from kvflow_ray.engines.tokenizer import load_tokenizer
 from kvflow_ray.router.core import NoReplicaError, TenantLimitError, UnknownClientError, UnknownWorkflowError
 from kvflow_ray.router.store import StoreUnavailableError, check_name
 from kvflow_ray.serve.config import AppConfig
+from kvflow_ray.serve.ingress_router import DEAD, IngressRouter
 from kvflow_ray.serve.openai_api import (
     ApiError,
     ParsedRequest,
     fixed_boundary,
+    new_id,
     parse_request,
     public_text,
     response_body,
@@ -55,17 +54,10 @@ from kvflow_ray.serve.openai_api import (
     usage,
 )
 from kvflow_ray.serve.request_router import ROUTE_KWARG
-from kvflow_ray.serve.router_actor import Ended, get_router
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="kvflow-ray", description="OpenAI-compatible, workflow-aware LLM serving")
-ROUTER_RETRY_S = 60.0  # how long calls wait for a restarting router
-ENDED_FLUSH_S = 0.02  # the longest a call's end waits for a router call to ride on
-# with calls in flight, the router hears from this ingress at least this often (router_actor.INGRESS_SILENT_S)
-INGRESS_BEAT_S = 1.0
-ENDS_RIDE_ON = frozenset({"start_call", "client_workflow", "finish_client"})  # router calls that carry them
-TEMPLATE_CACHE_S = 10.0  # templates registered through another ingress replica show up within this
-DEAD = (ActorDiedError, ActorUnavailableError, RayActorError)
+REGISTERED_CACHE_S = 10.0  # a registration body seen again within this is answered without parsing
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -144,7 +136,7 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = f"req-{uuid.uuid4().hex[:24]}"
+        request_id = new_id("req", 24)
         scope.setdefault("state", {})["request_id"] = request_id
         started = False
 
@@ -212,18 +204,10 @@ class Ingress:
         self.config = AppConfig.from_dict(config)
         self.engine = engine
         self.name: str = serve.get_replica_context().replica_id.unique_id  # this ingress replica
-        self.router = get_router(self.config.router_settings())
+        self.router = IngressRouter(self.config.router_settings(), self.name)
         self.limits = self.config.limits
         self.spec_limits = self.limits.spec_limits()
         self._inflight: Counter[str] = Counter()  # per tenant: calls admitted here and not yet answered
-        self._tasks: set[asyncio.Task[None]] = set()  # router calls that must finish whatever the caller does
-        # calls that ended and the router has not heard of yet: they ride on the next router call, or
-        # go on their own after ENDED_FLUSH_S
-        self._ended: list[Ended] = []
-        self._ended_flush: asyncio.TimerHandle | None = None
-        self._routed = 0  # calls routed through here and not yet ended
-        self._called_at = 0.0  # the last router call (monotonic)
-        self._beat: asyncio.Task[None] | None = None
         # the engines' own tokenizer and context (the engine checks a prompt against its pool too)
         self.tokenizer = load_tokenizer(self.config.tokenizer_path())
         self.model_name = self.config.model_name()
@@ -233,27 +217,10 @@ class Ingress:
             self.max_context = MAX_CONTEXT
         else:
             self.max_context = ModelConfig().max_context if self.config.model_path is None else 1 << 30
-        self._templates: FreshCache[tuple[str, str], WorkflowSpec] = FreshCache(TEMPLATE_CACHE_S)
         # (tenant, body hash) -> the spec it registered, while that is still the tenant's current template
-        self._registered: FreshCache[tuple[str, bytes], WorkflowSpec] = FreshCache(TEMPLATE_CACHE_S)
+        self._registered: FreshCache[tuple[str, bytes], WorkflowSpec] = FreshCache(REGISTERED_CACHE_S)
 
     # ------------------------------------------------------------------ plumbing
-    async def _call_router(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """A router call that waits out a router restart (Ray restarts it; state is in the store). Calls
-        about clients carry the ends of calls the router has not heard of yet (it ends them first)."""
-        if method in ENDS_RIDE_ON:
-            kwargs["ended"] = self._take_ended()
-            kwargs["ingress"] = self.name
-        deadline = time.monotonic() + ROUTER_RETRY_S
-        while True:
-            try:
-                self._called_at = time.monotonic()
-                return await getattr(self.router, method).remote(*args, **kwargs)
-            except DEAD:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.25)
-
     @staticmethod
     def _bearer(request: Request) -> str | None:
         """The token of an `Authorization: Bearer <token>` header, if any."""
@@ -317,26 +284,12 @@ class Ingress:
                     del self._inflight[tenant]
         return release
 
-    async def _template(self, tenant: str, name: str) -> WorkflowSpec:
-        """The template, cached briefly."""
-        cached = self._templates.get((tenant, name))
-        if cached is not None:
-            return cached
-        spec = parse_spec(await self._call_router("get_template", tenant, name))
-        self._remember(tenant, spec)
-        return spec
-
     async def _put_template(self, tenant: str, body: dict[str, Any]) -> WorkflowSpec:
         """Register a spec from the network. It is checked here first (pure: no file is read, limits
         apply), so a bad or oversized spec never reaches the router; the router checks it again,
         as the authority every ingress replica shares."""
-        spec = parse_spec(body, limits=self.spec_limits)
-        await self._call_router("put_template", tenant, body)
-        self._remember(tenant, spec)
-        return spec
-
-    def _remember(self, tenant: str, spec: WorkflowSpec) -> None:
-        self._templates.put((tenant, spec.name), spec)
+        parse_spec(body, limits=self.spec_limits)
+        return await self.router.put_template(tenant, body)
 
     # ------------------------------------------------------------------ completions
     async def completion(self, request: Request, *, chat: bool) -> Response:
@@ -417,9 +370,12 @@ class Ingress:
                                     f"({public_text(repr(name), 130)})", "kvflow.workflow")
             spec = await self._put_template(tenant, meta.workflow_spec)
             workflow = spec.name
+        router = self.router
+        await router.ready()
+        await router.recall(tenant, meta.client_id)
         if workflow is None:
-            workflow = await self._call_router("client_workflow", tenant, meta.client_id)
-        spec = await self._template(tenant, workflow)
+            workflow = router.client_workflow(tenant, meta.client_id)
+        spec = await router.template(tenant, workflow)
         # an agent the current template lacks may belong to the version a live client started with:
         # the router, which knows each client's version, decides (and names an unknown agent)
         agent = spec.agents.get(meta.agent)
@@ -431,13 +387,10 @@ class Ingress:
             boundary = self._boundary(parsed, tokens, text, agent.prompt if agent is not None else None)
         salt = engine_request["cache_salt"]
         fixed_hash = prefix_hash(tokens[:boundary], salt) if boundary else None
-        route = await self._call_router("start_call", tenant, meta.client_id, meta.agent, workflow=workflow,
-                                        prefix_hash=fixed_hash, prefix_tokens=boundary, cache_salt=salt,
-                                        tokens=tokens, max_new=parsed.max_tokens)
-        engine_request.update(workflow=route["workflow_key"], agent=meta.agent, fixed_prefix_tokens=boundary)
-        self._routed += 1
-        self._keep_beating()
-        return _Call(tenant, meta.client_id, meta.agent, workflow, route["replica"], route["outcome"],
+        route = router.start_call(tenant, meta.client_id, meta.agent, workflow=workflow, prefix_hash=fixed_hash,
+                                  prefix_tokens=boundary, cache_salt=salt, tokens=tokens, max_new=parsed.max_tokens)
+        engine_request.update(workflow=route.workflow_key, agent=meta.agent, fixed_prefix_tokens=boundary)
+        return _Call(tenant, meta.client_id, meta.agent, workflow, route.replica, route.outcome,
                      fixed_hash, boundary, salt, tokens, parsed.max_tokens)
 
     def _boundary(self, parsed: ParsedRequest, tokens: list[int], text: str, prompt: str | None) -> int:
@@ -479,84 +432,28 @@ class Ingress:
             return
         logger.warning("replica %s died under a call of %s/%s; retrying elsewhere", call.replica, call.tenant,
                        call.client_id)
-        await self._call_router("remove_replica", call.replica)
+        await self.router.remove_replica(call.replica)
         # the agent is still running (no deviation); the dead replica's load went with it
-        route = await self._call_router("start_call", call.tenant, call.client_id, call.agent,
-                                        workflow=call.workflow, prefix_hash=call.prefix_hash,
-                                        prefix_tokens=call.prefix_tokens, cache_salt=call.salt, retry=True,
-                                        tokens=call.tokens, max_new=call.max_new)
-        call.replica, call.outcome = route["replica"], route["outcome"]
+        route = self.router.start_call(call.tenant, call.client_id, call.agent, workflow=call.workflow,
+                                       prefix_hash=call.prefix_hash, prefix_tokens=call.prefix_tokens,
+                                       cache_salt=call.salt, retry=True, tokens=call.tokens, max_new=call.max_new)
+        call.replica, call.outcome = route.replica, route.outcome
 
     async def _close(self, call: _Call | None, release: Callable[[], None]) -> None:
         release()
         self._end_call(call)
 
-    @staticmethod
-    def _log_failure(task: asyncio.Task[Any]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("a background router call (ends, beat) failed", exc_info=task.exception())
-
     def _end_call(self, call: _Call | None) -> None:
-        """Tell the router the call is over, on the replica its start_call counted (the router's own
-        books, even where Serve's default router sent the call elsewhere). The answer does not wait
-        for it: the end rides on this ingress's next router call, or goes within ENDED_FLUSH_S with
-        the other ends, so an agent call costs one router call. Nothing here belongs to the request,
-        so a client that hangs up (cancelling it) does not leave the replica's load counted."""
+        """The call is over: the router's books (on the replica it counted the call on, even where
+        Serve's default router sent it elsewhere) and its hints follow at once, in this process."""
         if call is None or call.ended:
             return
         call.ended = True
-        self._routed -= 1
-        self._ended.append((call.tenant, call.client_id, call.agent, call.replica))
-        if self._ended_flush is None:
-            # a fresh context: Ray counts an actor call made in the request's own context as that
-            # request's child and cancels it with the request when the client hangs up
-            self._ended_flush = asyncio.get_running_loop().call_later(ENDED_FLUSH_S, self._flush_ended,
-                                                                      context=contextvars.Context())
-
-    def _take_ended(self) -> list[Ended]:
-        ended, self._ended = self._ended, []
-        return ended
-
-    def _flush_ended(self) -> None:
-        self._ended_flush = None
-        ended = self._take_ended()
-        if not ended:
-            return
-        # submitted here, not in the task: Ray runs one caller's calls in submission order, so the
-        # ends reach the router before any later call of this ingress (a client's next call finds
-        # its previous one over)
-        self._called_at = time.monotonic()
-        sent = self.router.end_calls.remote(ended, self.name)
-        task = asyncio.get_running_loop().create_task(self._await_ends(sent, ended))
-        self._tasks.add(task)  # held until done: a task nobody references can be collected mid-flight
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(self._log_failure)
-
-    async def _await_ends(self, sent: Any, ended: list[Ended]) -> None:
-        try:
-            await sent
-        except DEAD:  # the router restarted: send them again once it is back
-            await self._call_router("end_calls", ended, self.name)
-
-    def _keep_beating(self) -> None:
-        """While calls routed here are in flight, the router hears from this ingress at least every
-        INGRESS_BEAT_S (any router call counts), so that it ends them itself should this process die."""
-        if self._beat is None or self._beat.done():
-            # a fresh context, as in `_end_call`: not a child of the request that started it
-            self._beat = asyncio.get_running_loop().create_task(self._beating(), context=contextvars.Context())
-            self._beat.add_done_callback(self._log_failure)
-
-    async def _beating(self) -> None:
-        while self._routed > 0:
-            await asyncio.sleep(max(0.05, self._called_at + INGRESS_BEAT_S - time.monotonic()))
-            if self._routed > 0 and time.monotonic() - self._called_at >= INGRESS_BEAT_S:
-                self._called_at = time.monotonic()
-                with contextlib.suppress(*DEAD):  # a restarting router: the next beat finds it back
-                    await self.router.ingress_beat.remote(self.name)
+        self.router.end_call(call.tenant, call.client_id, call.agent, call.replica)
 
     async def _stream(self, call: _Call | None, parsed: ParsedRequest, engine_request: dict[str, Any],
                       prompt_tokens: int, release: Callable[[], None]) -> AsyncIterator[str]:
-        request_id = f"{'chatcmpl' if parsed.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request_id = new_id("chatcmpl" if parsed.chat else "cmpl")
         first = True
         try:
             stream = self.engine.options(stream=True).stream
@@ -597,7 +494,7 @@ class Ingress:
         # the same body again (clients re-register on start-up): answered here, no parse, no router call
         digest = (tenant, hashlib.blake2b(raw, digest_size=16).digest())
         seen = self._registered.get(digest)
-        if seen is not None and self._templates.get((tenant, seen.name)) is seen:
+        if seen is not None and self.router.held(tenant, seen.name) is seen:
             return JSONResponse({"object": "workflow", **seen.to_dict()})
         body = await self._json(request, raw)
         if not isinstance(body, dict):
@@ -609,20 +506,24 @@ class Ingress:
     async def get_workflow(self, request: Request, name: str) -> Response:
         tenant = self._tenant(request)
         check_name("workflow", name)
-        spec = await self._template(tenant, name)
+        spec = await self.router.template(tenant, name)
         return JSONResponse({"object": "workflow", **spec.to_dict()})
 
     async def finish_client(self, request: Request, client_id: str) -> Response:
         tenant = self._tenant(request)
         check_name("client_id", client_id)
-        await self._call_router("finish_client", tenant, client_id)
+        await self.router.ready()
+        await self.router.recall(tenant, client_id)
+        self.router.finish_client(tenant, client_id)
         return JSONResponse({"object": "client", "id": client_id, "finished": True})
 
     async def health(self) -> Response:
         try:
-            replicas = await asyncio.wait_for(self.router.replicas.remote(), 5)
+            replicas = await asyncio.wait_for(self.router.fleet(), 5)
         except Exception:
             logger.warning("health: the router did not answer", exc_info=True)
+            replicas = None
+        if replicas is None:
             return JSONResponse({"status": "unavailable", "router": "not answering"}, status_code=503)
         status = "ok" if replicas else "unavailable"
         return JSONResponse({"status": status, "replicas": sorted(replicas), "routing": self.config.routing},
@@ -636,7 +537,7 @@ class Ingress:
             raise ApiError(401, "/metrics needs the metrics token: send 'Authorization: Bearer <token>'",
                            kind="authentication_error", code="invalid_metrics_token",
                            headers={"WWW-Authenticate": "Bearer"})
-        text = await self._call_router("metrics_text")
+        text = await self.router.metrics_text()
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def models(self) -> Response:

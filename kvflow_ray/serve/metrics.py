@@ -107,8 +107,33 @@ class ReplicaMetrics:
         return generate_latest(self.registry)
 
 
+class StoreMetrics:
+    """The health of one process's state store (the router actor's, each ingress's)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.store_up = Gauge("kvflow_store_up", "1 when the router's state store answers, else 0",
+                              ["backend"], registry=r)
+        self.store_pending = Gauge("kvflow_store_pending_writes", "State writes queued for the store (grows "
+                                   "while it is unreachable)", registry=r)
+        self.store_reconciles = Counter("kvflow_store_reconciles", "Times the router wrote its whole state back "
+                                        "to the store: after an outage (reconnect) or when it lost data "
+                                        "(data_loss)", ["reason"], registry=r)
+        self._reconciles: dict[str, int] = {"reconnect": 0, "data_loss": 0}  # exported so far
+        for reason in self._reconciles:
+            self.store_reconciles.labels(reason)
+
+    def set(self, backend: str, up: bool, pending: int, reconciles: Mapping[str, int]) -> None:
+        self.store_up.labels(backend).set(1 if up else 0)
+        self.store_pending.set(pending)
+        for reason, n in reconciles.items():  # the store's running totals, exported as a counter
+            self.store_reconciles.labels(reason).inc(n - self._reconciles.get(reason, 0))
+            self._reconciles[reason] = n
+
+
 class RouterMetrics:
-    """What the workflow router exports."""
+    """What an ingress replica's routing exports (the router actor labels each ingress's series with
+    `ingress` when it merges them: dashboards sum over it)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -119,41 +144,18 @@ class RouterMetrics:
         self.active = Gauge("kvflow_workflows_active", "Live workflow instances", ["tenant"], registry=r)
         self.deviations = Counter("kvflow_workflow_deviations", "Agent calls the step graph did not expect "
                                   "(served anyway; the live state follows what ran)", ["tenant"], registry=r)
-        self.replicas = Gauge("kvflow_router_replicas", "Engine replicas the router routes to (reporting)",
-                              registry=r)
-        self.replicas_lost = Counter("kvflow_router_replicas_lost", "Replicas dropped after they stopped "
-                                     "reporting or failed a call", registry=r)
-        self.store_up = Gauge("kvflow_store_up", "1 when the router's state store answers, else 0",
-                              ["backend"], registry=r)
-        self.store_pending = Gauge("kvflow_store_pending_writes", "State writes queued for the store (grows "
-                                   "while it is unreachable)", registry=r)
-        self.store_reconciles = Counter("kvflow_store_reconciles", "Times the router wrote its whole state back "
-                                        "to the store: after an outage (reconnect) or when it lost data "
-                                        "(data_loss)", ["reason"], registry=r)
         self.prediction_accuracy = Gauge("kvflow_prediction_accuracy", "How often the learned transition models' "
                                          "most likely next agent was the one that ran, one and two steps ahead "
                                          "(dynamic workflows under the predictive policy)", ["steps"], registry=r)
         self.predictions = Gauge("kvflow_predictions", "Next-agent predictions scored so far (the "
                                  "accuracy's denominator)", ["steps"], registry=r)
-        self._reconciles: dict[str, int] = {"reconnect": 0, "data_loss": 0}  # exported so far
-        for reason in self._reconciles:
-            self.store_reconciles.labels(reason)
+        self.store = StoreMetrics(r)
 
     def observe_decision(self, outcome: str, seconds: float, tenant: str, deviation: bool) -> None:
         self.decisions.labels(outcome).inc()
         self.decision_seconds.observe(seconds)
         if deviation:
             self.deviations.labels(tenant).inc()
-
-    def set_health(self, replicas: int, backend: str, store_up: bool) -> None:
-        self.replicas.set(replicas)
-        self.store_up.labels(backend).set(1 if store_up else 0)
-
-    def set_store(self, pending: int, reconciles: Mapping[str, int]) -> None:
-        self.store_pending.set(pending)
-        for reason, n in reconciles.items():  # the store's running totals, exported as a counter
-            self.store_reconciles.labels(reason).inc(n - self._reconciles.get(reason, 0))
-            self._reconciles[reason] = n
 
     def set_prediction(self, scored: Mapping[str, tuple[int, int]]) -> None:
         """`scored`: steps ahead -> (hits, predictions), as `RouterCore.prediction_accuracy` counts them."""
@@ -171,6 +173,22 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
 
+class HubMetrics:
+    """What the router actor exports of its own: the replicas it routes to, and its store."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.replicas = Gauge("kvflow_router_replicas", "Engine replicas the router routes to (reporting)",
+                              registry=r)
+        self.replicas_lost = Counter("kvflow_router_replicas_lost", "Replicas dropped after they stopped "
+                                     "reporting or failed a call", registry=r)
+        self.store = StoreMetrics(r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
 class _Families:
     """A collector that yields already-parsed metric families (see `merge_expositions`)."""
 
@@ -181,14 +199,18 @@ class _Families:
         return self.families
 
 
-def merge_expositions(texts: Iterable[bytes | str]) -> bytes:
-    """One exposition from several processes' (the router's and every replica's): samples of the
-    same family are grouped under one HELP/TYPE header, as the text format requires. The replicas'
-    series differ by their `replica` label, so no sample collides."""
+def merge_expositions(texts: Iterable[bytes | str | tuple[bytes | str, Mapping[str, str]]]) -> bytes:
+    """One exposition from several processes' (the router's, the ingresses' and every replica's):
+    samples of the same family are grouped under one HELP/TYPE header, as the text format requires.
+    The replicas' series differ by their `replica` label; a (text, labels) pair gets `labels` added
+    to each of its samples (the ingresses': `ingress`), so no sample collides."""
     merged: dict[str, Metric] = {}
-    for text in texts:
+    for item in texts:
+        text, labels = item if isinstance(item, tuple) else (item, {})
         raw = text.decode() if isinstance(text, bytes) else text
         for family in text_string_to_metric_families(raw):
+            if labels:
+                family.samples = [s._replace(labels={**s.labels, **labels}) for s in family.samples]
             if family.name in merged:
                 merged[family.name].samples.extend(family.samples)
             else:

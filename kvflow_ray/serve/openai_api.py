@@ -11,6 +11,7 @@ raises `ApiError`, which the ingress turns into a 4xx with OpenAI's error body:
 
 from __future__ import annotations
 
+import random
 import re
 import time
 import uuid
@@ -322,8 +323,19 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+# Response and request ids name a response in logs and bodies; they grant nothing, so a fast
+# generator of this process serves (uuid4 costs a system call per id). Secrets (the boundary markers
+# above) keep using the operating system's.
+_ids = random.Random()
+
+
+def new_id(prefix: str, hex_digits: int = 32) -> str:
+    """`prefix-<random hex>`, as OpenAI's ids look."""
+    return f"{prefix}-{_ids.getrandbits(4 * hex_digits):0{hex_digits}x}"
+
+
 def response_body(result: GenerateResult, *, chat: bool, model: str, request_id: str | None = None) -> dict[str, Any]:
-    request_id = request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    request_id = request_id or new_id("chatcmpl" if chat else "cmpl")
     if chat:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": result.text},
                                   "finish_reason": result.finish_reason}

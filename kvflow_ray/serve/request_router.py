@@ -1,8 +1,8 @@
 """Ray Serve's routing seam (`ray.serve.request_router.RequestRouter`), told to honour the workflow
 router's choice.
 
-The ingress asks the router actor (`WorkflowRouterActor`) where an agent call goes and passes the answer as the
-`kvflow_replica` argument of the handle call. This router, which Serve runs inside the ingress
+The ingress's own router (`IngressRouter`) decides where an agent call goes, and the ingress passes the
+answer as the `kvflow_replica` argument of the handle call. This router, which Serve runs inside the ingress
 process, reads it and ranks that replica first; the decision itself is not repeated here, so the hot
 path has no extra actor call. Serve keeps doing what it does best around it: queue-length checks,
 backoff, and skipping dead replicas.
@@ -11,9 +11,9 @@ backoff, and skipping dead replicas.
   request spills rather than waits (the router's balance threshold should keep that rare).
 - No choice (a plain request or a control call), or a choice that is not among the live candidates
   (the replica just died): all candidates in one rank, so Serve picks the least loaded one.
-- A replica that dies, or leaves the set Serve routes to, is dropped from the workflow router at once
-  (`on_replica_actor_died`, `update_replicas`: Serve's own seams), so its load and holdings are
-  forgotten before any call is routed to it again, without waiting for its heartbeats to stop.
+- A replica that dies, or leaves the set Serve routes to, is dropped from the router actor at once
+  (`on_replica_actor_died`, `update_replicas`: Serve's own seams), and from every ingress's router with
+  its next sync, without waiting for its heartbeats to stop.
 """
 
 from __future__ import annotations

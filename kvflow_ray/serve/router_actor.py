@@ -1,23 +1,28 @@
-"""The router actor, `WorkflowRouterActor`: one named Ray actor around `RouterCore` (DESIGN.md §1, §5).
+"""The router actor, `WorkflowRouterActor`: one named Ray actor, the hub between the engine replicas
+and the ingress replicas (DESIGN.md §1, §5; docs/dev/ingress-routing.md).
+
+The routing decisions are not made here: each ingress replica routes its own clients' calls with its
+own `RouterCore` (`router/peers.py`), so no call waits on this actor. The actor keeps what is shared:
+- the fleet: the replicas' reports (heartbeat, load, metrics) and cache events, in a `RouterCore`
+  that owns the holdings (they persist in the store) and the templates;
+- the templates, as their one authority (registration, versions, rate limits): the ingresses keep
+  copies and say which they use, so the ones in use stay alive;
+- the replicas' hint outboxes, which the ingresses' hints are merged into and which the replicas
+  long-poll (`pull_hints`);
+- each ingress's queue of what changed in the fleet, sent with its next `sync`, and what each
+  ingress last said (its calls and clients, stats and metrics), which `stats` and `/metrics` sum.
 
 Everything it must not lose lives in the store (Redis in a deployment), so the actor is declared
-restartable: when it dies, Ray starts it again, `__init__` reopens the same store, and the replicas
-it knew come back from their heartbeats. Methods return plain data (dicts, lists), so callers in
-other processes need nothing but this module.
+restartable: when it dies, Ray starts it again, `__init__` reopens the same store, the replicas come
+back with their heartbeats (and a snapshot of their caches: their event feeds show it a gap), and
+each ingress, new to it, gets the whole holdings with its next sync. Meanwhile the ingresses go on
+routing with what they hold. Methods return plain data, so callers need nothing but this module.
 
-It is an async actor so that replicas can long-poll it for hints (`pull_hints`): a replica's call
-waits until the router has something for it, which is how priorities and prefetch hints are pushed
-without the router holding handles to Serve's replica actors. `RouterCore` itself is synchronous and
-runs on the actor's one event loop, so no two calls interleave inside it.
-
-The store's keeper (`router/keeper.py`) runs on the same loop: it writes the store behind the calls,
-probes it once a second and has the router write its state back when needed; each probe also forgets
-replicas that stopped reporting, ends the calls of ingresses that went silent, and retires clients
-idle past the state TTL (`_prune`).
-
-Every actor call costs this process about a millisecond of CPU (Ray's own work), more than a routing
-decision, so calls are few: the end of an agent call rides on the ingress's next call (`ended`), and
-waiting replicas are woken at most every `HINT_BATCH_S`, with all that changed meanwhile.
+It is an async actor so that replicas can long-poll it for hints: a replica's call waits until the
+actor has something for it. `RouterCore` is synchronous and runs on the actor's one event loop, so
+no two calls interleave inside it. The store's keeper (`router/keeper.py`) runs on the same loop:
+it writes the store behind the calls, probes it once a second, and each probe also forgets replicas
+and ingresses that stopped reporting and templates nobody uses (`_prune`).
 """
 
 from __future__ import annotations
@@ -38,18 +43,15 @@ import ray
 from kvflow_ray.engines.base import CacheEvent
 from kvflow_ray.router.core import RouterCore
 from kvflow_ray.router.keeper import StoreKeeper
-from kvflow_ray.router.origins import CallOrigins, Ended
+from kvflow_ray.router.peers import Peers
 from kvflow_ray.router.settings import RouterSettings
 from kvflow_ray.router.store import BufferedStore, RedisStore, open_store
-from kvflow_ray.serve.metrics import RouterMetrics, merge_expositions
+from kvflow_ray.serve.metrics import HubMetrics, merge_expositions
 
 ROUTER_NAME = "kvflow-router"
 ROUTER_NAMESPACE = "kvflow"
 HEARTBEAT_MAX_AGE_S = 60.0  # replicas a restarted router trusts
 STALE_REPLICA_S = 15.0  # a live replica reports every second; this long without a word means it is gone
-# an ingress with calls in flight calls at least every INGRESS_BEAT_S (ingress.py); this long silent, it is gone
-INGRESS_SILENT_S = 5.0
-HINT_BATCH_S = 0.1  # hints for a replica wait this long for more to go with them
 logger = logging.getLogger(__name__)
 
 
@@ -63,15 +65,14 @@ class WorkflowRouterActor:
         store = BufferedStore(inner, grace_s=settings.store_grace_s, max_pending=settings.store_max_pending)
         self.core = RouterCore.from_settings(store, settings)
         self.store = store
-        self.metrics = RouterMetrics()
+        self.metrics = HubMetrics()
         self.expositions: dict[str, bytes] = {}  # replica -> its latest metrics
+        self.peers = Peers()  # the ingress replicas
         self._wakeups: dict[str, asyncio.Event] = {}
-        self._wake_scheduled = False
         self.keeper = StoreKeeper(store, threaded=self.backend == "redis", reconcile=self.core.reconcile,
                                   every_probe=self._prune)
         self._reported: dict[str, float] = {}  # replica -> when it last said something (monotonic)
-        self.other_calls: Counter[str] = Counter()  # calls besides the agent calls, by method (what they cost)
-        self.origins = CallOrigins(INGRESS_SILENT_S)  # which ingress each call in flight came through
+        self.calls: Counter[str] = Counter()  # calls made to this actor, by method (what they cost)
         self.ingresses_lost = 0
         now = time.monotonic()
         for replica in inner.replicas(HEARTBEAT_MAX_AGE_S):  # a restart: who was serving
@@ -83,11 +84,15 @@ class WorkflowRouterActor:
         await self.report(name)
 
     async def remove_replica(self, name: str) -> None:
+        """A replica that failed a call (an ingress saw it die): forgotten, by every ingress at its
+        next sync."""
         self._forget(name)
 
     async def replicas(self) -> dict[str, int]:
+        """The live replicas and the calls in flight on each (all the ingresses' as they last said)."""
         self.keeper.start()
-        return dict(self.core.loads)
+        loads = self._loads()
+        return {replica: loads[replica] for replica in self.core.loads}
 
     async def report(self, name: str, exposition: bytes | None = None,
                      load: dict[str, float] | None = None) -> dict[str, bool]:
@@ -95,9 +100,9 @@ class WorkflowRouterActor:
         router), its metrics, which `/metrics` serves merged with the router's, and its load
         (`replica.load_report`: device KV pool, usage, waiting queue), which routing policies read.
         The answer asks for a snapshot of its cache when its event feed had a gap."""
-        self.other_calls["report"] += 1
+        self.calls["report"] += 1
         self._heard_from(name)
-        self.store.heartbeat(name, {"load": self.core.loads[name]})
+        self.store.heartbeat(name, {"load": self._loads()[name]})
         if exposition is not None:
             self.expositions[name] = exposition
         if load is not None:
@@ -109,25 +114,29 @@ class WorkflowRouterActor:
                            first_tokens: Sequence[tuple[str, str]] = (), seq: int | None = None) -> None:
         """What `replica` did since its last report (batch `seq` of its feed): cache events, and the
         calls ((workflow key, agent)) whose first token it produced (their prompts are computed:
-        prefill work in flight ends)."""
-        self.other_calls["cache_events"] += 1
+        prefill work in flight ends). Every ingress hears of both with its next sync."""
+        self.calls["cache_events"] += 1
         self._heard_from(replica)  # a restarted router learns of it here too
         self.core.cache_events(replica, [CacheEvent(*e) for e in events], seq)
         self.core.first_tokens(replica, first_tokens)
+        if events:
+            self.peers.publish(("events", replica, events))
+        if first_tokens:
+            self.peers.publish(("first", replica, list(first_tokens)))
 
     async def cache_snapshot(self, replica: str, seq: int, events: list[tuple[Any, ...]] | None) -> None:
         """What `replica` holds as of batch `seq`, asked for by `report` after a gap in its feed."""
-        self.other_calls["cache_snapshot"] += 1
+        self.calls["cache_snapshot"] += 1
         self._heard_from(replica)
         self.core.cache_snapshot(replica, seq, None if events is None else [CacheEvent(*e) for e in events])
+        self.peers.publish(("snapshot", replica, events))
 
     async def pull_hints(self, replica: str, timeout_s: float = 1.0) -> dict[str, Any] | None:
-        """Long poll: the replica's pending hints, once the next wakeup (at most `HINT_BATCH_S` after
-        they came) says so, or at once when that wakeup went while the replica was not waiting; None
-        after `timeout_s` without any."""
-        self.other_calls["pull_hints"] += 1
+        """Long poll: the replica's pending hints, at once when some wait, else as soon as an
+        ingress's sync brings some; None after `timeout_s` without any."""
+        self.calls["pull_hints"] += 1
         self._heard_from(replica)
-        if self._wake_scheduled or not self.core.has_hints(replica):
+        if not self.core.has_hints(replica):
             wakeup = self._wakeups.setdefault(replica, asyncio.Event())
             wakeup.clear()
             with contextlib.suppress(TimeoutError):
@@ -135,114 +144,78 @@ class WorkflowRouterActor:
         batch = self.core.take_hints(replica)
         return None if batch is None else dataclasses.asdict(batch)
 
-    # ------------------------------------------------------------------ templates and calls
+    # ------------------------------------------------------------------ templates and ingresses
     async def put_template(self, tenant: str, spec: dict[str, Any]) -> dict[str, Any]:
-        return self.core.put_template(tenant, spec).to_dict()
+        """Register a template (the one place that checks tenants' template limits and write rates);
+        the ingresses that hold another version hear of it with their next sync. Returns it with its
+        version, for the caller's copy."""
+        self.calls["put_template"] += 1
+        name = spec.get("name")
+        held = self.core.templates.current.get(tenant, {}).get(name) if isinstance(name, str) else None
+        parsed = self.core.put_template(tenant, spec)
+        exported = self.core.templates.exported(tenant, parsed.name)
+        if held is not None and held.version != exported["version"]:
+            self.peers.publish(("template", tenant, parsed.name))
+        return exported
 
     async def get_template(self, tenant: str, name: str) -> dict[str, Any]:
-        return self.core.template(tenant, name).to_dict()
+        """The current template and its version (`Templates.adopt` takes both)."""
+        self.calls["get_template"] += 1
+        return self.core.templates.exported(tenant, name)
 
-    async def client_workflow(self, tenant: str, client_id: str, ended: Sequence[Ended] = (),
-                              ingress: str | None = None) -> str:
-        self._end_calls(ended, ingress)
-        return self.core.client_workflow(tenant, client_id)
-
-    async def start_call(self, tenant: str, client_id: str, agent: str, *, workflow: str | None = None,
-                         prefix_hash: str | None = None, prefix_tokens: int = 0, cache_salt: str = "",
-                         retry: bool = False, tokens: Sequence[int] = (), max_new: int = 0,
-                         ended: Sequence[Ended] = (), ingress: str | None = None) -> dict[str, Any]:
-        """Route one agent call (`tokens` / `max_new`: its prompt's token ids and output budget, as the
-        simulator gives them). `ended`: calls that ended since the caller's last router call (they are
-        ended first, so a client's next call always finds its previous one over). `ingress`: the
-        caller, which ends the call (or, should it die first, `_prune` does)."""
+    async def sync(self, ingress: str, outbound: dict[str, Any]) -> dict[str, Any]:
+        """An ingress replica's periodic exchange (`router/peers.py`): its hints go to the replicas,
+        and it gets what changed in the fleet since its last sync."""
+        self.calls["sync"] += 1
         self.keeper.start()
-        self._end_calls(ended, ingress)
-        route = self.core.start_call(tenant, client_id, agent, workflow=workflow, prefix_hash=prefix_hash,
-                                     prefix_tokens=prefix_tokens, cache_salt=cache_salt, retry=retry,
-                                     tokens=tokens, max_new=max_new)
-        if ingress is not None:
-            self.origins.started(ingress, (tenant, client_id, agent, route.replica), retry, self.core.loads)
-        self.metrics.observe_decision(route.outcome, self.core.decision_seconds[-1], tenant, route.deviation)
-        self._wake()
-        # the replicas get the hints through their outboxes; the caller needs only where to go
-        return {"replica": route.replica, "outcome": route.outcome, "workflow_key": route.workflow_key,
-                "fixed_prompt": route.fixed_prompt, "deviation": route.deviation}
-
-    async def end_call(self, tenant: str, client_id: str, agent: str, replica: str | None = None) -> None:
-        """One-way (callers need not wait): the hints it makes reach the replicas through the outbox."""
-        self._end_calls([(tenant, client_id, agent, replica)], None)
-
-    async def end_calls(self, ended: list[Ended], ingress: str | None = None) -> None:
-        """Several calls' ends at once (what the ingress had not sent with a later call)."""
-        self.other_calls["end_calls"] += 1
-        self._end_calls(ended, ingress)
-
-    async def ingress_beat(self, ingress: str) -> None:
-        """An ingress with calls in flight that made no other router call for a while: it is alive."""
-        self.other_calls["ingress_beat"] += 1
-        self.origins.heard(ingress)
-
-    async def finish_client(self, tenant: str, client_id: str, ended: Sequence[Ended] = (),
-                            ingress: str | None = None) -> None:
-        self._end_calls(ended, ingress)
-        self.core.finish_client(tenant, client_id)  # its retire hints go out through the outboxes
-        self._wake()
-
-    def _end_calls(self, ended: Sequence[Ended], ingress: str | None) -> None:
-        if ingress is not None:
-            self.origins.heard(ingress)
-        for end in ended:
-            if not self.origins.ended(ingress, end):
-                continue
-            tenant, client_id, agent, replica = end
-            try:
-                self.core.end_call(tenant, client_id, agent, replica)
-            except Exception:  # one bad end (an agent its template lost) must not fail the calls it rides on
-                logger.exception("ending a call of %s/%s (%s) failed", tenant, client_id, agent)
-        if ended:
+        reply = self.peers.sync(self.core, self.instance, ingress, outbound)
+        if outbound["hints"]:
             self._wake()
+        return reply
 
     # ------------------------------------------------------------------ observability
     async def metrics_text(self) -> bytes:
-        """The router's metrics and every live replica's, as one Prometheus exposition, built from what
-        the router holds in memory (live clients per tenant, the store's health as its last flush and
-        probe saw it: no store round trip), so a scrape costs the router next to nothing."""
+        """The router's metrics, every ingress's (labelled `ingress`) and every live replica's, as one
+        Prometheus exposition, built from what the actor holds in memory (no store round trip, no
+        call to the ingresses), so a scrape costs next to nothing."""
         self.keeper.start()
-        self.metrics.set_active(self.core.active_clients())
-        self.metrics.set_health(len(self.core.loads), self.backend, self.store.up)
-        self.metrics.set_store(self.store.pending, self.store.reconciles)
-        self.metrics.set_prediction(self.core.prediction_accuracy())
+        self.metrics.replicas.set(len(self.core.loads))
+        self.metrics.store.set(self.backend, self.store.up, self.store.pending, self.store.reconciles)
         live = [text for name, text in self.expositions.items() if name in self.core.loads]
-        return merge_expositions([self.metrics.exposition(), *live])
-
-    async def decision_latencies(self) -> list[float]:
-        return list(self.core.decision_seconds)
+        return merge_expositions([self.metrics.exposition(), *self.peers.expositions(), *live])
 
     async def stats(self) -> dict[str, Any]:
-        """What a soak or an operator watches: this process's CPU time and call counts (CPU per call),
-        recent finish_client latencies, the sizes of the router's state, and the store's health."""
-        return {"pid": os.getpid(), "cpu_s": time.process_time(), "start_calls": self.core.calls["start_call"],
-                "end_calls": self.core.calls["end_call"], "first_tokens": self.core.calls["first_token"],
-                "routing": type(self.core.policy).__name__, "other_calls": dict(self.other_calls),
-                "ingresses_lost": self.ingresses_lost, "calls_by_ingress": self.origins.in_flight(),
-                "finish_seconds": list(self.core.finish_seconds),
-                "finish_cpu_seconds": list(self.core.finish_cpu_seconds),
-                **self.core.sizes(), "store_up": self.store.up, "pending_writes": self.store.pending,
-                "reconciles": dict(self.store.reconciles), "device_kv_tokens": self.core.fleet.device_capacity()}
+        """What a soak or an operator watches: this process's CPU time and call counts, the ingresses'
+        calls and clients (summed, as of their last sync), recent finish_client latencies, the sizes
+        of the shared state, and the stores' health."""
+        ingresses = self.peers.totals()
+        sizes = self.core.sizes()
+        return {"pid": os.getpid(), "cpu_s": time.process_time(), "ingress_cpu_s": ingresses["cpu_s"],
+                "start_calls": ingresses["start_calls"], "end_calls": ingresses["end_calls"],
+                "first_tokens": self.core.calls["first_token"], "routing": type(self.core.policy).__name__,
+                "actor_calls": dict(self.calls), "ingresses": len(self.peers.peers),
+                "ingresses_lost": self.ingresses_lost, "calls_by_ingress": ingresses["calls_by_ingress"],
+                "finish_seconds": list(self.peers.finish_seconds),
+                "finish_cpu_seconds": list(self.peers.finish_cpu_seconds),
+                "live_clients": ingresses["live_clients"], "calls_in_flight": ingresses["calls_in_flight"],
+                "templates": sizes["templates"], "old_versions": sizes["old_versions"],
+                "locations": sizes["locations"], "told": ingresses["told"], "outbox": sizes["outbox"],
+                "store_up": self.store.up and ingresses["store_up"],
+                "pending_writes": self.store.pending + ingresses["pending_writes"],
+                "reconciles": dict(Counter(self.store.reconciles) + Counter(ingresses["reconciles"])),
+                "device_kv_tokens": self.core.fleet.device_capacity()}
 
     async def ping(self) -> str:
         """This incarnation's id: it changes when Ray restarts the actor."""
         return self.instance
 
     # ------------------------------------------------------------------ helpers
-    def _wake(self) -> None:
-        """Wake the replicas that have hints waiting, after `HINT_BATCH_S` (one wakeup carries all)."""
-        if not self._wake_scheduled:
-            self._wake_scheduled = True
-            asyncio.get_running_loop().call_later(HINT_BATCH_S, self._wake_now)
+    def _loads(self) -> Counter[str]:
+        loads, _ = self.peers.elsewhere("")
+        return loads
 
-    def _wake_now(self) -> None:
-        self._wake_scheduled = False
+    def _wake(self) -> None:
+        """Wake the replicas that have hints waiting (an ingress's sync brings a period's worth)."""
         for replica in self.core.pending_hints():
             wakeup = self._wakeups.get(replica)
             if wakeup is not None:
@@ -254,18 +227,16 @@ class WorkflowRouterActor:
         self.keeper.start()
 
     def _prune(self) -> None:
-        """Forget replicas that stopped reporting (killed without a goodbye), end the calls of ingresses
-        that went silent with calls in flight (killed mid-call), and forget clients idle past the state
-        TTL."""
+        """Forget replicas that stopped reporting (killed without a goodbye), ingresses that stopped
+        syncing (their calls and clients stop counting), and templates nobody used for their TTL."""
         horizon = time.monotonic() - STALE_REPLICA_S
         for name in [r for r in self.core.loads if self._reported.get(r, 0.0) < horizon]:
             self._forget(name)
-        for ingress, calls in self.origins.take_dead().items():
-            logger.warning("ingress %s went silent with %d calls in flight: ending them", ingress, len(calls))
-            self.ingresses_lost += 1
-            self._end_calls(calls, None)
-        if self.core.expire():  # idle clients' retire hints go out to the replicas
-            self._wake()
+        for name, peer in self.peers.prune().items():
+            if peer.stats.get("calls_in_flight"):
+                logger.warning("ingress %s went silent with %d calls in flight", name, peer.stats["calls_in_flight"])
+                self.ingresses_lost += 1
+        self.core.expire()
 
     def _forget(self, name: str) -> None:
         if name in self.core.loads:
