@@ -221,16 +221,20 @@ def sim_parity(args: argparse.Namespace) -> dict[str, Any]:
                                      "policy": args.parity_policy, "time_scale": args.time_scale},
                            "routers": {}}
     # every router at one ingress replica; the first (the default) at two as well: each ingress decides
-    # for the clients keyed to it, from the fleet the router actor relays, so a second must not change them
-    runs = [(routing, 1) for routing in routers] + [(routers[0], n) for n in args.parity_ingress if n != 1]
+    # for the clients keyed to it, from the fleet the router actor relays, so a second must not change
+    # them. Those two are measured `parity_repeats` times, alternately (wall-clock timing moves a run's
+    # ratios by a point or two), and compared by their means.
+    first = routers[0]
+    counts = [1, *(n for n in args.parity_ingress if n != 1)]
+    runs = [(first, n) for _ in range(args.parity_repeats) for n in counts] + [(r, 1) for r in routers[1:]]
     sims: dict[str, dict[str, Any]] = {}  # routing -> the simulator's result (deterministic: once each)
+    measured: dict[str, list[dict[str, Any]]] = {}
     with LocalServer(base, port=free_port(), num_cpus=2) as server:
         for routing, ingress in runs:
             print(f"parity: {routing}, {ingress} ingress replica(s)", file=sys.stderr)
             if routing not in sims:
                 sims[routing] = simulate(scenario, profile, args.parity_policy, replicas=args.replicas,
                                          routing=routing, seed=args.seed)[0]
-            sim = sims[routing]
             server.deploy(AppConfig(**{**base.to_dict(), "routing": routing, "ingress_replicas": ingress}))
             server.wait_ready()
             before = scrape(server.url)
@@ -239,18 +243,31 @@ def sim_parity(args: argparse.Namespace) -> dict[str, Any]:
             tiers = {tier: counter_delta(before, after, "kvflow_prompt_tokens_total", tier=tier)
                      for tier in ("gpu", "cpu", "miss")}
             total = sum(tiers.values()) or float("nan")
-            served = {"gpu_hit_ratio": round(tiers["gpu"] / total, 4),
-                      "cpu_hit_ratio": round(tiers["cpu"] / total, 4), "calls": replay.calls,
-                      "failures": len(replay.failures), "wall_s": round(replay.wall_s, 1)}
-            simulated = {"gpu_hit_ratio": round(sim["gpu_hit_ratio"], 4),
-                         "cpu_hit_ratio": round(sim["cpu_hit_ratio"], 4)}
             decisions = {outcome: counter_delta(before, after, "kvflow_router_decisions_total", outcome=outcome)
                          for outcome in ("affinity", "balanced", "cold")}
-            served["affinity_share"] = round(decisions["affinity"] / (sum(decisions.values()) or float("nan")), 4)
-            out["routers"][routing if ingress == 1 else f"{routing}@{ingress}-ingress"] = {
-                "serving": served, "sim": simulated,
-                "gpu_hit_gap_points": round(100 * (served["gpu_hit_ratio"] - simulated["gpu_hit_ratio"]), 2),
-                "first_failure": replay.failures[0] if replay.failures else None}
+            measured.setdefault(routing if ingress == 1 else f"{routing}@{ingress}-ingress", []).append({
+                "gpu_hit_ratio": round(tiers["gpu"] / total, 4), "cpu_hit_ratio": round(tiers["cpu"] / total, 4),
+                "affinity_share": round(decisions["affinity"] / (sum(decisions.values()) or float("nan")), 4),
+                "calls": replay.calls, "failures": len(replay.failures), "wall_s": round(replay.wall_s, 1),
+                "first_failure": replay.failures[0] if replay.failures else None})
+    for name, results in measured.items():
+        sim = sims[name.split("@")[0]]
+        served = {key: round(sum(r[key] for r in results) / len(results), 4)
+                  for key in ("gpu_hit_ratio", "cpu_hit_ratio", "affinity_share")}
+        served.update(calls=sum(r["calls"] for r in results), failures=sum(r["failures"] for r in results),
+                      wall_s=round(sum(r["wall_s"] for r in results), 1))
+        if len(results) > 1:
+            served["runs"] = [{k: r[k] for k in ("gpu_hit_ratio", "affinity_share")} for r in results]
+        simulated = {"gpu_hit_ratio": round(sim["gpu_hit_ratio"], 4), "cpu_hit_ratio": round(sim["cpu_hit_ratio"], 4)}
+        out["routers"][name] = {
+            "serving": served, "sim": simulated,
+            "gpu_hit_gap_points": round(100 * (served["gpu_hit_ratio"] - simulated["gpu_hit_ratio"]), 2),
+            "first_failure": next((r["first_failure"] for r in results if r["first_failure"]), None)}
+    one = out["routers"][first]["serving"]
+    for n in counts[1:]:
+        many = out["routers"][f"{first}@{n}-ingress"]["serving"]
+        out[f"{n}_ingress_vs_1_points"] = {key: round(100 * (many[key] - one[key]), 2)
+                                           for key in ("gpu_hit_ratio", "affinity_share")}
     return out
 
 
@@ -283,6 +300,8 @@ def main() -> int:
     parser.add_argument("--parity-tenants", type=int, default=4)
     parser.add_argument("--parity-clients", type=int, default=48, help="workflow instances of the parity scenario")
     parser.add_argument("--parity-rate", type=float, default=1.0, help="instances per simulated second")
+    parser.add_argument("--parity-repeats", type=int, default=3,
+                        help="runs of the first router at each ingress count, compared by their means (default 3)")
     parser.add_argument("--parity-ingress", default="1,2",
                         help="ingress replica counts the first parity router also runs at (default 1,2)")
     parser.add_argument("--seed", type=int, default=0)
@@ -301,6 +320,7 @@ def main() -> int:
             args.replicas = 4
         if args.quick:
             args.parity_clients, args.parity_routers, args.parity_ingress = 12, "workflow,sglang-cache-aware", [1]
+            args.parity_repeats = 1
         parity = sim_parity(args)
         print(json.dumps(parity, indent=2))
         results_file.write_json(args.out, "serve_routing_parity", parity)

@@ -269,6 +269,9 @@ def active_by_tenant(*matchers: str) -> str:
     return or_zero(sum_by(["tenant"], selector("kvflow_workflows_active", *matchers)), label="tenant")
 
 
+# every ingress learns its own models: the fleet's accuracy weighs each by the predictions it scored
+PREDICTION_ACCURACY = ratio(sum_by(["steps"], "kvflow_prediction_accuracy * kvflow_predictions"),
+                            sum_by(["steps"], selector("kvflow_predictions")))
 DEVIATIONS_BY_TENANT = or_zero(sum_by(["tenant"], rate("kvflow_workflow_deviations_total", TENANT)), label="tenant")
 REQUEST_RATE = rate("kvflow_request_latency_seconds_count", REPLICA)
 
@@ -427,8 +430,7 @@ def workflows() -> dict[str, Any]:
                    "the router's learned transition models named the agent that ran next, one and two steps "
                    "ahead (all tenants); '(none)' while no dynamic workflow has been scored. Falling accuracy "
                    "means the applications changed how they choose; the models follow within tens of instances.",
-                   "percentunit", Target(or_zero(sum_by(["steps"], selector("kvflow_prediction_accuracy")),
-                                                 label="steps"), "{{steps}} step(s) ahead"),
+                   "percentunit", Target(or_zero(PREDICTION_ACCURACY, label="steps"), "{{steps}} step(s) ahead"),
                    width=24, min=0, soft_max=1),
     ]
     return dashboard(

@@ -324,7 +324,9 @@ def test_serve_with_monitoring_starts_prometheus_and_stops_it_on_sigterm(free_po
 
         _wait("Prometheus to scrape the app", target_up, timeout_s=90)
         _wait("kvflow metrics in Prometheus", lambda: bool(_query(base, "kvflow_store_up")), timeout_s=30)
-        assert [s["metric"]["backend"] for s in _query(base, "kvflow_store_up == 1")] == ["memory"]
+        # the router actor's store and the ingress's (labelled `ingress`), as the dashboards read them
+        assert [s["metric"]["backend"] for s in _query(base, "min by (backend) (kvflow_store_up) == 1")] == ["memory"]
+        assert len(_query(base, "kvflow_store_up")) == 2
         assert [s["value"][1] for s in _query(base, "kvflow_router_replicas")] == ["1"]
         assert set(_rule_groups(base)) == {"kvflow-recording", "kvflow-alerts"}
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from kvflow_ray.core.routing import block_hashes
+from kvflow_ray.core.routing import RouteRequest, block_hashes
 from kvflow_ray.engines.base import CacheEvent
 from kvflow_ray.router.core import RouterCore, TenantLimitError
 from kvflow_ray.router.hints import HintBatch, HintOutbox
@@ -226,3 +226,47 @@ def test_the_workflow_router_prices_the_other_ingresses_work_in_flight() -> None
     fleet.sync(a, "A")
     fleet.sync(b, "B")
     assert b.core.policy.work.prefill_tokens(first.replica) == 0
+
+
+def test_a_prompt_one_ingress_just_sent_is_followed_by_the_others() -> None:
+    """Before the replica's cache event comes, the other ingresses count the replica an ingress just
+    sent a prompt to as its holder, as that ingress does (one copy of the prompt, not one per ingress)."""
+    fleet = Fleet()
+    a, b = fleet.ingress(), fleet.ingress()
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    route = a.core.start_call("acme", "c1", "planner", workflow="peer", prefix_hash="hp", prefix_tokens=512)
+    assert a.core.holdings.holders("hp") == {route.replica: "gpu"}
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    assert b.core.holdings.holders("hp") == {route.replica: "gpu"}
+    assert b.core.start_call("acme", "c2", "planner", workflow="peer", prefix_hash="hp",
+                             prefix_tokens=512).replica == route.replica
+    assert b.core.holdings.take_foreseen() == []  # what came from a is not sent back
+
+
+def test_ingresses_agree_on_each_applications_home_and_count_its_pressure() -> None:
+    """Two ingresses whose first calls of one application crossed (each placed it on another replica)
+    converge on one home after a sync each; and an application busy at one counts toward the memory
+    pressure every ingress sees."""
+    fleet = Fleet()
+    a, b = fleet.ingress(), fleet.ingress()
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    for link in (a, b):
+        link.core.fleet.report("r1", usage=0.0, waiting=0, capacity=1000)
+        link.core.fleet.report("r2", usage=0.0, waiting=0, capacity=1000)
+    first = a.core.start_call("acme", "c1", "planner", workflow="peer", prefix_hash="hp", prefix_tokens=512)
+    group = "acme/peer"
+    crossed = RouteRequest(prefix_hash="hp", prefix_tokens=512, group=group)
+    elsewhere = "r2" if first.replica == "r1" else "r1"
+    b.core.policy.apps.routed(crossed, elsewhere, rehome=False)  # b placed the application elsewhere meanwhile
+    assert a.core.policy.apps.home(group) != b.core.policy.apps.home(group)
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    fleet.sync(a, "A")
+    assert a.core.policy.apps.home(group) == b.core.policy.apps.home(group) == "r1"  # a tie: the first by name
+    # a's call is in flight: its application's working set is hot at b too (2,000 tokens of device KV)
+    b.core.policy.apps.ended(crossed, elsewhere)
+    fleet.sync(b, "B")
+    assert b.core.policy.apps.pressure(b.core.fleet) == 512 / 2000

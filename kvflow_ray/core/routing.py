@@ -524,6 +524,9 @@ class Applications:
     def __init__(self, max_idle: int = 1 << 16) -> None:
         self.max_idle = max_idle
         self.hot_tokens = 0
+        # the hot working set of the applications busy only at the other routers (ingress replicas), as
+        # of their last word (`elsewhere`): memory binds when all of it together exceeds the fleet's
+        self.hot_elsewhere = 0.0
         self._apps: dict[str, _Application] = {}
         self._idle: dict[str, None] = {}  # applications without a call in flight, least recently used first
 
@@ -538,7 +541,39 @@ class Applications:
     def pressure(self, fleet: Fleet) -> float:
         """The hot working set over the fleet's device KV (0 while no replica reported its pool)."""
         capacity = fleet.device_capacity()
-        return self.hot_tokens / capacity if capacity > 0 else 0.0
+        return (self.hot_tokens + self.hot_elsewhere) / capacity if capacity > 0 else 0.0
+
+    def homes(self) -> dict[str, list[float]]:
+        """"application\x00home" -> [1] for every application with a home (for the other routers:
+        summed over them, how many routers chose that home)."""
+        return {f"{group}\x00{app.home}": [1.0] for group, app in self._apps.items() if app.home is not None}
+
+    def agree(self, votes: Mapping[str, Sequence[float]]) -> None:
+        """The other routers' `homes()`, summed: each application this router knows goes home where
+        most routers (this one included) put it, ties to the first replica by name, so that routers
+        that placed an application apart (their first calls crossed) converge on one copy of its
+        prompts. O(applications the others placed)."""
+        tally: dict[str, dict[str, float]] = {}
+        for key, (count, *_rest) in votes.items():
+            group, _, home = key.partition("\x00")
+            tally.setdefault(group, {})[home] = tally.get(group, {}).get(home, 0.0) + count
+        for group, counts in tally.items():
+            app = self._apps.get(group)
+            if app is None:
+                continue
+            if app.home is not None:
+                counts[app.home] = counts.get(app.home, 0.0) + 1
+            app.home = min(counts, key=lambda home: (-counts[home], home))
+
+    def hot(self) -> dict[str, list[float]]:
+        """application -> [its working set, 1] for those with a call in flight (for the other routers:
+        summed over them, the second number says by how many routers it is busy)."""
+        return {group: [float(app.tokens), 1.0] for group, app in self._apps.items() if app.inflight}
+
+    def elsewhere(self, hot: Mapping[str, Sequence[float]]) -> None:
+        """The other routers' `hot()`, summed: the applications busy there and not here count."""
+        self.hot_elsewhere = sum(tokens / routers for group, (tokens, routers) in hot.items()
+                                 if not self.busy(group))
 
     def routed(self, request: RouteRequest, replica: str, rehome: bool) -> None:
         """A call of `request.group` went to `replica`; it becomes the home of an application without
@@ -705,11 +740,15 @@ class WorkflowRouter(WorkPricingRouter):
     def shared(self) -> dict[str, dict[str, list[float]]]:
         """Its work in flight, which the routers of the other ingress replicas price with (Dynamo's
         router replicas can share their active blocks the same way, `--router-replica-sync`; the
-        Dynamo rule here keeps its default, each router its own)."""
-        return {"work": self.work.own()}
+        Dynamo rule here keeps its default, each router its own), its busy applications' working
+        sets, which make up the memory pressure together with theirs, and its applications' homes,
+        which the routers agree on. O(replicas + applications) per sync."""
+        return {"work": self.work.own(), "hot": self.apps.hot(), "homes": self.apps.homes()}
 
     def absorb(self, others: Mapping[str, Mapping[str, Sequence[float]]]) -> None:
         self.work.elsewhere = others.get("work", {})
+        self.apps.elsewhere(others.get("hot", {}))
+        self.apps.agree(others.get("homes", {}))
 
 
 # ---------------------------------------------------------------------------------------------- load only

@@ -35,6 +35,7 @@ class Holdings:
         self._locations: dict[str, dict[str, str]] = {}  # prefix hash -> {replica: best tier}
         self._seq: dict[str, int] = {}  # replica -> the number of its last batch applied
         self._stale: set[str] = set()  # replicas whose feed had a gap: their snapshot is due
+        self._foreseen: list[tuple[str, str]] = []  # a copy's foreseen holders, for the other copies
 
     def load(self) -> None:
         """The prefix view the store holds, once, at (re)start."""
@@ -61,11 +62,19 @@ class Holdings:
         """replica -> the best tier it holds the prefix in."""
         return self._locations.get(prefix_hash, {})
 
-    def foresee(self, prefix_hash: str, replica: str) -> None:
+    def foresee(self, prefix_hash: str, replica: str, *, share: bool = True) -> None:
         """A call for the prefix was just sent to `replica`: it will hold it once the prefill runs, so
         calls for it that arrive before the cache event follow it there instead of computing a second
-        copy elsewhere. (Memory only: the store keeps what replicas report.)"""
+        copy elsewhere. (Memory only: the store keeps what replicas report.) A copy notes it for the
+        other copies (`take_foreseen`), unless it came from one (`share=False`)."""
         self._locations.setdefault(prefix_hash, {})[replica] = "gpu"
+        if share and not self.persist:
+            self._foreseen.append((prefix_hash, replica))
+
+    def take_foreseen(self) -> list[tuple[str, str]]:
+        """(prefix hash, replica) foreseen here since the last take."""
+        foreseen, self._foreseen = self._foreseen, []
+        return foreseen
 
     def feed(self, replica: str, events: Iterable[CacheEvent], seq: int | None) -> None:
         """Batch `seq` of `replica`'s feed (numbered from 1; None: unnumbered). A batch that does not
@@ -88,6 +97,10 @@ class Holdings:
 
     def stale(self, replica: str) -> bool:
         return replica in self._stale
+
+    def distrust(self, replica: str) -> None:
+        """What the store says `replica` holds may lag (a restarted router): its snapshot is due."""
+        self._stale.add(replica)
 
     def apply(self, replica: str, events: Iterable[CacheEvent]) -> None:
         """`replica` stored or removed prefixes in a tier."""

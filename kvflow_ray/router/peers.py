@@ -10,8 +10,9 @@ ingress is busy and `IDLE_SYNC_S` otherwise, carries both ways:
 
 - up (`HubLink.outbound`): the hints its calls made since (per replica; the actor merges them into
   the replicas' outboxes), its calls in flight per replica, its routing policy's work in flight
-  (`RoutingPolicy.shared`), its live clients per tenant, the templates it used, clients it took
-  over, its stats and, about once a second, its metrics;
+  (`RoutingPolicy.shared`), the prompts it just sent to replicas (foreseen holders, until their
+  cache events come), its live clients per tenant, the templates it used, clients it took over,
+  its stats and, about once a second, its metrics;
 - down (`Peers.sync`): what the replicas reported since its last sync, in order (cache events,
   snapshots, first tokens), or the actor's whole holdings when the ingress is new to it (a new
   ingress, a restarted actor, a queue that overflowed); every live replica with its last load
@@ -45,6 +46,7 @@ FINISHES_KEPT = 10_000  # recent finish_client latencies the actor keeps (a soak
 # ("events", replica, [event tuples]) | ("snapshot", replica, [event tuples] | None)
 # | ("first", replica, [[workflow key, agent]]) | ("template", tenant, name)
 # | ("claimed", the claiming ingress's instance, [tenant, client id])
+# | ("foreseen", the sending ingress's instance, [[prefix hash, replica]])
 Update = tuple[Any, ...]
 SUMMED = ("start_calls", "end_calls", "live_clients", "calls_in_flight", "told", "pending_writes", "cpu_s")
 
@@ -95,6 +97,8 @@ class Peers:
         hub.templates.touch(outbound["used"])
         for tenant, client_id in outbound["claimed"]:  # the ingress that routed them before lets go
             self.publish(("claimed", outbound["instance"], [tenant, client_id]))
+        if outbound["foreseen"]:  # prompts just sent to replicas: the others follow them there too
+            self.publish(("foreseen", outbound["instance"], outbound["foreseen"]))
         peer = self.peers.get(name)
         if peer is None or peer.instance != outbound["instance"]:
             peer = self.peers[name] = Peer(outbound["instance"], time.monotonic())
@@ -190,7 +194,8 @@ class HubLink:
         out: dict[str, Any] = {
             "instance": self.instance, "hints": hints, "loads": self.own_loads(),
             "live": live, "used": core.templates.take_used(), "stats": self.stats(),
-            "claimed": self.claimed, "shared": core.policy.shared()}
+            "claimed": self.claimed, "shared": core.policy.shared(),
+            "foreseen": core.holdings.take_foreseen()}
         self.claimed = []
         if metrics is not None and time.monotonic() - self._metrics_at >= METRICS_EVERY_S:
             self._metrics_at = time.monotonic()
@@ -250,6 +255,10 @@ class HubLink:
                 changed.append((about, data))
             elif kind == "claimed" and about != self.instance:
                 core.release(*data)
+            elif kind == "foreseen" and about != self.instance:
+                for prefix_hash, replica in data:
+                    if replica in core.loads:
+                        core.holdings.foresee(prefix_hash, replica, share=False)
         elsewhere: Mapping[str, int] = reply["loads"]
         for replica in core.loads:
             now = elsewhere.get(replica, 0)

@@ -78,6 +78,8 @@ class WorkflowRouterActor:
         for replica in inner.replicas(HEARTBEAT_MAX_AGE_S):  # a restart: who was serving
             self.core.add_replica(replica)
             self._reported[replica] = now
+            # the store's copy of its holdings may lag what it holds: its next report asks for a snapshot
+            self.core.holdings.distrust(replica)
 
     # ------------------------------------------------------------------ replicas
     async def add_replica(self, name: str) -> None:
