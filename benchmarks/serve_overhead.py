@@ -112,9 +112,10 @@ def drive(port: int, clients: int, calls: int, workflow: bool, prefix: str) -> t
 
     def client(k: int) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        name = f"{prefix}-{k}" if workflow else None
+        session = f"{prefix}-{k}"
+        name = session if workflow else None
         # a client's session header, as the SDK sends it (kvflow-ray keys its calls to one ingress by it)
-        headers = {**base, SESSION_HEADER: f"{prefix}-{k}"}
+        headers = {**base, SESSION_HEADER: session}
         for i in range(per_client):
             conn.request("POST", path, chat_body(name, AGENTS[i % len(AGENTS)], i), headers)
             response = conn.getresponse()

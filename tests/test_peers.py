@@ -88,6 +88,7 @@ def test_every_ingress_counts_the_others_calls_in_flight() -> None:
     fleet.sync(b, "B")
     assert sum(b.core.loads.values()) == 1 and sum(a.core.loads.values()) == 1
     assert fleet.peers.totals()["calls_in_flight"] == 1
+    assert sum(fleet.peers.load(r) for r in ("r1", "r2")) == 1  # b's call, as b last said
     # an ingress that stops syncing stops counting
     fleet.peers.silent_s = 0.0
     assert set(fleet.peers.prune()) == {"A", "B"}

@@ -553,10 +553,10 @@ class Applications:
         most routers (this one included) put it, ties to the first replica by name, so that routers
         that placed an application apart (their first calls crossed) converge on one copy of its
         prompts. O(applications the others placed)."""
-        tally: dict[str, dict[str, float]] = {}
+        tally: dict[str, dict[str, float]] = {}  # application -> home -> routers that chose it
         for key, (count, *_rest) in votes.items():
             group, _, home = key.partition("\x00")
-            tally.setdefault(group, {})[home] = tally.get(group, {}).get(home, 0.0) + count
+            tally.setdefault(group, {})[home] = count  # keys are summed already: one per (group, home)
         for group, counts in tally.items():
             app = self._apps.get(group)
             if app is None:

@@ -53,13 +53,15 @@ class Clients:
     def get(self, tenant: str, client_id: str) -> dict[str, Any] | None:
         return self.records.get((tenant, client_id))
 
-    def adopt(self, tenant: str, client_id: str, record: dict[str, Any]) -> None:
+    def adopt(self, tenant: str, client_id: str, record: dict[str, Any]) -> bool:
         """A client whose record another owner wrote (an ingress replica that is gone): live here now,
-        unless it is known here already or was finished here."""
+        unless it is known here already or was finished here. Whether it was taken."""
         client = (tenant, client_id)
-        if client not in self.records and not self.was_finished(client):
-            self.records[client] = record
-            self._live.setdefault(tenant, OrderedDict())[client_id] = time.monotonic()
+        if client in self.records or self.was_finished(client):
+            return False
+        self.records[client] = record
+        self._live.setdefault(tenant, OrderedDict())[client_id] = time.monotonic()
+        return True
 
     def save(self, tenant: str, client_id: str, record: dict[str, Any]) -> None:
         self.store.put_client(tenant, client_id, record)

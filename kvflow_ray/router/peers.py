@@ -122,6 +122,10 @@ class Peers:
                 "replicas": {r: (fleet.usage.get(r, 0.0), fleet.waiting.get(r, 0), fleet.capacity.get(r))
                              for r in fleet.loads}}
 
+    def load(self, replica: str) -> int:
+        """Every ingress's calls in flight on `replica`, as they last said. O(ingresses)."""
+        return sum(peer.loads.get(replica, 0) for peer in self.peers.values())
+
     def elsewhere(self, name: str) -> tuple[Counter[str], Counter[str]]:
         """The other ingresses' (calls in flight per replica, live clients per tenant)."""
         loads: Counter[str] = Counter()
@@ -218,8 +222,9 @@ class HubLink:
         self._metrics_at = 0.0
 
     def own_loads(self) -> dict[str, int]:
-        return {r: n - self._elsewhere.get(r, 0) for r, n in self.core.loads.items()
-                if n - self._elsewhere.get(r, 0) > 0}
+        """This ingress's own calls in flight per replica (`core.loads` less the others')."""
+        own = ((r, n - self._elsewhere.get(r, 0)) for r, n in self.core.loads.items())
+        return {r: n for r, n in own if n > 0}
 
     def stats(self) -> dict[str, Any]:
         core = self.core

@@ -154,8 +154,7 @@ class IngressRouter:
             except Exception:  # the store is failing: the clients are unknown here
                 records = [None] * len(clients)
             for client, record in zip(clients, records, strict=True):
-                if record is not None and self.core.clients.get(*client) is None:
-                    self.core.clients.adopt(*client, record)
+                if record is not None and self.core.clients.adopt(*client, record):
                     self.link.claim(*client)
                 if not batch[client].done():
                     batch[client].set_result(None)
@@ -216,5 +215,6 @@ class IngressRouter:
 
 def _log_failure(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
-        logger.error("the ingress's sync loop ended", exc_info=task.exception())
+        logger.error("a background task of the ingress's router (sync loop, recall batches) failed",
+                     exc_info=task.exception())
 

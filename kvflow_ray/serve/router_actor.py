@@ -93,8 +93,7 @@ class WorkflowRouterActor:
     async def replicas(self) -> dict[str, int]:
         """The live replicas and the calls in flight on each (all the ingresses' as they last said)."""
         self.keeper.start()
-        loads = self._loads()
-        return {replica: loads[replica] for replica in self.core.loads}
+        return {replica: self.peers.load(replica) for replica in self.core.loads}
 
     async def report(self, name: str, exposition: bytes | None = None,
                      load: dict[str, float] | None = None) -> dict[str, bool]:
@@ -104,7 +103,7 @@ class WorkflowRouterActor:
         The answer asks for a snapshot of its cache when its event feed had a gap."""
         self.calls["report"] += 1
         self._heard_from(name)
-        self.store.heartbeat(name, {"load": self._loads()[name]})
+        self.store.heartbeat(name, {"load": self.peers.load(name)})
         if exposition is not None:
             self.expositions[name] = exposition
         if load is not None:
@@ -212,10 +211,6 @@ class WorkflowRouterActor:
         return self.instance
 
     # ------------------------------------------------------------------ helpers
-    def _loads(self) -> Counter[str]:
-        loads, _ = self.peers.elsewhere("")
-        return loads
-
     def _wake(self) -> None:
         """Wake the replicas that have hints waiting (an ingress's sync brings a period's worth)."""
         for replica in self.core.pending_hints():
