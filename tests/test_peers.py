@@ -246,6 +246,27 @@ def test_a_prompt_one_ingress_just_sent_is_followed_by_the_others() -> None:
     assert b.core.holdings.take_foreseen() == []  # what came from a is not sent back
 
 
+def test_a_new_placement_is_news_for_the_other_ingresses_and_cache_events_are_not() -> None:
+    """The actor holds an ingress's sync until something urgent is queued for it: a prompt another
+    ingress just sent to a replica ends it at once; the replicas' cache events wait for the next."""
+    fleet = Fleet()
+    a, b = fleet.ingress(), fleet.ingress()
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    assert not fleet.peers.news("A") and not fleet.peers.news("B")
+    fleet.events("r1", [stored("hx", list(range(64)))])
+    assert not fleet.peers.news("B")  # queued, not urgent
+    assert not a.news()
+    a.core.start_call("acme", "c1", "planner", workflow="peer", prefix_hash="hp", prefix_tokens=512)
+    assert a.news()  # a prompt sent where nobody held it: a ends its held sync to send it up
+    assert fleet.peers.heard(fleet.hub, "A", a.outbound()) == ["B"]  # b's held sync ends
+    assert fleet.peers.news("B") and not fleet.peers.news("A")  # a's own news is not sent back to it
+    a.apply(fleet.peers.reply(fleet.hub, HUB, "A"))
+    fleet.sync(b, "B")
+    assert not fleet.peers.news("B")
+    assert b.core.holdings.holders("hp") and b.core.holdings.holders("hx") == {"r1": "gpu"}
+
+
 def test_ingresses_agree_on_each_applications_home_and_count_its_pressure() -> None:
     """Two ingresses whose first calls of one application crossed (each placed it on another replica)
     converge on one home after a sync each; and an application busy at one counts toward the memory

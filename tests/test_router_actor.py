@@ -115,3 +115,56 @@ async def _until(ready: Callable[[], bool], message: str) -> None:
     while not ready():
         assert time.monotonic() < deadline, message
         await asyncio.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_a_prompt_one_ingress_places_ends_the_others_held_sync(ray_cluster: None) -> None:
+    """The actor holds an ingress's sync until news comes for it: a prompt another ingress just sent
+    to a replica ends it (so the ingresses follow each other's placements within a round trip), and so
+    does the ingress itself when it has something to send or must not wait."""
+    deadline = time.monotonic() + 30
+    while True:  # the previous test's actor is gone for good: its name frees a moment later
+        try:
+            get_router(create=False)
+        except ValueError:
+            break
+        assert time.monotonic() < deadline, "the previous router actor's name was never freed"
+        time.sleep(0.2)
+    router = get_router(RouterSettings())
+    ray.get([router.add_replica.remote("r1"), router.add_replica.remote("r2")])
+    try:
+        asyncio.run(_held_syncs(router))
+    finally:
+        ray.kill(router, no_restart=True)
+
+
+async def _held_syncs(router: object) -> None:
+    settings = RouterSettings()
+    a, b = IngressRouter(settings, "ingress-a"), IngressRouter(settings, "ingress-b")
+    await a.put_template("acme", PEER)
+    assert await a.sync_now() and await b.sync_now()  # both known to the actor, the holdings sent
+
+    async def held(count: int) -> None:
+        await _until_async(lambda: router.stats.remote(), lambda s: s["held_syncs"].get("held", 0) == count,
+                           "the actor never held the sync")
+
+    waiting = asyncio.ensure_future(b.sync_now(wait_s=5.0))
+    await held(1)
+    route = a.start_call("acme", "c1", "planner", workflow="peer", prefix_hash="hp", prefix_tokens=512)
+    assert await a.sync_now()  # its news goes up: the actor answers b now, not in 5 s
+    assert await waiting
+    assert b.core.holdings.holders("hp") == {route.replica: "gpu"}
+    assert (await router.stats.remote())["held_syncs"] == {"held": 1, "news": 1}
+
+    waiting = asyncio.ensure_future(b.sync_now(wait_s=5.0))
+    await held(2)
+    assert await b.sync_now()  # one that must not wait ends the held one first
+    assert await waiting
+    assert (await router.stats.remote())["held_syncs"] == {"held": 2, "news": 2}
+
+
+async def _until_async(ask: Callable[[], object], ready: Callable[[dict], bool], message: str) -> None:
+    deadline = time.monotonic() + 10
+    while not ready(await ask()):
+        assert time.monotonic() < deadline, message
+        await asyncio.sleep(0.02)

@@ -48,8 +48,11 @@ def test_app_config_rejects_what_it_cannot_run() -> None:
         AppConfig(api_keys={"": "acme"})
     with pytest.raises(ValueError, match=r"template_idle_ttl_s .* must be at least state_ttl_s"):
         AppConfig(state_ttl_s=600, template_idle_ttl_s=60)
-    settings = AppConfig(state_ttl_s=600, store_grace_s=5).router_settings()  # what the router actor is made with
+    with pytest.raises(ValueError, match="ingress_sync_s"):
+        AppConfig(ingress_sync_s=0)  # an ingress syncing without pause would spin the router actor
+    settings = AppConfig(state_ttl_s=600, store_grace_s=5, ingress_sync_s=0.1).router_settings()  # the actor's
     assert settings.state_ttl_s == 600 and settings.store_grace_s == 5 and settings.template_ttl_s >= 600
+    assert settings.sync_s == 0.1  # and each ingress's
     # the engines' policy says how the router ranks agents
     assert settings.prediction == "graph"
     assert AppConfig(policy="predictive").router_settings().prediction == "learned"

@@ -71,6 +71,10 @@ class Holdings:
         if share and not self.persist:
             self._foreseen.append((prefix_hash, replica))
 
+    def has_foreseen(self) -> bool:
+        """Whether prompts were foreseen here since the last `take_foreseen`."""
+        return bool(self._foreseen)
+
     def take_foreseen(self) -> list[tuple[str, str]]:
         """(prefix hash, replica) foreseen here since the last take."""
         foreseen, self._foreseen = self._foreseen, []

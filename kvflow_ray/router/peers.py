@@ -6,7 +6,8 @@ client's calls, keyed by its session header, to one ingress) with its own `Route
 (`owner=False`), so no actor call sits on a call's path. What its decisions need from the fleet
 comes from the router actor, which hears from the engine replicas; what the replicas need from the
 ingresses (hints) goes through the actor, which they long-poll. One sync, every `SYNC_S` while the
-ingress is busy and `IDLE_SYNC_S` otherwise, carries both ways:
+ingress is busy (`RouterSettings.sync_s`, serving's `ingress_sync_s`) and `IDLE_SYNC_S` otherwise,
+carries both ways:
 
 - up (`HubLink.outbound`): the hints its calls made since (per replica; the actor merges them into
   the replicas' outboxes), its calls in flight per replica, its routing policy's work in flight
@@ -19,8 +20,13 @@ ingress is busy and `IDLE_SYNC_S` otherwise, carries both ways:
   report; the other ingresses' calls in flight per replica, policy work and live clients per
   tenant; templates that changed.
 
-So an ingress's view of the fleet lags the actor's by one sync (at most `SYNC_S` while busy), and
-the loads and live-client counts of the other ingresses by one sync of theirs.
+The actor holds a sync (up to `SYNC_S` while busy) until something urgent is queued for its
+ingress: a prompt another ingress just sent to a replica (foreseen), a client another took over, a
+template that changed. The ingress that has such news wakes its own held sync (`wake`), so it goes up
+at once and reaches the other ingresses within a round trip: they follow each other's new placements
+instead of computing a second copy of a prompt. Everything else rides the next sync: an ingress's
+view of the cache events lags the actor's by at most `SYNC_S`, and the loads and live-client counts
+of the other ingresses by one sync of theirs.
 """
 
 from __future__ import annotations
@@ -36,8 +42,8 @@ from kvflow_ray.engines.base import CacheEvent
 from kvflow_ray.router.core import RouterCore
 from kvflow_ray.router.hints import HintBatch
 
-SYNC_S = 0.2  # an ingress with calls in flight or hints to send syncs this often
-IDLE_SYNC_S = 0.5  # ... and an idle one this often (new replicas and templates reach it within this)
+IDLE_SYNC_S = 0.5  # an idle ingress syncs this often (new replicas and templates reach it within this)
+SYNC_GAP_S = 0.01  # the least time between two syncs of one ingress (bounds the rate news can cause)
 PEER_SILENT_S = 5.0  # an ingress this long without a sync is gone: its loads and clients stop counting
 MAX_QUEUED = 20_000  # updates waiting for one ingress; past this it gets the whole holdings instead
 METRICS_EVERY_S = 1.0  # how often an ingress sends its metrics exposition up
@@ -48,6 +54,7 @@ FINISHES_KEPT = 10_000  # recent finish_client latencies the actor keeps (a soak
 # | ("claimed", the claiming ingress's instance, [tenant, client id])
 # | ("foreseen", the sending ingress's instance, [[prefix hash, replica]])
 Update = tuple[Any, ...]
+URGENT = frozenset({"foreseen", "claimed", "template"})  # kinds that end a held sync at once
 SUMMED = ("start_calls", "end_calls", "live_clients", "calls_in_flight", "told", "pending_writes", "cpu_s")
 
 
@@ -59,6 +66,7 @@ class Peer:
     seen: float  # its last sync (monotonic)
     updates: list[Update] = field(default_factory=list)  # to send with its next sync
     owes_snapshot: bool = True  # new (or its queue overflowed): the next sync sends the whole holdings
+    urgent: bool = False  # an update of an `URGENT` kind waits in `updates`
     loads: dict[str, int] = field(default_factory=dict)  # its calls in flight per replica
     live: dict[str, int] = field(default_factory=dict)  # its live clients per tenant
     shared: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # its policy's `shared()`
@@ -77,28 +85,46 @@ class Peers:
         self.finish_seconds: deque[float] = deque(maxlen=FINISHES_KEPT)
         self.finish_cpu_seconds: deque[float] = deque(maxlen=FINISHES_KEPT)
 
-    def publish(self, update: Update) -> None:
-        """Something every ingress must hear of, in order. O(ingresses)."""
-        for peer in self.peers.values():
-            if peer.owes_snapshot:  # the snapshot it gets next includes this
+    def publish(self, update: Update, *, besides: str | None = None) -> list[str]:
+        """Something every ingress (but `besides`, whose news it is) must hear of, in order; the
+        ingresses whose held sync it should end (an urgent update). O(ingresses)."""
+        urgent = update[0] in URGENT
+        woken = []
+        for name, peer in self.peers.items():
+            if peer.owes_snapshot or name == besides:  # the snapshot it gets next includes this
                 continue
             peer.updates.append(update)
             if len(peer.updates) > self.max_queued:
                 peer.updates = []
                 peer.owes_snapshot = True
+            if urgent or peer.owes_snapshot:
+                peer.urgent = True
+                woken.append(name)
+        return woken
+
+    def news(self, name: str) -> bool:
+        """Whether ingress `name` has something urgent waiting (a held sync of its returns at once)."""
+        peer = self.peers.get(name)
+        return peer is None or peer.urgent or peer.owes_snapshot
 
     def sync(self, hub: RouterCore, instance: str, name: str, outbound: Mapping[str, Any]) -> dict[str, Any]:
-        """Ingress `name` synced (`HubLink.outbound`) with the actor whose core is `hub` (incarnation
-        `instance`): its hints go into the replicas' outboxes, the templates it used stay alive, what
-        it said is kept; the answer is what changed in the fleet since its last sync (`HubLink.apply`)."""
+        """`heard`, then `reply`: one sync that is not held."""
+        self.heard(hub, name, outbound)
+        return self.reply(hub, instance, name)
+
+    def heard(self, hub: RouterCore, name: str, outbound: Mapping[str, Any]) -> list[str]:
+        """Ingress `name` synced (`HubLink.outbound`) with the actor whose core is `hub`: its hints go
+        into the replicas' outboxes, the templates it used stay alive, what it said is kept. Returns
+        the other ingresses that have urgent news now (its foreseen prompts, clients it took)."""
         for replica, batch in outbound["hints"].items():
             if replica in hub.loads:  # hints for a replica gone since are dropped with it
                 hub.outbox.merge(replica, batch)
         hub.templates.touch(outbound["used"])
+        woken: set[str] = set()
         for tenant, client_id in outbound["claimed"]:  # the ingress that routed them before lets go
-            self.publish(("claimed", outbound["instance"], [tenant, client_id]))
+            woken.update(self.publish(("claimed", outbound["instance"], [tenant, client_id]), besides=name))
         if outbound["foreseen"]:  # prompts just sent to replicas: the others follow them there too
-            self.publish(("foreseen", outbound["instance"], outbound["foreseen"]))
+            woken.update(self.publish(("foreseen", outbound["instance"], outbound["foreseen"]), besides=name))
         peer = self.peers.get(name)
         if peer is None or peer.instance != outbound["instance"]:
             peer = self.peers[name] = Peer(outbound["instance"], time.monotonic())
@@ -112,8 +138,14 @@ class Peers:
         peer.stats = stats
         if outbound.get("metrics") is not None:
             peer.metrics = outbound["metrics"]
+        return sorted(woken)
+
+    def reply(self, hub: RouterCore, instance: str, name: str) -> dict[str, Any]:
+        """What changed in the fleet since ingress `name`'s last sync (`HubLink.apply`), from the actor
+        whose core is `hub` (incarnation `instance`). `heard` came first."""
+        peer = self.peers[name]
         snapshot, updates = peer.owes_snapshot, peer.updates
-        peer.owes_snapshot, peer.updates = False, []
+        peer.owes_snapshot, peer.updates, peer.urgent = False, [], False
         loads, live = self.elsewhere(name)
         fleet = hub.fleet
         return {"hub": instance, "holdings": hub.holdings.export() if snapshot else None,
@@ -184,6 +216,11 @@ class HubLink:
         """A client recalled from the store (the ingress that routed it before may be alive: the
         consistent-hash ring changed): every other ingress forgets it with its next sync."""
         self.claimed.append((tenant, client_id))
+
+    def news(self) -> bool:
+        """Whether this ingress has something the others should hear of at once (`URGENT`): prompts
+        it just sent to replicas that were not known to hold them, or clients it took over."""
+        return bool(self.claimed) or self.core.holdings.has_foreseen()
 
     def outbound(self, metrics: Callable[[], bytes] | None = None) -> dict[str, Any]:
         """What the next sync carries up. The hints leave the core's outboxes: `unsent` puts them

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from kvflow_ray.core.routing import DEFAULT_ROUTING, RoutingPolicy, create_routing
 from kvflow_ray.router.limits import TenantLimits
 
+# how often an ingress replica with calls in flight syncs with the router actor (`router/peers.py`):
+# the other ingresses' loads and work in flight are this old
+SYNC_S = 0.2
+
 
 @dataclass(frozen=True)
 class RouterSettings:
@@ -22,6 +26,7 @@ class RouterSettings:
     template_ttl_s: float | None = None  # an unused template is dropped after this long (at least state_ttl_s)
     store_grace_s: float = 30.0  # a store outage this long is served from memory
     store_max_pending: int = 100_000  # writes queued for an unreachable store before state changes are refused
+    sync_s: float = SYNC_S  # a busy ingress replica's sync period (`router/peers.py`)
 
     def policy(self) -> RoutingPolicy:
         return create_routing(self.routing, self.seed, {"balance_threshold": self.balance_threshold})

@@ -49,6 +49,9 @@ class AppConfig(BaseModel):
     # HTTP ingress replicas (tenants' admission limits apply per ingress replica); the router actor
     # keeps every client's state, so any ingress serves any call
     ingress_replicas: int = Field(1, ge=1)
+    # how often a busy ingress replica syncs with the router actor (router/peers.py): the other
+    # ingresses' loads and work in flight are this old; shorter costs CPU on every ingress and the actor
+    ingress_sync_s: float = Field(0.2, ge=0.02, le=1.0)
     redis: str | None = None  # redis://host:port/db; None = the embedded in-process store
     # which replica serves each agent call: a name in `core.routing.ROUTING`, the same names and objects
     # as `kvflow-ray sim --routing` (workflow: the workflow router the simulator measures)
@@ -210,7 +213,7 @@ class AppConfig(BaseModel):
             routing=self.routing, balance_threshold=self.balance_threshold, seed=self.seed,
             prefetch_horizon=self.horizon, limits=self.limits, store_url=self.redis, state_ttl_s=self.state_ttl_s,
             template_ttl_s=self.template_idle_ttl_s, store_grace_s=self.store_grace_s,
-            store_max_pending=self.store_max_pending_writes,
+            store_max_pending=self.store_max_pending_writes, sync_s=self.ingress_sync_s,
             # the engines' policy says how the router ranks agents in its hints (`predictive`: learned)
             prediction=POLICIES[self.policy].prediction if self.policy in POLICIES else "graph")
 

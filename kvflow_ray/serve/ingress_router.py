@@ -1,10 +1,11 @@
 """An ingress replica's router: it routes the calls of the clients Serve sends to this ingress with its
 own `RouterCore`, so a call makes no actor call (docs/dev/ingress-routing.md).
 
-The router actor (`router_actor.py`) is the hub: this process syncs with it every `SYNC_S` while busy
-(`router/peers.py` says what a sync carries), and calls it on a call's path only for what it holds
-alone: a template this ingress has no copy of (or whose copy changed), a template registration, and
-a replica that failed a call. The clients' records go to the store (Redis in a deployment) through
+The router actor (`router_actor.py`) is the hub: this process syncs with it every `sync_s` while busy,
+and at once when it or another ingress has news (`router/peers.py` says what a sync carries and when
+the actor answers one). It calls the actor on a call's path only for what the actor holds alone: a
+template this ingress has no copy of (or whose copy changed), a template registration, and a
+replica that failed a call. The clients' records go to the store (Redis in a deployment) through
 this process's own write-behind buffer and keeper, as the actor's did; a client this ingress does
 not know is looked up there first, since the ingress that routed it before may be gone.
 """
@@ -12,6 +13,7 @@ not know is looked up there first, since the ingress that routed it before may b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import time
@@ -22,7 +24,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from kvflow_ray.core.graph import WorkflowSpec
 from kvflow_ray.router.core import Route, RouterCore
 from kvflow_ray.router.keeper import StoreKeeper
-from kvflow_ray.router.peers import IDLE_SYNC_S, SYNC_S, HubLink
+from kvflow_ray.router.peers import IDLE_SYNC_S, SYNC_GAP_S, HubLink
 from kvflow_ray.router.settings import RouterSettings
 from kvflow_ray.router.store import BufferedStore, RedisStore, open_store
 from kvflow_ray.serve.metrics import RouterMetrics
@@ -37,6 +39,7 @@ logger = logging.getLogger("ray.serve")
 class IngressRouter:
     def __init__(self, settings: RouterSettings, name: str) -> None:
         self.name = name  # this ingress replica, towards the router actor
+        self.sync_s = settings.sync_s  # while busy: how old the other ingresses' loads may be here
         self.hub = get_router(settings)
         inner = open_store(settings.store_url, settings.state_ttl_s)
         self.backend = "redis" if isinstance(inner, RedisStore) else "memory"
@@ -50,6 +53,8 @@ class IngressRouter:
         self._busy_at = 0.0  # the last call started or ended here (monotonic)
         self._sync_lock: asyncio.Lock | None = None
         self._syncing: asyncio.Task[None] | None = None
+        self._held = False  # a sync is waiting at the actor for news
+        self._woken = False  # ... and this ingress asked the actor to answer it now
         self._recalls: dict[tuple[str, str], asyncio.Future[None]] = {}  # look-ups for the next batch
         self._recalling: asyncio.Task[None] | None = None
 
@@ -65,31 +70,54 @@ class IngressRouter:
         if self.link.hub is None or not self.core.loads:
             await self.sync_now()
 
-    async def sync_now(self, *, metrics: bool = False) -> bool:
-        """One sync with the router actor (one at a time); whether it answered."""
+    async def sync_now(self, *, metrics: bool = False, wait_s: float = 0.0) -> bool:
+        """One sync with the router actor (one at a time), which answers after up to `wait_s` unless
+        news comes sooner (`router/peers.py`); whether it answered. One that must not wait ends the
+        held one first."""
         if self._sync_lock is None:
             self._sync_lock = asyncio.Lock()
+        if wait_s == 0:
+            self._end_held_sync()
         async with self._sync_lock:
             if metrics:
                 self.link.metrics_due()
             outbound = self.link.outbound(self._exposition)
+            self._held = wait_s > 0
             try:
-                reply = await self.hub.sync.remote(self.name, outbound)
+                reply = await self.hub.sync.remote(self.name, outbound, wait_s)
             except Exception as exc:  # a restarting actor: its hints wait for the next sync
                 self.link.unsent(outbound)
                 logger.debug("sync with the router actor failed: %s", exc)
                 return False
+            finally:
+                self._held = self._woken = False
             self._stale_templates.update(self.link.apply(reply))
             return True
 
     async def _sync_loop(self) -> None:
         while True:
             busy = time.monotonic() - self._busy_at < BUSY_S or self.core.clients.calls
-            await asyncio.sleep(SYNC_S if busy else IDLE_SYNC_S)
             try:
-                await self.sync_now()
+                answered = await self.sync_now(wait_s=self.sync_s if busy else max(self.sync_s, IDLE_SYNC_S))
             except Exception:  # a bug here must not end the loop (the fleet view would freeze)
                 logger.exception("syncing with the router actor failed")
+                answered = False
+            await asyncio.sleep(SYNC_GAP_S if answered else self.sync_s)
+
+    def _end_held_sync(self) -> None:
+        """The actor answers the sync it holds now (one wake per held sync), so the next one goes up."""
+        if self._held and not self._woken:
+            self._woken = True
+            asyncio.get_running_loop().create_task(self._wake(), context=contextvars.Context())
+
+    async def _wake(self) -> None:
+        with contextlib.suppress(Exception):  # a restarting actor: the held sync fails anyway
+            await self.hub.wake.remote(self.name)
+
+    def _send_news(self) -> None:
+        """What the other ingresses should hear of at once goes up now (`HubLink.news`)."""
+        if self.link.news():
+            self._end_held_sync()
 
     async def _call_hub(self, method: str, *args: Any) -> Any:
         """A call the actor alone can answer, waiting out its restart (Ray restarts it)."""
@@ -158,6 +186,7 @@ class IngressRouter:
                     self.link.claim(*client)
                 if not batch[client].done():
                     batch[client].set_result(None)
+            self._send_news()
 
     def client_workflow(self, tenant: str, client_id: str) -> str:
         return self.core.client_workflow(tenant, client_id)
@@ -167,6 +196,7 @@ class IngressRouter:
         self._busy_at = time.monotonic()
         route = self.core.start_call(tenant, client_id, agent, **call)
         self.metrics.observe_decision(route.outcome, self.core.decision_seconds[-1], tenant, route.deviation)
+        self._send_news()
         return route
 
     def end_call(self, tenant: str, client_id: str, agent: str, replica: str | None) -> None:

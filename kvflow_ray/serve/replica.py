@@ -36,6 +36,7 @@ from kvflow_ray.serve.router_actor import get_router
 logger = logging.getLogger("ray.serve")
 REPORT_PERIOD_S = 1.0
 EVENTS_PERIOD_S = 0.25
+HINT_PULL_GAP_S = 0.1  # at most this often: with many ingresses syncing, pulls stay bounded (hints merge)
 PROMPT_CACHE_TOKENS = 1 << 21  # tokenized agent prompts kept (about 16 MB of ids)
 
 
@@ -240,7 +241,10 @@ class EngineReplica:
                      elsewhere=batch.get("elsewhere", {}))
 
     def _hint_loop(self) -> None:
+        """Long-polls the router actor for hints, at most once per HINT_PULL_GAP_S: hints that come
+        meanwhile wait in the outbox and arrive merged with the next pull."""
         while not self._stop.is_set():
+            pulled = time.monotonic()
             try:
                 batch = ray.get(self.router.pull_hints.remote(self.name, 1.0), timeout=30)
             except Exception:  # the router is restarting
@@ -248,6 +252,7 @@ class EngineReplica:
                 continue
             if batch is not None:
                 self.engine.apply_hints(self._to_hints(batch))
+            self._stop.wait(max(0.0, HINT_PULL_GAP_S - (time.monotonic() - pulled)))
 
     def _event_loop(self) -> None:
         """The engine's cache events go to the router every EVENTS_PERIOD_S (when there are any): one

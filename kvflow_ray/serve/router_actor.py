@@ -68,11 +68,13 @@ class WorkflowRouterActor:
         self.metrics = HubMetrics()
         self.expositions: dict[str, bytes] = {}  # replica -> its latest metrics
         self.peers = Peers()  # the ingress replicas
-        self._wakeups: dict[str, asyncio.Event] = {}
+        self._wakeups: dict[str, asyncio.Event] = {}  # replica -> its long poll for hints
+        self._waiting_syncs: dict[str, asyncio.Event] = {}  # ingress -> its sync waiting for news
         self.keeper = StoreKeeper(store, threaded=self.backend == "redis", reconcile=self.core.reconcile,
                                   every_probe=self._prune)
         self._reported: dict[str, float] = {}  # replica -> when it last said something (monotonic)
         self.calls: Counter[str] = Counter()  # calls made to this actor, by method (what they cost)
+        self.held_syncs: Counter[str] = Counter()  # syncs held; ended by news or by their wait running out
         self.ingresses_lost = 0
         now = time.monotonic()
         for replica in inner.replicas(HEARTBEAT_MAX_AGE_S):  # a restart: who was serving
@@ -121,16 +123,16 @@ class WorkflowRouterActor:
         self.core.cache_events(replica, [CacheEvent(*e) for e in events], seq)
         self.core.first_tokens(replica, first_tokens)
         if events:
-            self.peers.publish(("events", replica, events))
+            self._release(self.peers.publish(("events", replica, events)))
         if first_tokens:
-            self.peers.publish(("first", replica, list(first_tokens)))
+            self._release(self.peers.publish(("first", replica, list(first_tokens))))
 
     async def cache_snapshot(self, replica: str, seq: int, events: list[tuple[Any, ...]] | None) -> None:
         """What `replica` holds as of batch `seq`, asked for by `report` after a gap in its feed."""
         self.calls["cache_snapshot"] += 1
         self._heard_from(replica)
         self.core.cache_snapshot(replica, seq, None if events is None else [CacheEvent(*e) for e in events])
-        self.peers.publish(("snapshot", replica, events))
+        self._release(self.peers.publish(("snapshot", replica, events)))
 
     async def pull_hints(self, replica: str, timeout_s: float = 1.0) -> dict[str, Any] | None:
         """Long poll: the replica's pending hints, at once when some wait, else as soon as an
@@ -156,7 +158,7 @@ class WorkflowRouterActor:
         parsed = self.core.put_template(tenant, spec)
         exported = self.core.templates.exported(tenant, parsed.name)
         if held is not None and held.version != exported["version"]:
-            self.peers.publish(("template", tenant, parsed.name))
+            self._release(self.peers.publish(("template", tenant, parsed.name)))
         return exported
 
     async def get_template(self, tenant: str, name: str) -> dict[str, Any]:
@@ -164,15 +166,32 @@ class WorkflowRouterActor:
         self.calls["get_template"] += 1
         return self.core.templates.exported(tenant, name)
 
-    async def sync(self, ingress: str, outbound: dict[str, Any]) -> dict[str, Any]:
+    async def sync(self, ingress: str, outbound: dict[str, Any], wait_s: float = 0.0) -> dict[str, Any]:
         """An ingress replica's periodic exchange (`router/peers.py`): its hints go to the replicas,
-        and it gets what changed in the fleet since its last sync."""
+        and it gets what changed in the fleet since its last sync, after up to `wait_s` unless
+        something urgent for it comes sooner or it `wake`s it. (A sync is held for less than half the
+        time after which a silent ingress counts as gone.)"""
         self.calls["sync"] += 1
         self.keeper.start()
-        reply = self.peers.sync(self.core, self.instance, ingress, outbound)
+        self._release(self.peers.heard(self.core, ingress, outbound))
         if outbound["hints"]:
-            self._wake()
-        return reply
+            self._wake_replicas()
+        if wait_s > 0 and not self.peers.news(ingress):
+            held = self._waiting_syncs[ingress] = asyncio.Event()
+            self.held_syncs["held"] += 1
+            try:
+                await asyncio.wait_for(held.wait(), min(wait_s, self.peers.silent_s / 2))
+                self.held_syncs["news"] += 1
+            except TimeoutError:
+                self.held_syncs["timeout"] += 1
+            if self._waiting_syncs.get(ingress) is held:
+                del self._waiting_syncs[ingress]
+        return self.peers.reply(self.core, self.instance, ingress)
+
+    async def wake(self, ingress: str) -> None:
+        """The ingress has news to send: its held sync returns now, so the next one carries them."""
+        self.calls["wake"] += 1
+        self._release([ingress])
 
     # ------------------------------------------------------------------ observability
     async def metrics_text(self) -> bytes:
@@ -194,7 +213,8 @@ class WorkflowRouterActor:
         return {"pid": os.getpid(), "cpu_s": time.process_time(), "ingress_cpu_s": ingresses["cpu_s"],
                 "start_calls": ingresses["start_calls"], "end_calls": ingresses["end_calls"],
                 "first_tokens": self.core.calls["first_token"], "routing": type(self.core.policy).__name__,
-                "actor_calls": dict(self.calls), "ingresses": len(self.peers.peers),
+                "actor_calls": dict(self.calls), "held_syncs": dict(self.held_syncs),
+                "ingresses": len(self.peers.peers),
                 "ingresses_lost": self.ingresses_lost, "calls_by_ingress": ingresses["calls_by_ingress"],
                 "finish_seconds": list(self.peers.finish_seconds),
                 "finish_cpu_seconds": list(self.peers.finish_cpu_seconds),
@@ -211,12 +231,19 @@ class WorkflowRouterActor:
         return self.instance
 
     # ------------------------------------------------------------------ helpers
-    def _wake(self) -> None:
+    def _wake_replicas(self) -> None:
         """Wake the replicas that have hints waiting (an ingress's sync brings a period's worth)."""
         for replica in self.core.pending_hints():
             wakeup = self._wakeups.get(replica)
             if wakeup is not None:
                 wakeup.set()
+
+    def _release(self, ingresses: Sequence[str]) -> None:
+        """End the held syncs of `ingresses` (they have urgent news waiting)."""
+        for name in ingresses:
+            held = self._waiting_syncs.get(name)
+            if held is not None:
+                held.set()
 
     def _heard_from(self, replica: str) -> None:
         self.core.add_replica(replica)  # idempotent
