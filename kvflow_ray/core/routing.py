@@ -430,6 +430,25 @@ def decision(request: RouteRequest, replica: str) -> RouteDecision:
     return RouteDecision(replica, "balanced" if request.holders else "cold", None)
 
 
+def preferred(costs: Mapping[str, float], request: RouteRequest) -> str:
+    """The cheapest replica; among equals, the workflow's previous replica, then the one ranked first
+    for the call's application by rendezvous hashing (highest random weight). The rank is the same in
+    every router, so routers that price alike (ingress replicas placing a new application at the same
+    moment, in an idle fleet) pick the same replica, and different applications spread. O(replicas),
+    hashing only the tied."""
+    low = min(costs.values())
+    tied = [r for r, cost in costs.items() if cost == low]
+    if len(tied) == 1:
+        return tied[0]
+    if request.home in tied:
+        return request.home
+    return min(tied, key=lambda r: (_rank(request.group, r), r))
+
+
+def _rank(group: str, replica: str) -> bytes:
+    return hashlib.blake2b(f"{group}\x00{replica}".encode(), digest_size=8).digest()
+
+
 class WorkPricingRouter(RoutingHooks):
     """A policy that prices the work in flight (`work`, kept by its hooks): it notes the cached prompt
     tokens it priced a call at on each replica (`_priced`), and a routed call joins the chosen
@@ -658,9 +677,9 @@ class WorkflowRouter(WorkPricingRouter):
     What it knows that the peers' routers do not: which application a call belongs to, where each
     agent's fixed prompt is cached, exactly, from the router's location index (a replica it just
     sent the prompt to counts as a holder before its cache event arrives), and where the workflow's
-    previous agent ran (`home`, which wins ties). The prompt's leading blocks come from the fleet's
-    block index, as Dynamo's. Without the call's tokens (a router asking where an upcoming agent
-    would go), the fixed prompt alone is priced."""
+    previous agent ran (`home`, which wins ties; then the application's rendezvous rank, `preferred`).
+    The prompt's leading blocks come from the fleet's block index, as Dynamo's. Without the call's
+    tokens (a router asking where an upcoming agent would go), the fixed prompt alone is priced."""
 
     # blocks are priced where cache events carry them (a fixed prompt's holders are exact without)
     needs = frozenset({"tokens", "first_token", "load"})
@@ -718,7 +737,7 @@ class WorkflowRouter(WorkPricingRouter):
             if sticky and not self.apps.busy(request.group):
                 self._rehome = request
         costs = self.costs(request, fleet)
-        best = min(costs, key=lambda r: (costs[r], r != request.home, r))
+        best = preferred(costs, request)
         if (home in costs and home != best and not sticky and self.within_bound(home, fleet)
                 and costs[home] <= costs[best] + self.slack * (len(request.tokens) or request.prefix_tokens)):
             return decision(request, home)
