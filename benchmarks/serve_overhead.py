@@ -41,6 +41,7 @@ from fastapi import FastAPI, Request  # module level: FastAPI resolves the handl
 from local_cluster import Processes, free_port  # beside this script
 
 from kvflow_ray.client.workflow import SESSION_HEADER
+from kvflow_ray.router.settings import SYNC_S
 
 ROOT = Path(__file__).resolve().parents[1]
 TENANT_KEY = "bench-key"
@@ -234,7 +235,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       blocking=False)
             wait_http(port, BARE_PREFIX + "/v1/chat/completions")
             config = AppConfig(engine="sim", replicas=args.engine_replicas, ingress_replicas=ingress,
-                               time_scale=1e-4, api_keys={TENANT_KEY: "acme"}, replica_num_cpus=0)
+                               time_scale=1e-4, api_keys={TENANT_KEY: "acme"}, replica_num_cpus=0,
+                               ingress_sync_s=args.ingress_sync_s)
             server = LocalServer(config, port=port)
             server.deploy(config)
             server.wait_ready()
@@ -257,7 +259,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"generated_by": "python benchmarks/serve_overhead.py " + " ".join(sys.argv[1:]),
             "machine": results_file.machine(),
             "setup": {"engine_replicas": args.engine_replicas, "clients": args.clients, "calls": args.calls,
-                      "rounds": args.rounds,
+                      "rounds": args.rounds, "ingress_sync_s": args.ingress_sync_s,
                       "warmup": args.warmup, "body_chars": BODY_CHARS, "max_tokens": MAX_TOKENS},
             "results": results, "kvflow_over_bare": ratios}
 
@@ -315,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
     ap.add_argument("--engine-replicas", type=int, default=2)
     ap.add_argument("--ingress", default="1,2", help="ingress replica counts to measure (default 1,2)")
+    ap.add_argument("--ingress-sync-s", type=float, default=SYNC_S,
+                    help=f"kvflow-ray's ingress sync period (serving's ingress_sync_s, default {SYNC_S})")
     results_file.add_out_argument(ap, "serve_overhead.json")
     args = ap.parse_args(argv)
     args.ingress = [int(n) for n in args.ingress.split(",")]

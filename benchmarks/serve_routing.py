@@ -25,8 +25,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +38,8 @@ from typing import Any
 
 import results_file  # benchmarks/, beside this script
 from local_cluster import free_port  # beside this script
+
+from kvflow_ray.router.settings import SYNC_S
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -216,9 +220,10 @@ def sim_parity(args: argparse.Namespace) -> dict[str, Any]:
     routers = args.parity_routers.split(",")
     base = AppConfig(engine="sim", replicas=args.replicas, profile=args.profile, time_scale=args.time_scale,
                      policy=args.parity_policy, api_keys={key: tenant for tenant, key in keys.items()},
-                     routing=routers[0])
+                     routing=routers[0], ingress_sync_s=args.ingress_sync_s)
     out: dict[str, Any] = {"setup": {"scenario": scenario.params, "replicas": args.replicas, "profile": args.profile,
-                                     "policy": args.parity_policy, "time_scale": args.time_scale},
+                                     "policy": args.parity_policy, "time_scale": args.time_scale,
+                                     "ingress_sync_s": args.ingress_sync_s},
                            "routers": {}}
     # every router at one ingress replica; the first (the default) at two as well: each ingress decides
     # for the clients keyed to it, from the fleet the router actor relays, so a second must not change
@@ -248,6 +253,7 @@ def sim_parity(args: argparse.Namespace) -> dict[str, Any]:
             measured.setdefault(routing if ingress == 1 else f"{routing}@{ingress}-ingress", []).append({
                 "gpu_hit_ratio": round(tiers["gpu"] / total, 4), "cpu_hit_ratio": round(tiers["cpu"] / total, 4),
                 "affinity_share": round(decisions["affinity"] / (sum(decisions.values()) or float("nan")), 4),
+                "decisions": {outcome: int(n) for outcome, n in decisions.items()},
                 "calls": replay.calls, "failures": len(replay.failures), "wall_s": round(replay.wall_s, 1),
                 "first_failure": replay.failures[0] if replay.failures else None})
     for name, results in measured.items():
@@ -257,18 +263,29 @@ def sim_parity(args: argparse.Namespace) -> dict[str, Any]:
         served.update(calls=sum(r["calls"] for r in results), failures=sum(r["failures"] for r in results),
                       wall_s=round(sum(r["wall_s"] for r in results), 1))
         if len(results) > 1:
-            served["runs"] = [{k: r[k] for k in ("gpu_hit_ratio", "affinity_share")} for r in results]
+            served["runs"] = [{k: r[k] for k in ("gpu_hit_ratio", "affinity_share", "decisions")} for r in results]
         simulated = {"gpu_hit_ratio": round(sim["gpu_hit_ratio"], 4), "cpu_hit_ratio": round(sim["cpu_hit_ratio"], 4)}
         out["routers"][name] = {
             "serving": served, "sim": simulated,
             "gpu_hit_gap_points": round(100 * (served["gpu_hit_ratio"] - simulated["gpu_hit_ratio"]), 2),
             "first_failure": next((r["first_failure"] for r in results if r["first_failure"]), None)}
-    one = out["routers"][first]["serving"]
+    one = measured[first]
     for n in counts[1:]:
-        many = out["routers"][f"{first}@{n}-ingress"]["serving"]
-        out[f"{n}_ingress_vs_1_points"] = {key: round(100 * (many[key] - one[key]), 2)
-                                           for key in ("gpu_hit_ratio", "affinity_share")}
+        many = measured[f"{first}@{n}-ingress"]
+        out[f"{n}_ingress_vs_1_points"] = {
+            key: round(100 * (_mean(many, key) - _mean(one, key)), 2) for key in ("gpu_hit_ratio", "affinity_share")}
+        out[f"{n}_ingress_vs_1_standard_error_points"] = {
+            key: round(100 * math.sqrt(_var(many, key) / len(many) + _var(one, key) / len(one)), 2)
+            for key in ("gpu_hit_ratio", "affinity_share")} if min(len(many), len(one)) > 1 else None
     return out
+
+
+def _mean(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.fmean(r[key] for r in runs)
+
+
+def _var(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.variance([r[key] for r in runs])
 
 
 def main() -> int:
@@ -300,8 +317,11 @@ def main() -> int:
     parser.add_argument("--parity-tenants", type=int, default=4)
     parser.add_argument("--parity-clients", type=int, default=48, help="workflow instances of the parity scenario")
     parser.add_argument("--parity-rate", type=float, default=1.0, help="instances per simulated second")
-    parser.add_argument("--parity-repeats", type=int, default=3,
-                        help="runs of the first router at each ingress count, compared by their means (default 3)")
+    parser.add_argument("--parity-repeats", type=int, default=5,
+                        help="runs of the first router at each ingress count, compared by their means, with the "
+                             "standard error of the difference (default 5)")
+    parser.add_argument("--ingress-sync-s", type=float, default=SYNC_S,
+                        help=f"the ingresses' sync period in the parity run (ingress_sync_s, default {SYNC_S})")
     parser.add_argument("--parity-ingress", default="1,2",
                         help="ingress replica counts the first parity router also runs at (default 1,2)")
     parser.add_argument("--seed", type=int, default=0)
