@@ -5,27 +5,27 @@ Each ingress replica routes the calls of its own clients (Serve's consistent-has
 client's calls, keyed by its session header, to one ingress) with its own `RouterCore`
 (`owner=False`), so no actor call sits on a call's path. What its decisions need from the fleet
 comes from the router actor, which hears from the engine replicas; what the replicas need from the
-ingresses (hints) goes through the actor, which they long-poll. One sync, every `SYNC_S` while the
+ingresses (hints) goes through the actor, which they long-poll. One sync, every `sync_s` while the
 ingress is busy (`RouterSettings.sync_s`, serving's `ingress_sync_s`) and `IDLE_SYNC_S` otherwise,
 carries both ways:
 
-- up (`HubLink.outbound`): the hints its calls made since (per replica; the actor merges them into
-  the replicas' outboxes), its calls in flight per replica, its routing policy's work in flight
-  (`RoutingPolicy.shared`), the prompts it just sent to replicas (foreseen holders, until their
-  cache events come), its live clients per tenant, the templates it used, clients it took over,
-  its stats and, about once a second, its metrics;
-- down (`Peers.sync`): what the replicas reported since its last sync, in order (cache events,
+- up (`HubLink.outbound`, taken in by `Peers.heard`): the hints its calls made since (per replica;
+  the actor merges them into the replicas' outboxes), its calls in flight per replica, its routing
+  policy's work in flight (`RoutingPolicy.shared`), the prompts it just sent to replicas (foreseen
+  holders, until their cache events come), its live clients per tenant, the templates it used,
+  clients it took over, its stats and, about once a second, its metrics;
+- down (`Peers.reply`): what the replicas reported since its last sync, in order (cache events,
   snapshots, first tokens), or the actor's whole holdings when the ingress is new to it (a new
   ingress, a restarted actor, a queue that overflowed); every live replica with its last load
   report; the other ingresses' calls in flight per replica, policy work and live clients per
   tenant; templates that changed.
 
-The actor holds a sync (up to `SYNC_S` while busy) until something urgent is queued for its
+The actor holds a sync (up to `sync_s` while busy) until something urgent is queued for its
 ingress: a prompt another ingress just sent to a replica (foreseen), a client another took over, a
 template that changed. The ingress that has such news wakes its own held sync (`wake`), so it goes up
 at once and reaches the other ingresses within a round trip: they follow each other's new placements
 instead of computing a second copy of a prompt. Everything else rides the next sync: an ingress's
-view of the cache events lags the actor's by at most `SYNC_S`, and the loads and live-client counts
+view of the cache events lags the actor's by at most `sync_s`, and the loads and live-client counts
 of the other ingresses by one sync of theirs.
 """
 
