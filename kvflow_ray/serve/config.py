@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from kvflow_ray.core.routing import DEFAULT_ROUTING
 from kvflow_ray.core.scheduler import POLICIES
 from kvflow_ray.router.limits import TenantLimits
-from kvflow_ray.router.settings import RouterSettings
+from kvflow_ray.router.settings import SYNC_S, RouterSettings
 
 ENGINES = ("cpu", "sim", "sglang")
 # request_router -> the Ray Serve request router that sends each engine call to a replica (an import
@@ -46,12 +46,13 @@ class AppConfig(BaseModel):
 
     engine: str = "cpu"  # cpu (the embedded default) | sim (GPU timing from a profile) | sglang (GPU, SGLang + plugin)
     replicas: int = 2
-    # HTTP ingress replicas (tenants' admission limits apply per ingress replica); the router actor
-    # keeps every client's state, so any ingress serves any call
+    # HTTP ingress replicas (tenants' admission limits apply per ingress replica): each routes the
+    # calls of the clients Serve keys to it by the session header; a client new to one is recalled
+    # from Redis
     ingress_replicas: int = Field(1, ge=1)
     # how often a busy ingress replica syncs with the router actor (router/peers.py): the other
     # ingresses' loads and work in flight are this old; shorter costs CPU on every ingress and the actor
-    ingress_sync_s: float = Field(0.2, ge=0.02, le=1.0)
+    ingress_sync_s: float = Field(SYNC_S, ge=0.02, le=1.0)
     redis: str | None = None  # redis://host:port/db; None = the embedded in-process store
     # which replica serves each agent call: a name in `core.routing.ROUTING`, the same names and objects
     # as `kvflow-ray sim --routing` (workflow: the workflow router the simulator measures)
