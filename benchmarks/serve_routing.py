@@ -258,7 +258,7 @@ def sim_parity(args: argparse.Namespace) -> dict[str, Any]:
                 "first_failure": replay.failures[0] if replay.failures else None})
     for name, results in measured.items():
         sim = sims[name.split("@")[0]]
-        served = {key: round(sum(r[key] for r in results) / len(results), 4)
+        served = {key: round(_mean(results, key), 4)
                   for key in ("gpu_hit_ratio", "cpu_hit_ratio", "affinity_share")}
         served.update(calls=sum(r["calls"] for r in results), failures=sum(r["failures"] for r in results),
                       wall_s=round(sum(r["wall_s"] for r in results), 1))

@@ -44,7 +44,8 @@ class Fleet:
         return link
 
     def sync(self, link: HubLink, name: str) -> list[tuple[str, str]]:
-        return link.apply(self.peers.sync(self.hub, HUB, name, link.outbound()))
+        self.peers.heard(self.hub, name, link.outbound())  # the actor's sync, not held
+        return link.apply(self.peers.reply(self.hub, HUB, name))
 
     def events(self, replica: str, events: list[CacheEvent]) -> None:
         self.hub.cache_events(replica, events)

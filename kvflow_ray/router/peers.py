@@ -51,8 +51,9 @@ FINISHES_KEPT = 10_000  # recent finish_client latencies the actor keeps (a soak
 
 # ("events", replica, [event tuples]) | ("snapshot", replica, [event tuples] | None)
 # | ("first", replica, [[workflow key, agent]]) | ("template", tenant, name)
-# | ("claimed", the claiming ingress's instance, [tenant, client id])
-# | ("foreseen", the sending ingress's instance, [[prefix hash, replica]])
+# | ("claimed", the claiming ingress, [tenant, client id])
+# | ("foreseen", the sending ingress, [[prefix hash, replica]])
+# (an ingress's own claims and foreseen prompts are not queued for it)
 Update = tuple[Any, ...]
 URGENT = frozenset({"foreseen", "claimed", "template"})  # kinds that end a held sync at once
 SUMMED = ("start_calls", "end_calls", "live_clients", "calls_in_flight", "told", "pending_writes", "cpu_s")
@@ -107,11 +108,6 @@ class Peers:
         peer = self.peers.get(name)
         return peer is None or peer.urgent or peer.owes_snapshot
 
-    def sync(self, hub: RouterCore, instance: str, name: str, outbound: Mapping[str, Any]) -> dict[str, Any]:
-        """`heard`, then `reply`: one sync that is not held."""
-        self.heard(hub, name, outbound)
-        return self.reply(hub, instance, name)
-
     def heard(self, hub: RouterCore, name: str, outbound: Mapping[str, Any]) -> list[str]:
         """Ingress `name` synced (`HubLink.outbound`) with the actor whose core is `hub`: its hints go
         into the replicas' outboxes, the templates it used stay alive, what it said is kept. Returns
@@ -122,9 +118,9 @@ class Peers:
         hub.templates.touch(outbound["used"])
         woken: set[str] = set()
         for tenant, client_id in outbound["claimed"]:  # the ingress that routed them before lets go
-            woken.update(self.publish(("claimed", outbound["instance"], [tenant, client_id]), besides=name))
+            woken.update(self.publish(("claimed", name, [tenant, client_id]), besides=name))
         if outbound["foreseen"]:  # prompts just sent to replicas: the others follow them there too
-            woken.update(self.publish(("foreseen", outbound["instance"], outbound["foreseen"]), besides=name))
+            woken.update(self.publish(("foreseen", name, outbound["foreseen"]), besides=name))
         peer = self.peers.get(name)
         if peer is None or peer.instance != outbound["instance"]:
             peer = self.peers[name] = Peer(outbound["instance"], time.monotonic())
@@ -295,9 +291,9 @@ class HubLink:
                 core.first_tokens(about, [tuple(call) for call in data])
             elif kind == "template":
                 changed.append((about, data))
-            elif kind == "claimed" and about != self.instance:
+            elif kind == "claimed":
                 core.release(*data)
-            elif kind == "foreseen" and about != self.instance:
+            elif kind == "foreseen":
                 for prefix_hash, replica in data:
                     if replica in core.loads:
                         core.holdings.foresee(prefix_hash, replica, share=False)
