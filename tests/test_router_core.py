@@ -476,6 +476,7 @@ def test_a_gap_in_a_replicas_event_feed_is_repaired_by_its_snapshot(store: Store
     core = RouterCore(store)
     for name in ("r1", "r2"):
         core.add_replica(name)
+        store.heartbeat(name, {"load": 0})
     stored = [CacheEvent("stored", "gpu", "p1", 64, (1, 2)), CacheEvent("stored", "gpu", "p2", 64, (3, 4))]
     core.cache_events("r1", stored, seq=1)
     core.cache_events("r1", [], seq=2)
@@ -488,6 +489,10 @@ def test_a_gap_in_a_replicas_event_feed_is_repaired_by_its_snapshot(store: Store
     assert not core.snapshot_due("r1")
     assert core.holdings.holders("p1") == {} and core.fleet.blocks.overlaps([1, 2]) == {}
     assert core.holdings.holders("p2") == {"r1": "gpu"} and core.holdings.holders("p3") == {"r1": "cpu"}
+    core.store.flush()
+    assert store.locations("p1") == {} and store.locations("p2") == {"r1": "gpu"}
+    # the snapshot replaced what r1 holds, not r1: its heartbeat stays (a restarted router finds it)
+    assert set(store.replicas(60)) == {"r1", "r2"}
     core.cache_events("r1", [], seq=6)
     assert not core.snapshot_due("r1")
     core.cache_events("r2", [], seq=9)  # a router that starts mid-feed

@@ -93,7 +93,10 @@ class Holdings:
         """`replica`'s snapshot as of batch `seq`: what it holds replaces what it was thought to hold
         (O(what it held)). None: the replica cannot tell (its view stays, and the feed goes on)."""
         if events is not None:
-            self.drop(replica)
+            held = self._forget(replica)
+            if self.persist:  # its locations only: the replica itself stays (its heartbeat with it)
+                for prefix_hash in held:
+                    self.store.set_location(prefix_hash, replica, None)
             self.blocks.drop(replica)
             self.apply(replica, events)
         self._seq[replica] = seq
@@ -131,16 +134,21 @@ class Holdings:
 
     def drop(self, replica: str) -> None:
         """`replica` left: it holds nothing (O(what it held)). Its blocks go with the fleet's entry."""
-        held = self._held.pop(replica, {})
+        held = self._forget(replica)
         self._seq.pop(replica, None)
         self._stale.discard(replica)
+        if self.persist:
+            self.store.drop_replica(replica, held)
+
+    def _forget(self, replica: str) -> list[str]:
+        """What `replica` was thought to hold, forgotten here (not in the store); those prefixes."""
+        held = self._held.pop(replica, {})
         for prefix_hash in held:
             holders = self._locations.get(prefix_hash, {})
             holders.pop(replica, None)
             if not holders:
                 self._locations.pop(prefix_hash, None)
-        if self.persist:
-            self.store.drop_replica(replica, list(held))
+        return list(held)
 
     def export(self) -> dict[str, dict[str, object]]:
         """Everything reported, as plain data: replica -> {"prefixes": [[hash, [tiers]]], "blocks":
