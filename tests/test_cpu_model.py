@@ -1,4 +1,5 @@
-"""The CPU engine's compute half: past KV in, new KV out, and the result equals a model that saw everything at once."""
+"""The CPU engine's compute half: KV read and written in a pool, and the result equals a model that saw everything at
+once."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from kvflow_ray.engines.cpu.kv_pool import KVPool  # noqa: E402
 from kvflow_ray.engines.cpu.model import CpuModel, ModelConfig, sample  # noqa: E402
 from kvflow_ray.engines.tokenizer import ByteTokenizer, HFTokenizer, format_chat, load_tokenizer  # noqa: E402
 
@@ -24,51 +26,70 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=g).tolist()
 
 
-def _empty(m: CpuModel) -> torch.Tensor:
-    return torch.empty(m.n_layers, 0, m.n_kv_heads, m.head_dim, dtype=m.torch_dtype)
+def _pool(m: CpuModel, slots: int = 8192) -> KVPool:
+    return m.pool("test", slots)
+
+
+def _run(m: CpuModel, pool: KVPool, tokens: list[int], past: torch.Tensor | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill `tokens` after the context in `past` slots; returns (last logits, the context's slots)."""
+    slots = pool.alloc(len(tokens)) if past is None else torch.cat([past, pool.alloc(len(tokens))])
+    return m.prefill(pool, tokens, slots), slots
 
 
 def test_interface(model: CpuModel) -> None:
     assert (model.n_layers, model.n_kv_heads, model.head_dim) == (4, 2, 64)
     assert (model.vocab_size, model.max_context, model.torch_dtype) == (260, 4096, torch.float32)
     assert model.kv_bytes_per_token == 4 * 2 * 64 * 2 * 4
-    logits, k, v = model.prefill(_tokens(7, 0), _empty(model), _empty(model))
+    pool = _pool(model)
+    logits, slots = _run(model, pool, _tokens(7, 0))
     assert logits.shape == (260,) and logits.dtype == torch.float32
-    assert k.shape == v.shape == (4, 7, 2, 64) and k.is_contiguous()
+    k, v = pool.gather(slots)
+    assert k.shape == v.shape == (4, 7, 2, 64) and bool(k.abs().sum() > 0) and bool(v.abs().sum() > 0)
+
+
+def _scattered(pool: KVPool, n: int) -> torch.Tensor:
+    """`n` slots in several runs, out of address order (as a cached prefix, a load and a private part are)."""
+    a, gap, b = pool.alloc(n // 2), pool.alloc(3), pool.alloc(n - n // 2)
+    pool.free(gap)
+    return torch.cat([b, a])
 
 
 @pytest.mark.parametrize("split", [1, 17, 39])
 def test_prefix_reuse_is_exact(model: CpuModel, split: int) -> None:
     tokens = _tokens(40, 1)
-    full_logits, full_k, full_v = model.prefill(tokens, _empty(model), _empty(model))
-    _, prefix_k, prefix_v = model.prefill(tokens[:split], _empty(model), _empty(model))
-    logits, k, v = model.prefill(tokens[split:], prefix_k, prefix_v)
+    pool = _pool(model)
+    full_logits, full_slots = _run(model, pool, tokens)
+    full_k, full_v = pool.gather(full_slots)
+    slots = _scattered(pool, 40)
+    model.prefill(pool, tokens[:split], slots[:split])
+    logits = model.prefill(pool, tokens[split:], slots)
 
     torch.testing.assert_close(logits, full_logits, **TOL)
     assert sample(logits, 0.0, None) == sample(full_logits, 0.0, None)
-    # The suffix's KV is the KV the full pass computed for those positions (RoPE offsets included).
-    torch.testing.assert_close(k, full_k[:, split:], **TOL)
-    torch.testing.assert_close(v, full_v[:, split:], **TOL)
-    torch.testing.assert_close(prefix_k, full_k[:, :split], **TOL)
+    # Every position's KV is the KV the full pass computed for it (RoPE offsets included).
+    k, v = pool.gather(slots)
+    torch.testing.assert_close(k, full_k, **TOL)
+    torch.testing.assert_close(v, full_v, **TOL)
 
 
 def test_batched_decode_equals_separate_calls(model: CpuModel) -> None:
+    """Sequences of different lengths, one in one run of slots and others in several, decode together as alone."""
     seqs = [_tokens(n, 10 + n) for n in (5, 23, 11)]
-    pasts = [model.prefill(s[:-1], _empty(model), _empty(model))[1:] for s in seqs]
-    last = [s[-1] for s in seqs]
-
-    logits, new_k, new_v = model.decode(last, [p[0] for p in pasts], [p[1] for p in pasts])
-    assert logits.shape == (3, 260) and new_k.shape == new_v.shape == (4, 3, 2, 64)
-    for i, (s, (pk, pv)) in enumerate(zip(seqs, pasts, strict=True)):
-        one_logits, one_k, one_v = model.decode([s[-1]], [pk], [pv])
+    pool = _pool(model)
+    contexts = [pool.alloc(5), _scattered(pool, 23), _scattered(pool, 11)]
+    for s, ctx in zip(seqs, contexts, strict=True):
+        model.prefill(pool, s[:-1], ctx[:-1])
+    logits = model.decode(pool, [s[-1] for s in seqs], contexts)
+    assert logits.shape == (3, 260)
+    for i, (s, ctx) in enumerate(zip(seqs, contexts, strict=True)):
+        one_logits = model.decode(pool, [s[-1]], [ctx])
         torch.testing.assert_close(logits[i], one_logits[0], **TOL)
-        torch.testing.assert_close(new_k[:, i], one_k[:, 0], **TOL)
-        torch.testing.assert_close(new_v[:, i], one_v[:, 0], **TOL)
         assert int(logits[i].argmax()) == int(one_logits[0].argmax())
-        # ... and both equal the last position of a prefill of the whole sequence.
-        full_logits, full_k, _ = model.prefill(s, _empty(model), _empty(model))
+        # ... and both equal the last position of a prefill of the whole sequence, KV included.
+        full_logits, full_slots = _run(model, pool, s)
         torch.testing.assert_close(logits[i], full_logits, **TOL)
-        torch.testing.assert_close(new_k[:, i], full_k[:, -1], **TOL)
+        torch.testing.assert_close(pool.gather(ctx)[0], pool.gather(full_slots)[0], **TOL)
 
 
 def test_greedy_generation_matches_hf_generate(model: CpuModel) -> None:
@@ -76,15 +97,16 @@ def test_greedy_generation_matches_hf_generate(model: CpuModel) -> None:
     n_new = 16
     expected = model.hf.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False)[0, len(prompt) :]
 
-    logits, k, v = model.prefill(prompt, _empty(model), _empty(model))
+    pool = _pool(model)
+    logits, ctx = _run(model, pool, prompt)
     generated = []
     while True:
         token = sample(logits, 0.0, None)
         generated.append(token)
         if len(generated) == n_new or token == ByteTokenizer.EOS:  # generate stops at eos too
             break
-        step_logits, step_k, step_v = model.decode([token], [k], [v])
-        logits, k, v = step_logits[0], torch.cat([k, step_k], dim=1), torch.cat([v, step_v], dim=1)
+        ctx = torch.cat([ctx, pool.alloc(1)])
+        logits = model.decode(pool, [token], [ctx])[0]
     assert generated == expected.tolist()
 
 
@@ -92,13 +114,16 @@ def test_bfloat16_builds_and_runs(model: CpuModel) -> None:
     bf16 = CpuModel(ModelConfig(dtype="bfloat16"))
     assert bf16.torch_dtype == torch.bfloat16 and bf16.kv_bytes_per_token == model.kv_bytes_per_token // 2
     tokens = _tokens(12, 3)
-    logits, k, v = bf16.prefill(tokens[:-1], _empty(bf16), _empty(bf16))
-    assert logits.dtype == torch.float32 and k.dtype == v.dtype == torch.bfloat16 and k.shape == (4, 11, 2, 64)
-    step_logits, step_k, _ = bf16.decode([tokens[-1], tokens[0]], [k, k[:, :4]], [v, v[:, :4]])
-    assert step_logits.shape == (2, 260) and step_k.dtype == torch.bfloat16
-    assert torch.isfinite(step_logits).all()
+    pool = _pool(bf16)
+    assert pool.k.dtype == torch.bfloat16
+    logits, ctx = _run(bf16, pool, tokens[:-1])
+    assert logits.dtype == torch.float32
+    short = torch.cat([ctx[:4], pool.alloc(1)])
+    ctx = torch.cat([ctx, pool.alloc(1)])
+    step_logits = bf16.decode(pool, [tokens[-1], tokens[0]], [ctx, short])
+    assert step_logits.shape == (2, 260) and torch.isfinite(step_logits).all()
     # Same seed, weights rounded from the float32 draw: close to the float32 model, not a different network.
-    ref = model.prefill(tokens, _empty(model), _empty(model))[0]
+    ref = _run(model, _pool(model), tokens)[0]
     assert torch.allclose(step_logits[0], ref, atol=0.1)
 
 
@@ -111,21 +136,23 @@ def test_unknown_model_path_is_a_value_error(tmp_path) -> None:
 
 
 def test_over_long_sequence_is_a_value_error(model: CpuModel) -> None:
+    pool = _pool(model, 8200)
     with pytest.raises(ValueError, match="max_context"):
-        model.prefill([1] * 4097, _empty(model), _empty(model))
-    full = torch.zeros(model.n_layers, 4090, model.n_kv_heads, model.head_dim)
+        model.prefill(pool, [1] * 4097, pool.alloc(4097))
     with pytest.raises(ValueError, match="max_context"):
-        model.prefill([1] * 7, full, full)
-    full = torch.zeros(model.n_layers, 4096, model.n_kv_heads, model.head_dim)
+        model.prefill(pool, [1] * 7, torch.arange(4097))
     with pytest.raises(ValueError, match="max_context"):
-        model.decode([1, 2], [full[:, :3], full], [full[:, :3], full])
+        model.decode(pool, [1, 2], [torch.arange(3), torch.arange(4097)])
 
 
 def test_bad_inputs_are_value_errors(model: CpuModel) -> None:
+    pool = _pool(model)
     with pytest.raises(ValueError, match="token ids"):
-        model.prefill([260], _empty(model), _empty(model))
-    with pytest.raises(ValueError, match="past_k"):
-        model.prefill([1], torch.zeros(4, 3, 8, 64), torch.zeros(4, 3, 8, 64))
+        model.prefill(pool, [260], pool.alloc(1))
+    with pytest.raises(ValueError, match="KV pool"):
+        model.prefill(KVPool("odd", 16, 4, 8, 64, torch.float32), [1], torch.arange(1))
+    with pytest.raises(ValueError, match="slots"):
+        model.prefill(pool, [1, 2], torch.arange(1))
     with pytest.raises(ValueError, match="dtype"):
         ModelConfig(dtype="float16")
 
@@ -200,8 +227,8 @@ def test_local_hf_directory_loads_model_and_tokenizer(model: CpuModel, tmp_path)
     loaded = CpuModel(ModelConfig(path=str(tmp_path)))
     assert (loaded.n_layers, loaded.n_kv_heads, loaded.head_dim, loaded.vocab_size) == (4, 2, 64, 260)
     tokens = _tokens(9, 4)
-    expected = model.prefill(tokens, _empty(model), _empty(model))[0]
-    torch.testing.assert_close(loaded.prefill(tokens, _empty(loaded), _empty(loaded))[0], expected)
+    expected = _run(model, _pool(model), tokens)[0]
+    torch.testing.assert_close(_run(loaded, _pool(loaded), tokens)[0], expected)
 
     tok = load_tokenizer(str(tmp_path))
     assert isinstance(tok, HFTokenizer) and tok.eos_id == 257

@@ -34,29 +34,34 @@ class KVPool:
         # numpy views of the same memory, for the copy threads (see `copy_slots`)
         self._np_k = _numpy_view(self.k)
         self._np_v = _numpy_view(self.v)
-        self._free = list(range(slots - 1, -1, -1))  # a stack: recently freed slots are reused first
+        self._free = FreeRuns(slots)
         self._lock = threading.Lock()  # copy threads allocate too
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return self._free.total
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
     def alloc(self, n: int) -> torch.Tensor:
+        """`n` free slots, as few contiguous runs as the free space allows, in ascending order within a
+        run: the model attends over a sequence's runs in place (`CpuModel`), one view per run."""
         with self._lock:
-            if n > len(self._free):
-                raise MemoryError(f"{self.name} KV pool: {n} slots wanted, {len(self._free)} free "
+            if n > self._free.total:
+                raise MemoryError(f"{self.name} KV pool: {n} slots wanted, {self._free.total} free "
                                   "(the cache's accounting and the pool disagree)")
-            taken = self._free[len(self._free) - n:]
-            del self._free[len(self._free) - n:]
-        return torch.tensor(taken, dtype=torch.int64)
+            runs = self._free.take(n)
+        if len(runs) == 1:
+            return torch.arange(runs[0][0], runs[0][1], dtype=torch.int64)
+        return torch.cat([torch.arange(lo, hi, dtype=torch.int64) for lo, hi in runs])
 
     def free(self, slots: torch.Tensor) -> None:
+        runs = slot_runs(slots)
         with self._lock:
-            self._free.extend(slots.tolist())
+            for lo, hi in runs:
+                self._free.give(lo, hi)
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """KV of `slots`, each [layers, len(slots), kv_heads, head_dim]."""
@@ -65,6 +70,66 @@ class KVPool:
     def scatter(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k.index_copy_(1, slots, k.to(self.k.dtype))
         self.v.index_copy_(1, slots, v.to(self.v.dtype))
+
+
+def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
+    """The maximal runs of consecutive slots in `slots`, in order: [(first, past the last), ...]."""
+    if len(slots) == 0:
+        return []
+    s = slots.numpy()
+    breaks = np.flatnonzero(np.diff(s) != 1) + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), len(s)]
+    return [(int(s[a]), int(s[b - 1]) + 1) for a, b in zip(starts, ends, strict=True)]
+
+
+class FreeRuns:
+    """A pool's free slots as maximal runs [lo, hi), merged with their neighbours when given back.
+    `take` is best fit: the smallest run that holds the whole request, else the largest runs first,
+    so that a sequence's KV stays in few runs. O(free runs) per call."""
+
+    def __init__(self, slots: int) -> None:
+        self.by_start: dict[int, int] = {0: slots}  # lo -> hi
+        self.by_end: dict[int, int] = {slots: 0}  # hi -> lo
+        self.total = slots
+
+    def take(self, n: int) -> list[tuple[int, int]]:
+        fits = [(hi - lo, lo) for lo, hi in self.by_start.items() if hi - lo >= n]
+        if fits:
+            _size, lo = min(fits)
+            self._cut(lo, lo + n)
+            return [(lo, lo + n)]
+        out = []
+        for size, lo in sorted(((hi - lo, lo) for lo, hi in self.by_start.items()), reverse=True):
+            part = min(size, n)
+            self._cut(lo, lo + part)
+            out.append((lo, lo + part))
+            n -= part
+            if n == 0:
+                break
+        return out
+
+    def _cut(self, lo: int, hi: int) -> None:
+        """Take [lo, hi) from the front of the free run starting at lo."""
+        end = self.by_start.pop(lo)
+        del self.by_end[end]
+        if hi < end:
+            self.by_start[hi] = end
+            self.by_end[end] = hi
+        self.total -= hi - lo
+
+    def give(self, lo: int, hi: int) -> None:
+        self.total += hi - lo
+        before = self.by_end.pop(lo, None)  # a free run ending where this one starts
+        if before is not None:
+            del self.by_start[before]
+            lo = before
+        after = self.by_start.pop(hi, None)  # one starting where this ends
+        if after is not None:
+            del self.by_end[after]
+            hi = after
+        self.by_start[lo] = hi
+        self.by_end[hi] = lo
 
 
 def _numpy_view(t: torch.Tensor) -> np.ndarray:

@@ -1,33 +1,125 @@
-"""The compute half of the CPU engine: a transformers causal LM that takes past KV as plain tensors.
+"""The compute half of the CPU engine: a transformers causal LM that attends over the engine's KV pool in place.
 
-The KV cache lives outside the model, in paged pools owned by the engine. Each call therefore gets the past KV of
-its sequence(s) as ordinary tensors, wraps them in a transformers `DynamicCache` for the duration of one forward,
-and hands back only the KV of the tokens it just processed, for the engine to write into its pools.
-
-KV layout at this boundary (engine side): `[n_layers, n_tokens, n_kv_heads, head_dim]`, token-major so that a
-paged pool `[n_layers, n_slots, n_kv_heads, head_dim]` can be gathered/scattered with one index along dim 1.
-transformers wants `[batch, n_kv_heads, n_tokens, head_dim]` per layer. On the way in, the past is copied once into a
-(left-padded) buffer with room for the new tokens, which the attention layers fill in place (`_BufferLayer`); on
-the way out, the new tokens' columns are copied into a compact token-major tensor.
+The KV cache lives outside the model, in a paged pool owned by the engine (`KVPool`, `[n_layers, n_slots,
+n_kv_heads, head_dim]`, token-major). A forward gets, per sequence, its new tokens and the pool slot of every
+position of its context, the new tokens last. The new tokens' KV is written into their slots as each layer
+computes it (`_PoolCache.update`), and each layer attends over the sequence's slots where they lie
+(`_pool_attention`): a sequence's slots form a few contiguous runs (the pool allocates runs, `FreeRuns`), and a run
+is a view of the pool, so the past is never copied on a decode step. A prefill chunk gathers its context once per
+layer (O(context) next to its O(chunk x context) attention). transformers runs everything else (embeddings, RoPE,
+MLPs, norms): any full-attention model whose attention goes through `ALL_ATTENTION_FUNCTIONS` works.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+)
 from transformers.cache_utils import DynamicLayer
 
 from kvflow_ray.engines.cpu.config import ModelConfig
+from kvflow_ray.engines.cpu.kv_pool import KVPool, slot_runs
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-# sdpa rather than eager: both honour a 2-D padding mask (masking_utils turns it into a 4-D boolean mask), sdpa is
-# faster on CPU, and for a single query token it skips the mask entirely when nothing is padded.
-_ATTN_IMPLEMENTATION = "sdpa"
+# Our attention, registered with transformers: a name it has no mask function for, so it builds no mask either.
+ATTENTION = "kvflow_pool"
+
+
+@dataclass
+class _Pages:
+    """Where one forward's sequences live in the pool."""
+
+    k: Tensor  # the pool's K, [L, S, H, D]
+    v: Tensor
+    new_slots: Tensor  # slots of the new tokens, sequence by sequence ([B * T])
+    runs: list[list[tuple[int, int]]]  # per sequence: its context (new tokens included) as slot runs, in position order
+    past: int  # a prefill's cached context before its new tokens (0 for decodes)
+
+
+class _PoolCache:
+    """What transformers' attention layers see as the cache: `update` writes the new tokens' KV into the pool."""
+
+    is_compileable = False
+
+    def __init__(self, pages: _Pages) -> None:
+        self.pages = pages
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[Tensor, Tensor]:
+        p = self.pages
+        b, h, t, d = key_states.shape
+        p.k[layer_idx].index_copy_(0, p.new_slots, key_states.transpose(1, 2).reshape(b * t, h, d).to(p.k.dtype))
+        p.v[layer_idx].index_copy_(0, p.new_slots, value_states.transpose(1, 2).reshape(b * t, h, d).to(p.v.dtype))
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.pages.past
+
+
+def _pool_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                    scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, None]:
+    """Each sequence's queries ([B, Hq, T, D]) over its context in the pool; returns [B, T, Hq, D]."""
+    pages: _Pages = kwargs["kvflow_pages"]
+    k, v = pages.k[module.layer_idx], pages.v[module.layer_idx]  # [S, H, D]
+    batch, heads, t, dim = query.shape
+    out = query.new_empty(batch, t, heads, dim)
+    for i, runs in enumerate(pages.runs):
+        q = query[i]
+        if t > 1:  # a prefill chunk: its context once, contiguous, causal from `past` on
+            out[i] = _prefill_attention(q, k, v, runs, pages.past, scaling)
+        elif len(runs) == 1:
+            lo, hi = runs[0]
+            o = F.scaled_dot_product_attention(q[None], k[lo:hi].transpose(0, 1)[None], v[lo:hi].transpose(0, 1)[None],
+                                               scale=scaling, enable_gqa=True)
+            out[i] = o[0].transpose(0, 1)
+        else:
+            out[i, 0] = _runs_attention(q[:, 0], k, v, runs, scaling)
+    return out, None
+
+
+def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, int]], past: int,
+                       scaling: float | None) -> Tensor:
+    keys = torch.cat([k[lo:hi] for lo, hi in runs]) if len(runs) > 1 else k[runs[0][0]:runs[0][1]]
+    values = torch.cat([v[lo:hi] for lo, hi in runs]) if len(runs) > 1 else v[runs[0][0]:runs[0][1]]
+    t, n = q.shape[1], len(keys)
+    mask = None
+    if past:  # query j (position past + j) sees keys up to past + j
+        mask = torch.arange(n).view(1, n) <= torch.arange(past, past + t).view(t, 1)
+    o = F.scaled_dot_product_attention(q[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                                       attn_mask=mask, is_causal=not past, scale=scaling, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+def _runs_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, int]], scaling: float | None) -> Tensor:
+    """One query per head ([Hq, D]) over several runs, one softmax across them all, no copy of the keys."""
+    kv_heads, dim = k.shape[1], k.shape[2]
+    qg = q.reshape(kv_heads, -1, dim)  # grouped-query: each KV head's query heads together
+    scores = torch.cat([torch.matmul(qg, k[lo:hi].permute(1, 2, 0)) for lo, hi in runs], dim=-1)
+    probs = torch.softmax(scores.float() * (scaling if scaling is not None else dim ** -0.5), dim=-1).to(v.dtype)
+    out, start = None, 0
+    for lo, hi in runs:
+        part = torch.matmul(probs[..., start:start + hi - lo], v[lo:hi].transpose(0, 1))
+        out = part if out is None else out + part
+        start += hi - lo
+    assert out is not None
+    return out.reshape(q.shape)
+
+
+AttentionInterface.register(ATTENTION, _pool_attention)
 
 
 def _random_llama(config: ModelConfig, dtype: torch.dtype) -> PreTrainedModel:
@@ -43,7 +135,7 @@ def _random_llama(config: ModelConfig, dtype: torch.dtype) -> PreTrainedModel:
         bos_token_id=256,
         eos_token_id=257,
         pad_token_id=258,
-        attn_implementation=_ATTN_IMPLEMENTATION,
+        attn_implementation="sdpa",
     )
     # Seed, then build in float32 and cast: the bfloat16 model is the rounded float32 one, not a different draw.
     torch.manual_seed(config.seed)
@@ -54,15 +146,17 @@ def _pretrained(path: str, dtype: torch.dtype) -> PreTrainedModel:
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"model path {path!r} is not a local model directory (no config.json there)")
     try:
-        return AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, local_files_only=True, attn_implementation=_ATTN_IMPLEMENTATION
-        )
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                    attn_implementation="sdpa")
     except (OSError, ValueError) as e:  # missing weights, unknown architecture, ...
         raise ValueError(f"cannot load a causal LM from {path!r}: {e}") from e
 
 
 class CpuModel:
-    """A causal LM whose KV cache is passed in and out as plain tensors (see the module docstring for layouts)."""
+    """A causal LM that reads and writes its KV in a `KVPool` (see the module docstring).
+
+    `hf` stays a plain transformers model (sdpa attention; what `generate` runs); the engine's forwards
+    switch its attention to the pool's for their duration only."""
 
     def __init__(self, config: ModelConfig, threads: int | None = None) -> None:
         if threads is not None:
@@ -87,15 +181,20 @@ class CpuModel:
         self.n_params: int = sum(p.numel() for p in hf.parameters())
         self.weight_bytes: int = sum(p.numel() * p.element_size() for p in hf.parameters())
 
-        # `_BufferLayer` stands in for plain DynamicLayers; sliding-window/hybrid/linear layers keep other state.
+        # sliding-window/hybrid/linear-attention layers keep other state than one K and V per token
         probe = DynamicCache(config=hf.config)
         if len(probe.layers) != self.n_layers or any(type(layer) is not DynamicLayer for layer in probe.layers):
             raise ValueError(f"only full-attention models are supported; {type(hf).__name__} has other cache layers")
 
-    def _check_past(self, past: Tensor, what: str) -> None:
+    def pool(self, name: str, slots: int) -> KVPool:
+        """A KV pool shaped for this model."""
+        return KVPool(name, slots, self.n_layers, self.n_kv_heads, self.head_dim, self.torch_dtype)
+
+    def _check_pool(self, pool: KVPool) -> None:
         want = (self.n_layers, self.n_kv_heads, self.head_dim)
-        if past.dim() != 4 or (past.shape[0], past.shape[2], past.shape[3]) != want:
-            raise ValueError(f"{what} must be [n_layers, n_past, n_kv_heads, head_dim] = [{want[0]}, n, *{want[1:]}]")
+        if (pool.k.shape[0], pool.k.shape[2], pool.k.shape[3]) != want:
+            raise ValueError(f"the KV pool must be [n_layers, slots, n_kv_heads, head_dim] = [{want[0]}, *, "
+                             f"*{want[1:]}], got {list(pool.k.shape)}")
 
     def _input_ids(self, tokens: Sequence[int], shape: tuple[int, int]) -> Tensor:
         ids = torch.as_tensor(tokens, dtype=torch.long).view(shape)
@@ -104,120 +203,54 @@ class CpuModel:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
         return ids
 
-    def _buffer(self, pasts: Sequence[Tensor], n_past: int, n_new: int) -> Tensor:
-        """Copy B pasts `[L, n_i, H, D]` into one `[L, B, H, n_past + n_new, D]` buffer, left-padded to `n_past`.
-
-        This is the only copy of the past per call: the new tokens' columns (from `n_past` on) are written in place by
-        `_BufferLayer`. Pads must be zeros, not `empty` garbage: the mask gives them zero weight, but a NaN there
-        would still leak through the softmax (NaN * 0 = NaN).
-        """
-        shape = (self.n_layers, len(pasts), self.n_kv_heads, n_past + n_new, self.head_dim)
-        buf = torch.empty(shape, dtype=self.torch_dtype)
-        for i, past in enumerate(pasts):
-            pad = n_past - past.shape[1]
-            buf[:, i, :, :pad].zero_()
-            buf[:, i, :, pad:n_past] = past.transpose(1, 2)  # [L, n, H, D] -> [L, H, n, D]; casts dtype if needed
-        return buf
-
-    def _forward(
-        self, ids: Tensor, positions: Tensor, mask: Tensor | None, pasts_k: Sequence[Tensor], pasts_v: Sequence[Tensor]
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Run the model on `ids` [B, T] after the (left-padded) pasts. Returns (last logits [B, vocab] float32,
-        K and V buffers [L, B, H, n_past + T, D] whose last T columns are the new tokens' KV)."""
-        n_past, n_new = max(p.shape[1] for p in pasts_k), ids.shape[1]
-        buf_k, buf_v = self._buffer(pasts_k, n_past, n_new), self._buffer(pasts_v, n_past, n_new)
-        cache = DynamicCache(config=self.hf.config)
-        cache.layers = [_BufferLayer(k, v, n_past) for k, v in zip(buf_k, buf_v, strict=True)]
-        # logits_to_keep=1: only the last position goes through lm_head (saves a [T, vocab] matmul in prefill).
-        out = self.hf(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
-        )
-        return out.logits[:, -1].float(), buf_k, buf_v
+    def _forward(self, ids: Tensor, positions: Tensor, pages: _Pages) -> Tensor:
+        """Run `ids` [B, T] at `positions`; their KV lands in the pool. Returns the last logits [B, vocab] float32."""
+        config = self.hf.config
+        before, config._attn_implementation = config._attn_implementation, ATTENTION
+        try:
+            # logits_to_keep=1: only the last position goes through lm_head (saves a [T, vocab] matmul in prefill)
+            out = self.hf(input_ids=ids, position_ids=positions, cache=_PoolCache(pages), use_cache=True,
+                          logits_to_keep=1, kvflow_pages=pages)
+        finally:
+            config._attn_implementation = before
+        return out.logits[:, -1].float()
 
     @torch.inference_mode()
-    def prefill(self, tokens: Sequence[int], past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Run the new `tokens` of one sequence whose first `n_past` tokens' KV is `past_k`/`past_v`.
-
-        past_k/past_v: `[n_layers, n_past, n_kv_heads, head_dim]` (n_past may be 0); positions start at n_past.
-        Returns (logits of the last token `[vocab]` float32,
-                 new_k, new_v `[n_layers, len(tokens), n_kv_heads, head_dim]`).
-        """
-        self._check_past(past_k, "past_k")
-        self._check_past(past_v, "past_v")
-        n_past, n_new = past_k.shape[1], len(tokens)
+    def prefill(self, pool: KVPool, tokens: Sequence[int], slots: Tensor) -> Tensor:
+        """Run the new `tokens` of one sequence whose context (cached past, then these tokens) lies in `slots`:
+        the first `len(slots) - len(tokens)` hold the past's KV, the rest receive the new tokens'.
+        Returns the logits of the last token `[vocab]` float32."""
+        self._check_pool(pool)
+        n_past, n_new = len(slots) - len(tokens), len(tokens)
         if n_new == 0:
             raise ValueError("prefill needs at least one new token")
+        if n_past < 0:
+            raise ValueError(f"{n_new} new tokens need as many slots at least, got {len(slots)}")
         if n_past + n_new > self.max_context:
             raise ValueError(f"sequence of {n_past + n_new} tokens exceeds max_context={self.max_context}")
         ids = self._input_ids(tokens, (1, n_new))
         positions = torch.arange(n_past, n_past + n_new).view(1, n_new)
-        # No mask: with a cache, masking_utils builds the causal mask offset by n_past (or uses sdpa's is_causal when
-        # n_past == 0, and none at all for a single token).
-        logits, buf_k, buf_v = self._forward(ids, positions, None, [past_k], [past_v])
-        # [L, H, T, D] -> [L, T, H, D], copied out so the caller owns a compact tensor and the buffer can be freed.
-        new_k = buf_k[:, 0, :, n_past:].transpose(1, 2).contiguous()
-        new_v = buf_v[:, 0, :, n_past:].transpose(1, 2).contiguous()
-        return logits[0], new_k, new_v
+        pages = _Pages(pool.k, pool.v, slots[n_past:], [slot_runs(slots)], n_past)
+        return self._forward(ids, positions, pages)[0]
 
     @torch.inference_mode()
-    def decode(
-        self, tokens: Sequence[int], past_k: Sequence[Tensor], past_v: Sequence[Tensor]
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """One new token for each of B sequences; sequence i has `n_i` past tokens in `past_k[i]`/`past_v[i]`.
-
-        past_k[i]/past_v[i]: `[n_layers, n_i, n_kv_heads, head_dim]`, the n_i may differ.
-        Returns (logits `[B, vocab]` float32, new_k, new_v `[n_layers, B, n_kv_heads, head_dim]`).
-        """
+    def decode(self, pool: KVPool, tokens: Sequence[int], slots: Sequence[Tensor]) -> Tensor:
+        """One new token for each of B sequences; `slots[i]` holds sequence i's context, its new token's slot last
+        (the lengths may differ). Returns logits `[B, vocab]` float32."""
+        self._check_pool(pool)
         batch = len(tokens)
-        if batch == 0 or len(past_k) != batch or len(past_v) != batch:
-            raise ValueError("decode needs one token and one past_k/past_v per sequence, at least one sequence")
-        for k, v in zip(past_k, past_v, strict=True):
-            self._check_past(k, "past_k[i]")
-            self._check_past(v, "past_v[i]")
-        lengths = [k.shape[1] for k in past_k]
-        longest = max(lengths)
-        if longest + 1 > self.max_context:
-            raise ValueError(f"sequence of {longest + 1} tokens exceeds max_context={self.max_context}")
+        if batch == 0 or len(slots) != batch:
+            raise ValueError("decode needs one token and one slot list per sequence, at least one sequence")
+        lengths = [len(s) for s in slots]
+        if min(lengths) < 1:
+            raise ValueError("every sequence needs a slot for its new token")
+        if max(lengths) > self.max_context:
+            raise ValueError(f"sequence of {max(lengths)} tokens exceeds max_context={self.max_context}")
         ids = self._input_ids(tokens, (batch, 1))
-        # Each sequence's own position, not its padded column: RoPE must see what a batch-1 call would.
-        positions = torch.tensor(lengths, dtype=torch.long).view(batch, 1)
-        # Left padding puts every new token in column `longest`; the 2-D mask hides the pad columns. (An all-True
-        # mask, e.g. equal lengths, is detected by masking_utils and dropped again.)
-        mask = None
-        if batch > 1:
-            mask = torch.ones(batch, longest + 1, dtype=torch.bool)
-            for i, n in enumerate(lengths):
-                mask[i, : longest - n] = False
-        logits, buf_k, buf_v = self._forward(ids, positions, mask, past_k, past_v)
-        # Column `longest` of every layer: [L, B, H, D]; copied out of the (strided) buffer.
-        return logits, buf_k[:, :, :, longest].contiguous(), buf_v[:, :, :, longest].contiguous()
-
-
-class _BufferLayer(DynamicLayer):
-    """A DynamicLayer over a buffer that already holds the past and has room for the new tokens.
-
-    DynamicLayer.update appends with `torch.cat`, i.e. copies the whole past once more per layer per call (measured
-    on 2 cores: a B=4 decode at 2k context took 33 ms that way, 15 ms this way). Here `update` writes the new KV
-    into the reserved columns instead. `get_seq_length` (read by masking_utils before the layers run) reports the
-    past only, as DynamicLayer would, so the mask is sized `n_past + n_new` and the queries are offset by `n_past`.
-    """
-
-    def __init__(self, keys: Tensor, values: Tensor, n_past: int) -> None:
-        super().__init__()
-        self.lazy_initialization(keys, values)  # sets device and is_initialized
-        self.keys, self.values, self.length = keys, values, n_past
-
-    def update(
-        self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object
-    ) -> tuple[Tensor, Tensor]:
-        end = self.length + key_states.shape[-2]
-        self.keys[..., self.length : end, :] = key_states
-        self.values[..., self.length : end, :] = value_states
-        self.length = end
-        return self.keys[..., :end, :], self.values[..., :end, :]
-
-    def get_seq_length(self) -> int:
-        return self.length
+        # each sequence's own position: RoPE must see what a batch-1 call would
+        positions = torch.tensor([n - 1 for n in lengths], dtype=torch.long).view(batch, 1)
+        pages = _Pages(pool.k, pool.v, torch.stack([s[-1] for s in slots]), [slot_runs(s) for s in slots], 0)
+        return self._forward(ids, positions, pages)
 
 
 # Temperatures below this are greedy. Dividing float32 logits by a temperature near zero overflows
