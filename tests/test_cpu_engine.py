@@ -40,17 +40,17 @@ def model() -> CpuModel:
 
 def _greedy(model: CpuModel, tokens: Sequence[int], n: int, temperature: float = 0.0,
             seed: int | None = None) -> list[int]:
-    """No cache at all: prefill the whole prompt, then decode one token at a time over the concatenated KV."""
-    empty = torch.empty(model.n_layers, 0, model.n_kv_heads, model.head_dim, dtype=model.torch_dtype)
+    """No cache at all: prefill the whole prompt in one piece, then decode one token at a time, in a pool of its own."""
+    pool = model.pool("reference", len(tokens) + n)
     generator = torch.Generator().manual_seed(seed or 0) if temperature > 0 else None
-    logits, k, v = model.prefill(list(tokens), empty, empty)
+    slots = pool.alloc(len(tokens) + n)
+    logits = model.prefill(pool, list(tokens), slots[:len(tokens)])
     out: list[int] = []
     while True:
         out.append(sample(logits, temperature, generator))
         if len(out) == n:
             return out
-        step_logits, step_k, step_v = model.decode([out[-1]], [k], [v])
-        logits, k, v = step_logits[0], torch.cat([k, step_k], dim=1), torch.cat([v, step_v], dim=1)
+        logits = model.decode(pool, [out[-1]], [slots[:len(tokens) + len(out)]])[0]
 
 
 @pytest.fixture(scope="module")
@@ -419,8 +419,10 @@ def _check_pool_contents(engine: CpuEngine, model: CpuModel) -> None:
     for leaf in leaves:
         path = leaf.path()
         sequence = list(leaf.sequence())
-        empty = torch.empty(model.n_layers, 0, model.n_kv_heads, model.head_dim)
-        _, k, v = model.prefill(sequence, empty, empty)
+        scratch = model.pool("scratch", len(sequence))
+        slots = scratch.alloc(len(sequence))
+        model.prefill(scratch, sequence, slots)
+        k, v = scratch.gather(slots)
         start = 0
         for n in path:
             end = start + len(n.key)
@@ -674,8 +676,8 @@ def test_bench_driver_runs_a_tiny_scenario(model: CpuModel) -> None:
 
 def test_cli_bench_cpu() -> None:
     """Three CLI runs at once (most of each is importing torch)."""
-    tiny = ["--scenario", "single", "--agents", "3", "--fixed", "100", "--dynamic", "4", "--output", "2",
-            "--iterations", "1"]
+    tiny = ["--model", "random", "--scenario", "single", "--agents", "3", "--fixed", "100", "--dynamic", "4",
+            "--output", "2", "--iterations", "1"]
     runs = {
         "ok": [*tiny, "--device-kv-tokens", "250", "--policies", "lru,kvflow", "--json"],
         "belady": [*tiny, "--device-kv-tokens", "250", "--policies", "belady"],

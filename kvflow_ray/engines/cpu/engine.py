@@ -3,7 +3,7 @@
 
 This file owns what an engine owns and nothing more: running the model on the batches the scheduler
 picks, placing KV in pool slots, and copying slots between the device and host pools. A request's
-forward pass starts from the stored KV of its cached prefix (gathered from the device pool) and only
+forward pass attends over the stored KV of its cached prefix where it lies in the device pool and only
 computes the rest.
 
 Threading: everything below runs on one engine thread (the caller's, via `step()`, or a background
@@ -28,8 +28,9 @@ from kvflow_ray.core.radix import RadixNode
 from kvflow_ray.core.scheduler import CacheRequest, build_replica, resolve_policy
 from kvflow_ray.engines.base import BackgroundEngine, CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
 from kvflow_ray.engines.cpu.config import CpuEngineConfig
-from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream, KVPool
+from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream
 from kvflow_ray.engines.cpu.model import CpuModel, sample
+from kvflow_ray.engines.cpu.weights import RANDOM_MODEL_NAME
 from kvflow_ray.engines.events import CacheEventLog
 from kvflow_ray.engines.stops import StopTokens
 from kvflow_ray.engines.tokenizer import load_tokenizer
@@ -68,9 +69,8 @@ class CpuEngine(BackgroundEngine):
             torch.set_num_threads(config.threads)
         self.tokenizer = load_tokenizer(config.model.path)
         m = self.model
-        self.device = KVPool("device", config.device_kv_tokens, m.n_layers, m.n_kv_heads, m.head_dim, m.torch_dtype)
-        self.host = (KVPool("host", config.host_kv_tokens, m.n_layers, m.n_kv_heads, m.head_dim, m.torch_dtype)
-                     if policy.host_tier else None)
+        self.device = m.pool("device", config.device_kv_tokens)
+        self.host = m.pool("host", config.host_kv_tokens) if policy.host_tier else None
         self.events = CacheEventLog()
         self.scheduler = build_replica(policy, self, gpu_capacity=config.device_kv_tokens,
                                        cpu_capacity=config.host_kv_tokens, clock=time.perf_counter, book=book,
@@ -96,8 +96,9 @@ class CpuEngine(BackgroundEngine):
 
     @property
     def model_name(self) -> str:
-        """The `model` requests name: the model directory, or the built-in random model."""
-        return self.config.model.path or "kvflow-cpu-random"
+        """The `model` requests name: the configured name, else the model directory or the random model's."""
+        model = self.config.model
+        return model.name or model.path or RANDOM_MODEL_NAME
 
     @property
     def policy(self) -> str:
@@ -309,9 +310,7 @@ class CpuEngine(BackgroundEngine):
             req.own = self.device.alloc(req.private)
             req.ctx = torch.cat([self._path_slots(req.locked)[:req.base], req.own])
         start = req.prefill_pos
-        past_k, past_v = self.device.gather(req.ctx[:start])
-        logits, k, v = self.model.prefill(req.tokens[start:start + n], past_k, past_v)
-        self.device.scatter(req.ctx[start:start + n], k, v)
+        logits = self.model.prefill(self.device, req.tokens[start:start + n], req.ctx[:start + n])
         if start + n < len(req.tokens):
             self.scheduler.prefill_done(req, n)
             return
@@ -332,10 +331,8 @@ class CpuEngine(BackgroundEngine):
 
     def _decode(self, reqs: list[CpuRequest]) -> None:
         positions = [len(r.tokens) + len(r.out) - 1 for r in reqs]  # of the token fed now
-        pasts = [self.device.gather(r.ctx[:pos]) for r, pos in zip(reqs, positions, strict=True)]  # type: ignore[index]
-        logits, k, v = self.model.decode([r.out[-1] for r in reqs], [p[0] for p in pasts], [p[1] for p in pasts])
-        slots = torch.stack([r.ctx[pos] for r, pos in zip(reqs, positions, strict=True)])  # type: ignore[index]
-        self.device.scatter(slots, k, v)
+        contexts = [r.ctx[:pos + 1] for r, pos in zip(reqs, positions, strict=True)]  # type: ignore[index]
+        logits = self.model.decode(self.device, [r.out[-1] for r in reqs], contexts)
         for i, req in enumerate(reqs):
             token = self._sample(req, logits[i])
             eos = self._emit(req, token)
