@@ -69,6 +69,18 @@ def test_serve_prints_its_url_serves_and_stops_on_sigterm(free_port: Callable[[]
         info = json.loads(line)
         with urllib.request.urlopen(info["url"] + "/health", timeout=10) as response:
             assert json.loads(response.read())["status"] == "ok"
+        # the default model is the real one: a question a small instruct model answers, through its chat template
+        headers = {"Authorization": "Bearer right-key", "Content-Type": "application/json"}
+        with urllib.request.urlopen(urllib.request.Request(info["url"] + "/v1/models", headers=headers),
+                                    timeout=10) as response:
+            assert [m["id"] for m in json.loads(response.read())["data"]] == ["smollm2-135m"]
+        body = {"model": "smollm2-135m", "max_tokens": 24, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        request = urllib.request.Request(info["url"] + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers=headers)
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.loads(response.read())["choices"][0]["message"]["content"]
+        assert "Paris" in answer, answer
         # a wrong key, or none, is one line naming the fix, before any load runs
         for key in (["--key", "wrong-key"], []):
             done = run_cli("run", str(ROOT / "workflows" / "peer.yaml"), "--url", info["url"], *key)

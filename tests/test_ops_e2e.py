@@ -58,8 +58,9 @@ def stack(redis_url: str, free_port: Callable[[], int], prometheus_factory: Any)
         # set before Ray starts, so its workers (the ingress) inherit it, as the Ray pods get the Secret
         env.setenv(METRICS_TOKEN_ENV, METRICS_TOKEN)
         # a small device pool, so eviction, the host tier and prefetch all show up in the series
-        config = AppConfig(replicas=2, redis=redis_url, api_keys={"key-acme": "acme"}, device_kv_tokens=1536,
-                           host_kv_tokens=16384, max_running=8, threads=1, metrics_token_env=METRICS_TOKEN_ENV)
+        config = AppConfig(model="random", replicas=2, redis=redis_url, api_keys={"key-acme": "acme"},
+                           device_kv_tokens=1536, host_kv_tokens=16384, max_running=8, threads=1,
+                           metrics_token_env=METRICS_TOKEN_ENV)
         with LocalServer(config, port=free_port(), num_cpus=2) as server:
             prometheus = prometheus_factory(urllib.parse.urlsplit(server.url).netloc,  # loads RULES_DIR
                                             metrics_token=METRICS_TOKEN)

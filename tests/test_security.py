@@ -299,7 +299,7 @@ def test_tenant_limits_are_4xx_naming_the_limit(server: LocalServer) -> None:
 # ---------------------------------------------------------------------------------------------- last: the CPU engine
 def test_one_tenant_cannot_probe_another_tenants_prompts_on_the_cpu_engine(server: LocalServer,
                                                                           redis_url: str) -> None:
-    server.deploy(_config(redis_url, engine="cpu", replicas=1, threads=1, device_kv_tokens=4096))
+    server.deploy(_config(redis_url, engine="cpu", model="random", replicas=1, threads=1, device_kv_tokens=4096))
     server.wait_ready()
     _probe_cross_tenant(server)
 

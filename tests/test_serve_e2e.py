@@ -39,8 +39,8 @@ def server(redis_url: str, free_port: Callable[[], int]) -> Iterator[LocalServer
 
     redis.Redis.from_url(redis_url).flushdb()
     # A small device pool (prompts + a few requests) so that eviction, the host tier and prefetch all run.
-    config = AppConfig(replicas=2, redis=redis_url, api_keys=KEYS, route_headers=True, device_kv_tokens=1536,
-                       host_kv_tokens=16384, max_running=8, threads=1)
+    config = AppConfig(model="random", replicas=2, redis=redis_url, api_keys=KEYS, route_headers=True,
+                       device_kv_tokens=1536, host_kv_tokens=16384, max_running=8, threads=1)
     with LocalServer(config, port=free_port(), num_cpus=2) as local:
         yield local
 

@@ -7,9 +7,10 @@
   bench fidelity   run one scenario on the CPU engine and on the simulator with `cpu-reference`, and
                    print simulated / measured latency per policy
 
-The default CPU engine is a Llama-style model (4 layers, hidden 512, 8 heads, 2 KV heads) with seeded
-random weights: the compute and the KV are real, the text is meaningless. Its device KV pool (12,288
-tokens) is smaller than the fixed prompts of the default 10-agent workflow, so policies matter.
+The CPU engine runs SmolLM2-135M-Instruct by default (`--model random`: a 4-layer Llama-style model
+with seeded random weights, for fast runs and calibration; `--model-path DIR` / `--gguf FILE`: others).
+Its device KV pool (12,288 tokens) is smaller than the fixed prompts of the default 10-agent workflow,
+so policies matter.
 
 Examples:
   kvflow-ray bench cpu --scenario single --agents 10 --fixed 2048 --dynamic 32 --output 8 \\
@@ -61,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig
+    from kvflow_ray.engines.cpu.weights import DEFAULT_MODEL, MODEL_NAMES, RANDOM
 
     e, m = CpuEngineConfig(), ModelConfig()
     g = parser.add_argument_group("CPU engine")
@@ -75,8 +77,12 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--horizon", type=int, default=e.horizon, help="prefetch agents at most this many steps ahead")
     g.add_argument("--max-inflight", type=int, default=e.max_inflight, help="concurrent prefetch loads")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    g.add_argument("--model", default=None, metavar="DIR",
-                   help="a local Hugging Face model directory (default: a seeded random Llama-style model)")
+    g.add_argument("--model", default=DEFAULT_MODEL, choices=MODEL_NAMES,
+                   help=f"the model by name (default {DEFAULT_MODEL}; {RANDOM}: a seeded random Llama-style model)")
+    g.add_argument("--model-path", default=None, metavar="DIR", help="a local Hugging Face model directory instead")
+    g.add_argument("--gguf", default=None, metavar="FILE", help="a GGUF model file instead (dequantized once)")
+    g.add_argument("--model-cache", default=None, metavar="DIR",
+                   help="where dequantized models are kept (default $KVFLOW_MODEL_CACHE or ~/.cache/kvflow-ray/models)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=m.dtype, help="model and KV dtype")
     g.add_argument("--seed", type=int, default=m.seed, help="seed of the random model weights")
 
@@ -85,8 +91,10 @@ def _engine_config(args: argparse.Namespace) -> Any:
     from dataclasses import replace
 
     from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig
+    from kvflow_ray.engines.cpu.weights import resolve_model
 
-    model = replace(ModelConfig(), dtype=args.dtype, seed=args.seed, path=args.model)
+    path = resolve_model(args.model, model_path=args.model_path, gguf=args.gguf, cache=args.model_cache)
+    model = replace(ModelConfig(), dtype=args.dtype, seed=args.seed, path=path)
     return CpuEngineConfig(model=model, device_kv_tokens=args.device_kv_tokens, host_kv_tokens=args.host_kv_tokens,
                            link_gbps=args.link_gbps or None, chunk_tokens=args.chunk_tokens,
                            max_running=args.max_running, horizon=args.horizon, max_inflight=args.max_inflight,

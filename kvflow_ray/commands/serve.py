@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from kvflow_ray.core.safe_yaml import TextFileError, describe_yaml_error, load_yaml, read_text_file
+from kvflow_ray.engines.cpu.weights import BUILTINS, DEFAULT_MODEL, RANDOM
 from kvflow_ray.serve.config import ENGINES, REQUEST_ROUTERS, AppConfig
 
 
@@ -39,9 +40,19 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine per replica: cpu (real compute, default), sim (GPU timing from a profile, "
                              "made-up tokens; for exercising the stack at GPU speed), sglang (SGLang 0.5.23 with "
                              "the kvflow plugin, one GPU per replica; needs --model-path; docs/sglang.md)")
-    parser.add_argument("--model-path", default=None,
-                        help="model directory (or hub id): required for --engine sglang; for cpu, a local HF "
-                             "model instead of the seeded random one")
+    parser.add_argument("--model", default=None, metavar="NAME",
+                        help=f"--engine cpu: the model, by name (default {DEFAULT_MODEL}: "
+                             f"{BUILTINS[DEFAULT_MODEL].summary}; {RANDOM}: seeded random weights, a byte "
+                             "tokenizer, for fast tests)")
+    parser.add_argument("--model-path", default=None, metavar="DIR",
+                        help="model directory (or hub id): required for --engine sglang; for cpu, a local Hugging "
+                             "Face model directory instead of --model")
+    parser.add_argument("--gguf", default=None, metavar="FILE",
+                        help="--engine cpu: a GGUF model file instead of --model, dequantized once into the model "
+                             "cache")
+    parser.add_argument("--model-cache", default=None, metavar="DIR",
+                        help="where dequantized models are kept (default $KVFLOW_MODEL_CACHE or "
+                             "~/.cache/kvflow-ray/models)")
     parser.add_argument("--replicas", type=int, default=None, help="engine replicas (default 2)")
     parser.add_argument("--redis", default=None, help="redis://host:port/db for durable router state "
                         "(default: the embedded in-process store)")
@@ -84,7 +95,8 @@ def app_config(args: argparse.Namespace) -> AppConfig:
         if not isinstance(raw, dict):
             raise ValueError(f"--config {args.config}: expected a mapping of app args")
         data.update(raw)
-    for key in ("engine", "replicas", "redis", "routing", "request_router", "policy", "model_path",
+    for key in ("engine", "replicas", "redis", "routing", "request_router", "policy", "model", "model_path", "gguf",
+                "model_cache",
                 "device_kv_tokens", "profile", "time_scale"):
         value = getattr(args, key, None)
         if value is not None:
@@ -103,9 +115,14 @@ def app_config(args: argparse.Namespace) -> AppConfig:
             raise ValueError("--metrics-token: empty (omit the flag to leave /metrics open)")
         data["metrics_token"] = metrics_token
     try:
-        return AppConfig.from_dict(data)
+        config = AppConfig.from_dict(data)
     except TypeError as exc:  # a wrongly typed value that got past validation: still a config error, not a crash
         raise ValueError(f"invalid app config: {exc}") from None
+    if config.engine == "cpu":
+        # the model's files now, before Ray starts: a missing model is a one-line error, and a GGUF file is
+        # dequantized here once rather than by every replica
+        config.cpu_model_dir()
+    return config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

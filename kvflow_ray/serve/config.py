@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from kvflow_ray.core.routing import DEFAULT_ROUTING
 from kvflow_ray.core.scheduler import POLICIES
+from kvflow_ray.engines.cpu.weights import DEFAULT_MODEL, MODEL_NAMES, resolve_model, served_name
 from kvflow_ray.router.limits import TenantLimits
 from kvflow_ray.router.settings import SYNC_S, RouterSettings
 
@@ -92,8 +93,12 @@ class AppConfig(BaseModel):
     # engine settings: see CpuEngineConfig (cpu), engines/sim/serving.py (sim) and
     # engines/sglang/engine.py (sglang) for what each means
     policy: str = "kvflow"
-    # cpu: a local HF model directory (default: random weights); sglang (required): what SGLang loads
+    # cpu: the model by name (engines/cpu/weights.py: smollm2-135m, random), unless model_path or gguf is set
+    model: str = DEFAULT_MODEL
+    # cpu: a local HF model directory; sglang (required): what SGLang loads
     model_path: str | None = None
+    gguf: str | None = None  # cpu: a GGUF file, dequantized once into model_cache
+    model_cache: str | None = None  # cpu: where dequantized models live (default KVFLOW_MODEL_CACHE or ~/.cache)
     profile: str = "a10g-llama3.1-8b"  # sim: the GPU cost profile each replica simulates
     time_scale: float = 1.0  # sim: wall seconds per simulated second (0.1 = ten times faster)
     # None: the engine's default (cpu 12,288; sim: the profile's GPU; sglang: what SGLang sizes from
@@ -145,6 +150,10 @@ class AppConfig(BaseModel):
                                  f"(available: {', '.join(available_profiles())})")
             if self.time_scale <= 0:
                 raise ValueError(f"time_scale must be positive, got {self.time_scale}")
+        if self.engine == "cpu":
+            self._check_cpu_model()
+        elif self.gguf:
+            raise ValueError(f"gguf applies to engine 'cpu' only (this config runs engine {self.engine!r})")
         if self.engine in ("cpu", "sim"):  # SGLang's policies are checked with its server args above
             from kvflow_ray.core.scheduler import resolve_policy
 
@@ -189,6 +198,18 @@ class AppConfig(BaseModel):
                 self._salts[tenant] = f"group:{group}"
         return self
 
+    def _check_cpu_model(self) -> None:
+        if self.model_path and self.gguf:
+            raise ValueError("give model_path (a model directory) or gguf (a GGUF file), not both")
+        if not (self.model_path or self.gguf) and self.model not in MODEL_NAMES:
+            raise ValueError(f"unknown model {_short(self.model)}: one of {list(MODEL_NAMES)}, or set model_path "
+                             "(a model directory) or gguf (a GGUF file)")
+
+    def cpu_model_dir(self) -> str | None:
+        """The model directory the CPU engine loads (dequantized on first use); None for the random model.
+        A ValueError names what is missing (e.g. the command that installs a built-in model)."""
+        return resolve_model(self.model, model_path=self.model_path, gguf=self.gguf, cache=self.model_cache)
+
     def _check_sglang(self) -> None:
         if not self.model_path:
             raise ValueError("engine 'sglang' needs model_path: the model directory (or hub id) the SGLang "
@@ -222,7 +243,7 @@ class AppConfig(BaseModel):
         """Where the tokenizer of the served model lives; None: byte-level (engines without one: sim, the
         CPU engine's random model, SGLang with skip_tokenizer_init, e.g. dummy weights)."""
         if self.engine == "cpu":
-            return self.model_path
+            return self.cpu_model_dir()
         if self.engine == "sglang" and not self.sglang_args.get("skip_tokenizer_init"):
             return self.sglang_args.get("tokenizer_path") or self.model_path
         return None
@@ -248,7 +269,9 @@ class AppConfig(BaseModel):
         """What `/v1/models` lists and requests may name."""
         if self.engine == "sim":
             return f"sim-{self.profile}"
-        return self.model_path or "kvflow-cpu-random"
+        if self.engine == "cpu":
+            return served_name(self.model, model_path=self.model_path, gguf=self.gguf)
+        return self.model_path or ""
 
     def engine_threads(self) -> int:
         return self.threads or max(1, (os.cpu_count() or 1) // self.replicas)

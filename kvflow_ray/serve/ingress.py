@@ -216,7 +216,9 @@ class Ingress:
 
             self.max_context = MAX_CONTEXT
         else:
-            self.max_context = ModelConfig().max_context if self.config.model_path is None else 1 << 30
+            # a real model's own limit is the engine's to check
+            random = self.config.engine == "cpu" and self.config.cpu_model_dir() is None
+            self.max_context = ModelConfig().max_context if random else 1 << 30
         # (tenant, body hash) -> the spec it registered, while that is still the tenant's current template
         self._registered: FreshCache[tuple[str, bytes], WorkflowSpec] = FreshCache(REGISTERED_CACHE_S)
 

@@ -22,6 +22,7 @@ class ModelConfig:
     dtype: str = "float32"  # "float32" | "bfloat16"
     seed: int = 0
     path: str | None = None  # local HF model directory; None = random weights built from the fields above
+    name: str | None = None  # what requests call it (default: the path, or the random model's name)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
