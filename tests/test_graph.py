@@ -283,7 +283,7 @@ def test_error_top_level_not_mapping() -> None:
 
 def test_error_unknown_top_level_key() -> None:
     data = valid_data() | {"version": 2}
-    expect_error(data, "version", "unknown key 'version' (allowed: name, entry, agents, description)")
+    expect_error(data, "version", "unknown key 'version' (allowed: name, entry, agents, description, task)")
 
 
 def test_error_name_missing() -> None:
@@ -445,6 +445,13 @@ def test_error_description_not_string() -> None:
     data = valid_data()
     data["agents"]["planner"]["description"] = {"a": 1}
     expect_error(data, "agents.planner.description", "string")
+
+
+def test_task_is_an_optional_string_that_round_trips() -> None:
+    spec = parse_spec(valid_data() | {"task": "What is 2 + 2?"})
+    assert spec.task == "What is 2 + 2?" and parse_spec(spec.to_dict()) == spec
+    assert parse_spec(valid_data()).task is None and "task" not in parse_spec(valid_data()).to_dict()
+    expect_error(valid_data() | {"task": ["a"]}, "task", "string")
 
 
 def test_error_duplicate_yaml_key() -> None:

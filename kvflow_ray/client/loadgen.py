@@ -40,8 +40,12 @@ from kvflow_ray.progress import progress as progress_bar
 class LoadConfig:
     clients: int = 4  # concurrent workflow instances
     iterations: int = 2  # passes of the workflow per client (loops: returns to the entry)
-    max_tokens: int = 32  # output tokens per agent call (exact: ignore_eos)
-    task_chars: int = 120  # dynamic task text per call, besides the previous agent's output
+    max_tokens: int = 32  # output tokens per agent call (at most; exactly, with ignore_eos)
+    ignore_eos: bool = True  # every call generates max_tokens (benchmarks compare equal work); False: answers end
+    # the request each client's calls carry (e.g. the workflow's `task`), besides the previous agent's output;
+    # None: synthetic text of task_chars characters
+    task: str | None = None
+    task_chars: int = 120
     api_key: str | None = None
     # the server's /metrics token (`kvflow-ray serve --metrics-token`), for the hit ratios and routing
     # counts read from /metrics before and after the run; None: /metrics is open
@@ -61,6 +65,7 @@ class CallRecord:
     route: str  # affinity | balanced | cold | plain
     replica: str
     error: str | None = None
+    answer: str = ""
 
 
 @dataclass
@@ -156,8 +161,10 @@ class _Client:
         self.last_output = ""
 
     def call(self, agent: str, iteration: int) -> None:
-        task = (f"Task {self.index}.{iteration} for the {agent}: " + "analyse the quarterly filing; " * 40)
-        task = task[:self.config.task_chars]
+        task = self.config.task
+        if task is None:
+            task = (f"Task {self.index}.{iteration} for the {agent}: " + "analyse the quarterly filing; " * 40)
+            task = task[:self.config.task_chars]
         content = task + (f"\n\nPrevious step said: {self.last_output[:200]}" if self.last_output else "")
         handle = self.run.agent(agent)
         started = time.perf_counter()
@@ -165,14 +172,15 @@ class _Client:
             raw = handle.run.openai.chat.completions.with_raw_response.create(
                 model=self.config.model or "default", messages=handle.messages([{"role": "user", "content": content}]),
                 max_tokens=self.config.max_tokens, temperature=0, extra_body={
-                    "kvflow": self.run.metadata(agent), "ignore_eos": True})
+                    "kvflow": self.run.metadata(agent), "ignore_eos": self.config.ignore_eos})
             response = raw.parse()
             usage = response.usage
             details = getattr(usage, "prompt_tokens_details", None)
             self.last_output = response.choices[0].message.content or ""
             record = CallRecord(self.index, iteration, agent, time.perf_counter() - started, usage.prompt_tokens,
                                 (details.cached_tokens or 0) if details else 0,
-                                raw.headers.get("x-kvflow-route", "plain"), raw.headers.get("x-kvflow-replica", "?"))
+                                raw.headers.get("x-kvflow-route", "plain"), raw.headers.get("x-kvflow-replica", "?"),
+                                answer=self.last_output)
         except Exception as exc:
             record = CallRecord(self.index, iteration, agent, time.perf_counter() - started, 0, 0, "error", "?",
                                 f"{type(exc).__name__}: {exc}")
@@ -312,7 +320,16 @@ def summarise(result: LoadResult, workflow: Workflow, config: LoadConfig) -> dic
                      for o in ("issued", "completed", "used", "wasted")},
         "prefetch_stall_s": round(_delta(result, "kvflow_prefetch_stall_seconds_sum"), 4),
         "replicas": dict(Counter(c.replica for c in ok)),
+        "answers": _answers(ok, workflow),
     }
+
+
+def _answers(calls: Sequence[CallRecord], workflow: Workflow) -> dict[str, str]:
+    """One answer per agent role, in the workflow's order: client 0's latest, else another client's."""
+    latest: dict[str, str] = {}
+    for c in sorted(calls, key=lambda c: (c.client == 0, c.iteration)):  # the preferred one comes last
+        latest[c.agent] = c.answer
+    return {agent: latest[agent] for agent in workflow.spec.agents if agent in latest}
 
 
 def _ratio(num: float, den: float) -> float | None:

@@ -26,6 +26,8 @@ from pathlib import Path
 from kvflow_ray.commands.serve import add_server_arguments, app_config
 from kvflow_ray.core.graph import SpecError
 
+ANSWER_CHARS = 160  # of each agent's answer in the text report (--json has them whole)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("workflow", type=Path, help="workflow spec (YAML or JSON)")
@@ -33,7 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: start the embedded server for this run)")
     parser.add_argument("--clients", type=int, default=4, help="concurrent workflow instances (default 4)")
     parser.add_argument("--iterations", type=int, default=2, help="passes of the workflow per client (default 2)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per agent call (default 32)")
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="output tokens per agent call at most (default 64; answers end earlier at the end of "
+                             "sequence)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="generate exactly --max-tokens per call (equal work per call, as the benchmarks do)")
+    parser.add_argument("--task", default=None,
+                        help="the request each workflow client sends (default: the workflow's `task`, else "
+                             "synthetic text)")
     parser.add_argument("--applications", type=int, default=1,
                         help="run N applications built on the workflow, each with its own prompt preamble "
                              "(client i runs application i mod N): the multi-tenant case (default 1)")
@@ -67,6 +76,11 @@ def format_summary(s: dict) -> str:
     ]
     if s["first_error"]:
         lines.append(f"  first error: {s['first_error']}")
+    if s.get("answers"):
+        lines.append("answers (the first client's last pass):")
+        for agent, text in s["answers"].items():
+            flat = " ".join(text.split())
+            lines.append(f"  {agent}: {flat[:ANSWER_CHARS] + ' ...' if len(flat) > ANSWER_CHARS else flat}")
     return "\n".join(lines)
 
 
@@ -85,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     metrics_token = args.metrics_token or (config.metrics_token_value() if config is not None else None)
     load = LoadConfig(clients=args.clients, iterations=args.iterations, max_tokens=args.max_tokens, api_key=args.key,
-                      metrics_token=metrics_token)
+                      metrics_token=metrics_token, ignore_eos=args.ignore_eos, task=args.task or workflow.spec.task)
     from kvflow_ray.serve.app import LocalServer, say_on_stderr, stdout_to_stderr
 
     workflows = ([workflow] if args.applications == 1

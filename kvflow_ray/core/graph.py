@@ -79,7 +79,7 @@ def is_name(value: object, rule: re.Pattern[str] = NAME_RE) -> bool:
     """Whether `value` is a string that `rule` (NAME_RE or KEY_PART_RE) matches in full."""
     return isinstance(value, str) and rule.fullmatch(value) is not None
 
-TOP_LEVEL_KEYS: tuple[str, ...] = ("name", "entry", "agents", "description")
+TOP_LEVEL_KEYS: tuple[str, ...] = ("name", "entry", "agents", "description", "task")
 AGENT_KEYS: tuple[str, ...] = ("prompt", "prompt_file", "after", "join", "next", "weights", "max_iterations",
                                 "description")
 JOINS: tuple[str, ...] = ("all", "any")
@@ -238,6 +238,7 @@ class WorkflowSpec:
     entry: str | None
     agents: dict[str, AgentSpec]
     description: str | None = None
+    task: str | None = None  # a sample request the workflow serves (`kvflow-ray run` sends it); in no prompt
     # Derived once here because steps_to_execution runs on every agent transition of every live
     # workflow; recomputing successors there would dominate its cost.
     _successors: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
@@ -369,6 +370,8 @@ class WorkflowSpec:
             out["entry"] = self.entry
         if self.description is not None:
             out["description"] = self.description
+        if self.task is not None:
+            out["task"] = self.task
         out["agents"] = {name: agent.to_dict() for name, agent in self.agents.items()}
         return out
 
@@ -796,6 +799,7 @@ def parse_spec(data: object, base_dir: Path | None = None, *, limits: SpecLimits
     if entry is not None and not isinstance(entry, str):
         raise SpecError("entry", f"must be an agent name (string), got {_type_name(entry)}")
     description = _optional_str(data, "description", "description")
+    task = _optional_str(data, "task", "task")
 
     if "agents" not in data:
         raise SpecError("agents", "required")
@@ -831,7 +835,7 @@ def parse_spec(data: object, base_dir: Path | None = None, *, limits: SpecLimits
                     f"prompts together); the limit is {limits.max_prompt_bytes} ({limits.max_prompt_bytes_setting})",
                     limits.max_prompt_bytes_setting, limits.max_prompt_bytes, prompt_bytes,
                 )
-    return WorkflowSpec(name=name, entry=entry, agents=agents, description=description)
+    return WorkflowSpec(name=name, entry=entry, agents=agents, description=description, task=task)
 
 
 def _parse_text(text: str, as_json: bool) -> object:
