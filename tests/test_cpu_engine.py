@@ -433,8 +433,8 @@ def _check_pool_contents(engine: CpuEngine, model: CpuModel) -> None:
                 copies.append(engine.host.gather(n.cpu_value))  # type: ignore[arg-type]
             assert copies, n
             for got_k, got_v in copies:
-                torch.testing.assert_close(got_k, k[:, start:end], **KV_TOL)
-                torch.testing.assert_close(got_v, v[:, start:end], **KV_TOL)
+                torch.testing.assert_close(got_k, k[:, :, start:end], **KV_TOL)
+                torch.testing.assert_close(got_v, v[:, :, start:end], **KV_TOL)
             start = end
     for n in engine.cache.tree.nodes():
         if n.gpu is GpuState.READY:

@@ -45,7 +45,7 @@ def test_interface(model: CpuModel) -> None:
     logits, slots = _run(model, pool, _tokens(7, 0))
     assert logits.shape == (260,) and logits.dtype == torch.float32
     k, v = pool.gather(slots)
-    assert k.shape == v.shape == (4, 7, 2, 64) and bool(k.abs().sum() > 0) and bool(v.abs().sum() > 0)
+    assert k.shape == v.shape == (4, 2, 7, 64) and bool(k.abs().sum() > 0) and bool(v.abs().sum() > 0)
 
 
 def _scattered(pool: KVPool, n: int) -> torch.Tensor:

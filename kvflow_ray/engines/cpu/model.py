@@ -1,12 +1,12 @@
 """The compute half of the CPU engine: a transformers causal LM that attends over the engine's KV pool in place.
 
-The KV cache lives outside the model, in a paged pool owned by the engine (`KVPool`, `[n_layers, n_slots,
-n_kv_heads, head_dim]`, token-major). A forward gets, per sequence, its new tokens and the pool slot of every
+The KV cache lives outside the model, in a paged pool owned by the engine (`KVPool`, `[n_layers, n_kv_heads,
+n_slots, head_dim]`). A forward gets, per sequence, its new tokens and the pool slot of every
 position of its context, the new tokens last. The new tokens' KV is written into their slots as each layer
 computes it (`_PoolCache.update`), and each layer attends over the sequence's slots where they lie
 (`_pool_attention`): a sequence's slots form a few contiguous runs (the pool allocates runs, `FreeRuns`), and a run
-is a view of the pool, so the past is never copied on a decode step. A prefill chunk gathers its context once per
-layer (O(context) next to its O(chunk x context) attention). transformers runs everything else (embeddings, RoPE,
+is a view of the pool, so the past is never copied. A prefill chunk attends over its cached past run by run and
+over itself causally, and merges the parts by their log-sum-exps. transformers runs everything else (embeddings, RoPE,
 MLPs, norms): any full-attention model whose attention goes through `ALL_ATTENTION_FUNCTIONS` works.
 """
 
@@ -29,6 +29,7 @@ from transformers import (
     PreTrainedModel,
 )
 from transformers.cache_utils import DynamicLayer
+from transformers.utils import logging as hf_logging
 
 from kvflow_ray.engines.cpu.config import ModelConfig
 from kvflow_ray.engines.cpu.kv_pool import KVPool, slot_runs
@@ -43,7 +44,7 @@ ATTENTION = "kvflow_pool"
 class _Pages:
     """Where one forward's sequences live in the pool."""
 
-    k: Tensor  # the pool's K, [L, S, H, D]
+    k: Tensor  # the pool's K, [L, H, S, D]
     v: Tensor
     new_slots: Tensor  # slots of the new tokens, sequence by sequence ([B * T])
     runs: list[list[tuple[int, int]]]  # per sequence: its context (new tokens included) as slot runs, in position order
@@ -62,8 +63,8 @@ class _PoolCache:
                **kwargs: Any) -> tuple[Tensor, Tensor]:
         p = self.pages
         b, h, t, d = key_states.shape
-        p.k[layer_idx].index_copy_(0, p.new_slots, key_states.transpose(1, 2).reshape(b * t, h, d).to(p.k.dtype))
-        p.v[layer_idx].index_copy_(0, p.new_slots, value_states.transpose(1, 2).reshape(b * t, h, d).to(p.v.dtype))
+        p.k[layer_idx].index_copy_(1, p.new_slots, key_states.transpose(0, 1).reshape(h, b * t, d).to(p.k.dtype))
+        p.v[layer_idx].index_copy_(1, p.new_slots, value_states.transpose(0, 1).reshape(h, b * t, d).to(p.v.dtype))
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -74,17 +75,17 @@ def _pool_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
                     scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, None]:
     """Each sequence's queries ([B, Hq, T, D]) over its context in the pool; returns [B, T, Hq, D]."""
     pages: _Pages = kwargs["kvflow_pages"]
-    k, v = pages.k[module.layer_idx], pages.v[module.layer_idx]  # [S, H, D]
+    k, v = pages.k[module.layer_idx], pages.v[module.layer_idx]  # [H, S, D]
     batch, heads, t, dim = query.shape
     out = query.new_empty(batch, t, heads, dim)
     for i, runs in enumerate(pages.runs):
         q = query[i]
-        if t > 1:  # a prefill chunk: its context once, contiguous, causal from `past` on
+        if t > 1:  # a prefill chunk
             out[i] = _prefill_attention(q, k, v, runs, pages.past, scaling)
         elif len(runs) == 1:
             lo, hi = runs[0]
-            o = F.scaled_dot_product_attention(q[None], k[lo:hi].transpose(0, 1)[None], v[lo:hi].transpose(0, 1)[None],
-                                               scale=scaling, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q[None], k[None, :, lo:hi], v[None, :, lo:hi], scale=scaling,
+                                               enable_gqa=True)
             out[i] = o[0].transpose(0, 1)
         else:
             out[i, 0] = _runs_attention(q[:, 0], k, v, runs, scaling)
@@ -93,26 +94,61 @@ def _pool_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
 
 def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, int]], past: int,
                        scaling: float | None) -> Tensor:
-    keys = torch.cat([k[lo:hi] for lo, hi in runs]) if len(runs) > 1 else k[runs[0][0]:runs[0][1]]
-    values = torch.cat([v[lo:hi] for lo, hi in runs]) if len(runs) > 1 else v[runs[0][0]:runs[0][1]]
-    t, n = q.shape[1], len(keys)
-    mask = None
-    if past:  # query j (position past + j) sees keys up to past + j
-        mask = torch.arange(n).view(1, n) <= torch.arange(past, past + t).view(t, 1)
-    o = F.scaled_dot_product_attention(q[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                                       attn_mask=mask, is_causal=not past, scale=scaling, enable_gqa=True)
-    return o[0].transpose(0, 1)
+    """A chunk's queries ([Hq, T, D]) over its context: the cached past, every key visible, run by run as views;
+    then the chunk itself, causal. The parts are merged by their log-sum-exps, so no [T, context] mask is built
+    and the past is not copied (the same work as one causal pass over the whole prompt)."""
+    past_runs, new_runs = _split_runs(runs, past)
+    new_k = torch.cat([k[:, lo:hi] for lo, hi in new_runs], dim=1) if len(new_runs) > 1 else k[:, slice(*new_runs[0])]
+    new_v = torch.cat([v[:, lo:hi] for lo, hi in new_runs], dim=1) if len(new_runs) > 1 else v[:, slice(*new_runs[0])]
+    if not past_runs:
+        o = F.scaled_dot_product_attention(q[None], new_k[None], new_v[None], is_causal=True, scale=scaling,
+                                           enable_gqa=True)
+        return o[0].transpose(0, 1)
+    heads, t, dim = q.shape
+    kv_heads = k.shape[0]
+    group = heads // kv_heads
+    folded = q.reshape(1, kv_heads, group * t, dim)  # no mask over the past: a group's queries as more rows
+    outs, lses = [], []
+    for lo, hi in past_runs:
+        o, lse = _flash(folded, k[None, :, lo:hi], v[None, :, lo:hi], scale=scaling)[:2]
+        outs.append(o.reshape(heads, t, dim))
+        lses.append(lse.reshape(heads, t))
+    # the chunk over itself, causal: flash wants as many KV heads as query heads (a copy of the chunk only)
+    o, lse = _flash(q[None], new_k.repeat_interleave(group, 0)[None], new_v.repeat_interleave(group, 0)[None],
+                    is_causal=True, scale=scaling)[:2]
+    outs.append(o[0])
+    lses.append(lse[0])
+    lse_all = torch.stack(lses)
+    weights = torch.exp(lse_all - lse_all.amax(0))  # [parts, Hq, T]
+    merged = (torch.stack(outs).float() * weights[..., None]).sum(0) / weights.sum(0)[..., None]
+    return merged.to(q.dtype).transpose(0, 1)
+
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns the log-sum-exp with the output
+
+
+def _split_runs(runs: list[tuple[int, int]], at: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Slot runs in position order, split into those of positions [0, at) and [at, ...)."""
+    before, after, pos = [], [], 0
+    for lo, hi in runs:
+        cut = lo + max(0, min(hi - lo, at - pos))
+        if cut > lo:
+            before.append((lo, cut))
+        if hi > cut:
+            after.append((cut, hi))
+        pos += hi - lo
+    return before, after
 
 
 def _runs_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, int]], scaling: float | None) -> Tensor:
     """One query per head ([Hq, D]) over several runs, one softmax across them all, no copy of the keys."""
-    kv_heads, dim = k.shape[1], k.shape[2]
+    kv_heads, dim = k.shape[0], k.shape[2]
     qg = q.reshape(kv_heads, -1, dim)  # grouped-query: each KV head's query heads together
-    scores = torch.cat([torch.matmul(qg, k[lo:hi].permute(1, 2, 0)) for lo, hi in runs], dim=-1)
+    scores = torch.cat([torch.matmul(qg, k[:, lo:hi].transpose(1, 2)) for lo, hi in runs], dim=-1)
     probs = torch.softmax(scores.float() * (scaling if scaling is not None else dim ** -0.5), dim=-1).to(v.dtype)
     out, start = None, 0
     for lo, hi in runs:
-        part = torch.matmul(probs[..., start:start + hi - lo], v[lo:hi].transpose(0, 1))
+        part = torch.matmul(probs[..., start:start + hi - lo], v[:, lo:hi])
         out = part if out is None else out + part
         start += hi - lo
     assert out is not None
@@ -145,6 +181,8 @@ def _random_llama(config: ModelConfig, dtype: torch.dtype) -> PreTrainedModel:
 def _pretrained(path: str, dtype: torch.dtype) -> PreTrainedModel:
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"model path {path!r} is not a local model directory (no config.json there)")
+    # a local load takes a second: no progress bar per replica in the server's log
+    hf_logging.disable_progress_bar()
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
                                                     attn_implementation="sdpa")
@@ -192,9 +230,9 @@ class CpuModel:
 
     def _check_pool(self, pool: KVPool) -> None:
         want = (self.n_layers, self.n_kv_heads, self.head_dim)
-        if (pool.k.shape[0], pool.k.shape[2], pool.k.shape[3]) != want:
-            raise ValueError(f"the KV pool must be [n_layers, slots, n_kv_heads, head_dim] = [{want[0]}, *, "
-                             f"*{want[1:]}], got {list(pool.k.shape)}")
+        if (pool.k.shape[0], pool.k.shape[1], pool.k.shape[3]) != want:
+            raise ValueError(f"the KV pool must be [n_layers, n_kv_heads, slots, head_dim] = [{want[0]}, {want[1]}, *, "
+                             f"{want[2]}], got {list(pool.k.shape)}")
 
     def _input_ids(self, tokens: Sequence[int], shape: tuple[int, int]) -> Tensor:
         ids = torch.as_tensor(tokens, dtype=torch.long).view(shape)
