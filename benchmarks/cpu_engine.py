@@ -6,8 +6,17 @@
    it, and prints simulated / measured latency per policy;
 3. memory: 1,000 requests (several workflows' agents, retired as they finish) through one kvflow
    engine; prints RSS growth beyond the KV pools.
+   (1-3 run the seeded random model: its compute and KV are real, its weights do not matter here.)
+4. real model (SmolLM2-135M-Instruct, `--sections real`): `single` as in 1 under lru, hicache and
+   kvflow (what `kvflow-ray bench cpu` runs by default), then the engine side by side with Hugging Face
+   `generate` on the same model in the same process, same prompts, greedy: single-stream decode
+   tokens/s, 8 concurrent streams' aggregate decode tokens/s (against `generate` on the 8 prompts as
+   one left-padded batch), and prefill tokens/s of a 2,048-token prompt. Decode rates leave the
+   prefill out: the engine's from the streams' first tokens to their end (it prefills waiting
+   prompts before it decodes), generate's as the time for n tokens less the time for 1.
 
-Writes cpu_engine.json into --out (default benchmarks/out). Run: python benchmarks/cpu_engine.py [--quick]
+Writes cpu_engine.json into --out (default benchmarks/out).
+Run: python benchmarks/cpu_engine.py [--quick] [--sections random,real]
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from kvflow_ray.commands.bench import fidelity_report
 from kvflow_ray.engines.base import GenerateRequest, Hints
 from kvflow_ray.engines.cpu.bench import policy_progress, run_cpu_policies
 from kvflow_ray.engines.cpu.calibrate import calibrate, write_profile
-from kvflow_ray.engines.cpu.config import CpuEngineConfig
+from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig
 from kvflow_ray.engines.cpu.engine import CpuEngine
 from kvflow_ray.engines.cpu.model import CpuModel
 from kvflow_ray.engines.sim import workload
@@ -94,20 +103,144 @@ def memory_run(model: CpuModel, requests: int) -> dict[str, Any]:
             "rss_after_all": samples[-1][1], "rss_growth_bytes": growth, "samples": samples}
 
 
+SPEED_PROMPT = 512  # tokens of each decode benchmark prompt (an agent prompt's order of size)
+SPEED_NEW = 64  # tokens generated per stream
+STREAMS = 8
+PREFILL_CONTEXT = 2048
+
+
+def _prompt(tokenizer: Any, n: int, seed: int) -> list[int]:
+    """`n` tokens of English text (a report of numbered lines), different for each seed."""
+    text = " ".join(f"Item {seed}.{i}: the quarterly revenue of segment {i % 7} rose by {(i * seed) % 13} percent."
+                    for i in range(n))
+    return tokenizer.encode(text)[:n]
+
+
+def _hf_seconds(hf: Any, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
+    """Wall seconds of `generate` on the prompts as one left-padded batch, greedy, exactly new_tokens each."""
+    import torch
+
+    longest = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    started = time.perf_counter()
+    with torch.inference_mode():
+        hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                    do_sample=False, pad_token_id=pad_id)
+    return time.perf_counter() - started
+
+
+def _engine_results(engine: CpuEngine, prompts: list[list[int]], new_tokens: int) -> list[Any]:
+    requests = [engine.submit(GenerateRequest(tokens=p, max_tokens=new_tokens, ignore_eos=True)) for p in prompts]
+    while engine.busy:
+        engine.step()
+    return [r.result for r in requests]
+
+
+def real_model_speed(path: str, repeats: int) -> dict[str, Any]:
+    """The engine and `generate`, alternately, `repeats` times each; medians. Each engine run is on a
+    fresh engine (no cached prefix: both sides compute every prompt token)."""
+    import statistics
+
+    from kvflow_ray.engines.tokenizer import load_tokenizer
+
+    model = CpuModel(ModelConfig(path=path))
+    tokenizer = load_tokenizer(path)
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+    config = CpuEngineConfig(model=ModelConfig(path=path), policy="lru", device_kv_tokens=16_384)
+    rows: dict[str, list[float]] = {k: [] for k in ("engine_decode", "hf_decode", "engine_batch", "hf_batch",
+                                                    "engine_prefill", "hf_prefill")}
+    single = _prompt(tokenizer, SPEED_PROMPT, 1)
+    batch = [_prompt(tokenizer, SPEED_PROMPT - 8 * i, 10 + i) for i in range(STREAMS)]  # unequal: padding is real
+    long = _prompt(tokenizer, PREFILL_CONTEXT, 99)
+    bar = tqdm(total=repeats, desc="real model", unit="round", file=sys.stderr, disable=None)
+    for _ in range(repeats):
+        with CpuEngine(config, model=model) as engine:
+            (one,) = _engine_results(engine, [single], SPEED_NEW)
+        rows["engine_decode"].append((SPEED_NEW - 1) / (one.latency_s - one.ttft_s))
+        # generate's decode: n tokens minus 1 token (the prefill and the first token)
+        rows["hf_decode"].append((SPEED_NEW - 1) / (_hf_seconds(model.hf, [single], SPEED_NEW, pad)
+                                                     - _hf_seconds(model.hf, [single], 1, pad)))
+        with CpuEngine(config, model=model) as engine:
+            results = _engine_results(engine, batch, SPEED_NEW)
+        # the decode phase: every stream has its first token (prefills run first) until the last one ends
+        window = max(r.latency_s for r in results) - max(r.ttft_s for r in results)
+        rows["engine_batch"].append(STREAMS * (SPEED_NEW - 1) / window)
+        rows["hf_batch"].append(STREAMS * (SPEED_NEW - 1) / (_hf_seconds(model.hf, batch, SPEED_NEW, pad)
+                                                             - _hf_seconds(model.hf, batch, 1, pad)))
+        with CpuEngine(config, model=model) as engine:
+            (first,) = _engine_results(engine, [long], 1)
+        rows["engine_prefill"].append(PREFILL_CONTEXT / first.ttft_s)
+        rows["hf_prefill"].append(PREFILL_CONTEXT / _hf_seconds(model.hf, [long], 1, pad))
+        bar.update(1)
+    bar.close()
+    median = {k: statistics.median(v) for k, v in rows.items()}
+    return {"model": path, "params": model.n_params, "prompt_tokens": SPEED_PROMPT, "new_tokens": SPEED_NEW,
+            "streams": STREAMS, "prefill_context": PREFILL_CONTEXT, "repeats": repeats, "runs": rows,
+            "tokens_per_s": median,
+            "ratios": {"decode_vs_hf": median["engine_decode"] / median["hf_decode"],
+                       "batch_vs_hf": median["engine_batch"] / median["hf_batch"],
+                       "batch_vs_own_single_decode": median["engine_batch"] / median["engine_decode"],
+                       "prefill_vs_hf": median["engine_prefill"] / median["hf_prefill"]}}
+
+
+def print_real_model(r: dict[str, Any]) -> None:
+    p = r["policies"]
+    print(f"real model, single 10x2048/32/8, {p['params']['iterations']} measured passes (device pool "
+          f"{p['config']['device_kv_tokens']} tokens):")
+    print(f"{'policy':<10}{'latency s':>11}{'vs lru':>8}{'recomputed':>12}{'vs lru':>8}{'gpu hit':>9}{'cpu hit':>9}")
+    lru = p["results"]["lru"]
+    for name in POLICIES:
+        q = p["results"][name]
+        print(f"{name:<10}{q['latency_s']:>11.2f}{lru['latency_s'] / q['latency_s']:>7.2f}x"
+              f"{q['recomputed_tokens']:>12}{q['recomputed_tokens'] / lru['recomputed_tokens']:>7.2f}x"
+              f"{q['gpu_hit_ratio']:>9.3f}{q['cpu_hit_ratio']:>9.3f}")
+    t, x = r["tokens_per_s"], r["ratios"]
+    print(f"real model ({r['params'] / 1e6:.1f}M params), engine vs Hugging Face generate, same process, greedy, "
+          f"median of {r['repeats']}:")
+    print(f"  single-stream decode ({r['prompt_tokens']}-token prompt): {t['engine_decode']:.1f} vs "
+          f"{t['hf_decode']:.1f} tokens/s ({x['decode_vs_hf']:.2f}x)")
+    print(f"  {r['streams']} streams, aggregate decode: {t['engine_batch']:.1f} vs {t['hf_batch']:.1f} tokens/s "
+          f"({x['batch_vs_hf']:.2f}x; {x['batch_vs_own_single_decode']:.2f}x the engine's single-stream decode)")
+    print(f"  prefill at {r['prefill_context']} tokens: {t['engine_prefill']:.0f} vs {t['hf_prefill']:.0f} tokens/s "
+          f"({x['prefill_vs_hf']:.2f}x)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 measured pass and 300 requests (about 2 minutes)")
+    parser.add_argument("--sections", default="random,real",
+                        help="random: policies, fidelity and memory on the random model; real: SmolLM2 vs generate")
     results_file.add_out_argument(parser, "cpu_engine.json")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     started = time.perf_counter()
-    config = CpuEngineConfig()
-    model = CpuModel(config.model, threads=config.threads)
-    memory = memory_run(model, requests=300 if args.quick else 1000)  # first: nothing else has run yet
-    out = policies_and_fidelity(model, config, iterations=1 if args.quick else 3)
-    out["memory"] = memory
+    out: dict[str, Any] = {}
+    if "random" in sections:
+        config = CpuEngineConfig()
+        model = CpuModel(config.model, threads=config.threads)
+        out["memory"] = memory_run(model, requests=300 if args.quick else 1000)  # first: nothing else ran yet
+        out.update(policies_and_fidelity(model, config, iterations=1 if args.quick else 3))
+        print_random_model(out, config)
+    if "real" in sections:
+        from kvflow_ray.engines.cpu.weights import resolve_model
+
+        path = resolve_model()
+        assert path is not None
+        config = CpuEngineConfig(model=ModelConfig(path=path))
+        scenario = workload.single(agents=10, fixed=2048, dynamic=32, output=8, iterations=1 if args.quick else 2)
+        with policy_progress("real model single") as progress:
+            policies = run_cpu_policies(scenario, config, POLICIES, progress=progress)
+        out["real_model"] = real_model_speed(path, repeats=1 if args.quick else 3)
+        out["real_model"]["policies"] = policies
+        print_real_model(out["real_model"])
     out["wall_s"] = time.perf_counter() - started
     results_file.write_json(args.out, "cpu_engine", out)
+    print(f"wrote {args.out} in {out['wall_s']:.0f} s")
+    return 0
 
+
+def print_random_model(out: dict[str, Any], config: CpuEngineConfig) -> None:
     r = out["measured"]["results"]
     print(f"CPU engine, single 10x2048/32/8, {out['measured']['params']['iterations']} measured passes "
           f"(device pool {config.device_kv_tokens} tokens, link {config.link_gbps} GB/s)")
@@ -122,8 +255,6 @@ def main() -> int:
     print(f"memory: {m['requests']} requests; the engine added {m['engine_rss_bytes'] / 2**20:.1f} MiB of RSS "
           f"(KV pools {m['pool_bytes'] / 2**20:.1f} MiB); RSS {m['rss_after_100'] / 2**20:.0f} MiB after 100 requests, "
           f"{m['rss_after_all'] / 2**20:.0f} MiB after {m['requests']} ({m['rss_growth_bytes'] / 2**20:+.1f} MiB)")
-    print(f"wrote {args.out} in {out['wall_s']:.0f} s")
-    return 0
 
 
 if __name__ == "__main__":
