@@ -12,9 +12,9 @@ The driver plays the workflow router's part, as `kvflow-ray sim` does: before ea
 agents' steps-to-execution (kvflow_ray.core.graph) to the engine with `apply_hints` (kvflow only: lru
 and hicache are SGLang's stock behaviour), and times every pass of the loop on the wall clock.
 Prompts are random token ids (fixed: one per agent, reused every pass; dynamic: fresh per call), the
-scenario of DESIGN.md §8 `single` (`--agents 10 --fixed 8192 --dynamic 32 --output 32 --iterations 10`).
+scenario of docs/design.md §8 `single` (`--agents 10 --fixed 8192 --dynamic 32 --output 32 --iterations 10`).
 
-Prints ONE JSON object on stdout (DESIGN.md §8: {"scenario": "single", "profile": "<gpu>-llama3.1-8b-dummy",
+Prints ONE JSON object on stdout (docs/design.md §8: {"scenario": "single", "profile": "<gpu>-llama3.1-8b-dummy",
 "results": {policy: {latency_s, p99_latency_s, gpu_hit_ratio, cpu_hit_ratio, recomputed_tokens,
 loaded_tokens, prefetch_stall_s, ...}}}), writes it to --out too, and the speedups of kvflow over lru
 and hicache on stderr with the progress. Hit ratios and recomputed tokens come from SGLang's per-request
@@ -278,7 +278,7 @@ def _delta(before: Mapping[str, Any] | None, after: Mapping[str, Any], *path: st
 def summarise_policy(records: Sequence[RequestRecord], iterations: Sequence[IterationRecord], makespan: float,
                      device_kv_tokens: int | None, stats_before: Mapping[str, Any] | None,
                      stats_after: Mapping[str, Any]) -> dict[str, Any]:
-    """One policy's DESIGN.md §8 result. Token counts are the measured requests' own (`cached_tokens_details`);
+    """One policy's docs/design.md §8 result. Token counts are the measured requests' own (`cached_tokens_details`);
     loaded tokens, prefetch and stall come from the engine's stats over the measured window when the
     engine reports them (for SGLang: keys the plugin wrote, `status_keys`), else from the requests."""
     measured = [r for r in records if r.measured]
@@ -364,7 +364,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="KVFlow microbenchmark on real SGLang (GPU): lru vs hicache vs kvflow on a dummy-weights "
                     "Llama-3.1-8B, the device KV pool capped below the agents' prompts. Prints one JSON "
-                    "object (DESIGN.md §8) on stdout; progress and speedups on stderr.",
+                    "object (docs/design.md §8) on stdout; progress and speedups on stderr.",
         epilog="Needs a CUDA GPU and `pip install -e '.[sglang]'` (the kvflow SGLang plugin). "
                "deploy/gpu-smoke.sh runs it with these defaults.")
     parser.add_argument("--policies", default=",".join(POLICIES),

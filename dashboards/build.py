@@ -1,4 +1,4 @@
-"""Grafana dashboards for kvflow-ray, generated from code (DESIGN.md §9 metrics).
+"""Grafana dashboards for kvflow-ray, generated from code (docs/design.md §9 metrics).
 
     python dashboards/build.py          # rewrite dashboards/*.json from this file
     python dashboards/build.py --check  # exit 1 if the checked-in JSON is not what this file builds

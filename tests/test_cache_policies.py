@@ -1,5 +1,5 @@
 """Tests for the tiered cache driver, eviction policies, prefetch planning and admission
-(`kvflow_ray.core.cache`, `policies`, `prefetch`, `admission`; DESIGN.md §3).
+(`kvflow_ray.core.cache`, `policies`, `prefetch`, `admission`; docs/design.md §3).
 
 A hypothesis state machine drives `TieredCache` through everything an engine does (insert, match + lock,
 make_room, loads, write-backs, tags, retirement) and checks the accounting against brute-force sums

@@ -1,7 +1,7 @@
 """The Grafana dashboards (dashboards/): the checked-in JSON is what dashboards/build.py builds, it fits
 the dashboard schema subset we emit (dashboards/schema.json), and every panel is well formed: a title,
 a description, the datasource variable, a unit, a legend on every query, unique ids and refIds, no
-overlapping grid positions; queries name only metric families the project exports (DESIGN.md §9) and
+overlapping grid positions; queries name only metric families the project exports (docs/design.md §9) and
 only template variables the dashboard defines, in the forms the end-to-end test substitutes. With
 promtool on the machine every query is also parsed as PromQL. Fast: no services.
 """

@@ -1,4 +1,4 @@
-"""Dynamic workflows in the spec (DESIGN.md §6): `next: one` with weights, `max_iterations`, and the
+"""Dynamic workflows in the spec (docs/design.md §6): `next: one` with weights, `max_iterations`, and the
 expected steps that weigh exclusive choices by their probabilities."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests for the Agent Step Graph (DESIGN.md §3 semantics, §6 spec validation, §8 `validate` CLI)."""
+"""Tests for the Agent Step Graph (docs/design.md §3 semantics, §6 spec validation, §8 `validate` CLI)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def diamond() -> WorkflowSpec:
 
 
 # ---------------------------------------------------------------------------------------------------
-# DESIGN.md §3 examples
+# docs/design.md §3 examples
 
 
 def test_sequential() -> None:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of DESIGN.md §9, fed by a real CPU engine, engine snapshots and the router
+"""Prometheus metrics of docs/design.md §9, fed by a real CPU engine, engine snapshots and the router
 logic, scraped over real HTTP; and the SGLang plugin's metrics against the serving layer's."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RULE_FILES = sorted((PROMETHEUS_DIR / "rules").glob("*.yml"))
 TEST_FILES = sorted((PROMETHEUS_DIR / "tests").glob("*.yml"))
 
-# What /metrics serves (DESIGN.md §9, kvflow_ray/serve/metrics.py), histograms as their scraped series.
+# What /metrics serves (docs/design.md §9, kvflow_ray/serve/metrics.py), histograms as their scraped series.
 HISTOGRAMS = ("kvflow_prefetch_stall_seconds", "kvflow_ttft_seconds", "kvflow_request_latency_seconds",
               "kvflow_router_decision_seconds")
 EXPORTED = {

@@ -120,7 +120,7 @@ def test_concurrent_peer_workflows_route_to_their_prefix_and_export_metrics(serv
     # landing on the holder pays off: after warm-up most prompt tokens come from a cache tier
     assert sum(c.cached_tokens for c in warm) / sum(c.prompt_tokens for c in warm) > 0.4
 
-    # Prometheus scrapes /metrics: the hit-ratio and prefetch series of DESIGN.md §9, non-zero
+    # Prometheus scrapes /metrics: the hit-ratio and prefetch series of docs/design.md §9, non-zero
     queries = {
         'sum(kvflow_prompt_tokens_total{tier="gpu"})': "device hits",
         'sum(kvflow_prompt_tokens_total{tier="cpu"})': "host hits",

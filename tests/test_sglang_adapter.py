@@ -374,7 +374,7 @@ def test_the_dummy_model_config_is_llama_3_1_8b(tmp_path: Path) -> None:
     assert config["rope_theta"] == 500000.0 and config["max_position_embeddings"] == 131072
     assert config["torch_dtype"] == "bfloat16"
     assert json.loads((model_dir / "generation_config.json").read_text())["bos_token_id"] == 128000
-    # KV per token as DESIGN.md's a10g-llama3.1-8b profile has it: 128 KiB
+    # KV per token as docs/design.md's a10g-llama3.1-8b profile has it: 128 KiB
     assert smoke.KV_BYTES_PER_TOKEN == 128 * 1024
     transformers = pytest.importorskip("transformers")  # what SGLang reads the config with
     hf = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True)

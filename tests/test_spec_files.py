@@ -1,4 +1,4 @@
-"""What a workflow spec may read from disk, and how much a spec may hold (DESIGN.md §6): `prompt_file`
+"""What a workflow spec may read from disk, and how much a spec may hold (docs/design.md §6): `prompt_file`
 only from spec files and only for regular files inside the spec's folder, never over HTTP; size
 limits for specs from the network; YAML without anchors/aliases for spec and `serve --config` files."""
 

@@ -1,5 +1,5 @@
 """The Python SDK: agents of a workflow call an OpenAI-compatible kvflow-ray server, and every call
-carries the `kvflow` metadata (DESIGN.md §7) so the server can route it and manage its KV cache.
+carries the `kvflow` metadata (docs/design.md §7) so the server can route it and manage its KV cache.
 
     wf = Workflow.from_yaml("workflows/peer.yaml")
     with wf.client(base_url="http://127.0.0.1:8000/v1", api_key="...") as run:   # one workflow instance

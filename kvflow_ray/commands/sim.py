@@ -42,7 +42,7 @@ DEFAULT_POLICIES = "lru,hicache,kvflow,belady,infinite"
 
 
 def add_scenario_arguments(parser: argparse.ArgumentParser, single_iterations: int = 10, fleet: bool = False) -> None:
-    """The scenario flags, shared by `sim` and `bench cpu` (DESIGN.md §8); `fleet`: the fleet scenario's
+    """The scenario flags, shared by `sim` and `bench cpu` (docs/design.md §8); `fleet`: the fleet scenario's
     too (the simulator's alone: its arrivals follow the simulated clock)."""
     which = parser.add_mutually_exclusive_group(required=True)
     scenarios = ["single", "concurrent", "peer", "dynamic", "burst", "fanout", *(["fleet"] if fleet else [])]

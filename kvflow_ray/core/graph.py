@@ -1,4 +1,4 @@
-"""Agent Step Graph: workflow spec loading/validation and steps-to-execution (DESIGN.md §3, §6).
+"""Agent Step Graph: workflow spec loading/validation and steps-to-execution (docs/design.md §3, §6).
 
 A workflow spec names agents and, for each, the agents it runs after (``after``) and how it joins
 them (``join: all`` = barrier, ``join: any`` = branch). An agent with ``next: one`` hands over to

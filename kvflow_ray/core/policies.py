@@ -153,7 +153,7 @@ class StepBook:
             self.retire(workflow)
 
     def fixed_length(self, tag: Tag, tokens: Sequence[int], explicit: int | None = None) -> int:
-        """Where a request's fixed prompt ends (DESIGN.md §3): the explicit boundary when given, else
+        """Where a request's fixed prompt ends (docs/design.md §3): the explicit boundary when given, else
         the agent's registered prompt when the request starts with it, else nothing fixed."""
         if explicit is not None:
             return min(max(explicit, 0), len(tokens))

@@ -51,7 +51,7 @@ class GpuState(enum.Enum):
 
 
 class Tier(enum.Enum):
-    """The tier a node shows to metrics and tests (DESIGN.md §3)."""
+    """The tier a node shows to metrics and tests (docs/design.md §3)."""
 
     GPU = "GPU"
     CPU = "CPU"

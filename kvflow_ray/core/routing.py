@@ -1,4 +1,4 @@
-"""Which replica serves an agent's call (DESIGN.md §5). Pure: a router feeds a policy what it knows
+"""Which replica serves an agent's call (docs/design.md §5). Pure: a router feeds a policy what it knows
 (`Fleet`: its own counts of the calls it routed, what replicas last reported, which KV blocks their
 cache events say they hold) and the call (`RouteRequest`), and gets a decision.
 

@@ -266,7 +266,7 @@ class ReplicaScheduler:
 
     def submit(self, req: CacheRequest) -> None:
         """Queue a request. `fixed_len` < 0: the boundary of the agent's registered prompt when the
-        request starts with it, else none (DESIGN.md §3)."""
+        request starts with it, else none (docs/design.md §3)."""
         if req.fixed_len < 0:
             req.fixed_len = (self.book.fixed_length((req.workflow, req.agent), req.tokens)
                              if req.workflow is not None and req.agent is not None else 0)

@@ -2,7 +2,7 @@
 
 The core scheduler builds it (simulator, CPU engine); the SGLang plugin builds it from its scheduler
 process; the serving layer's metrics and SGLang's `/metrics` read it. `to_dict()` is the JSON form
-engines put in `stats()` (DESIGN.md §9); `from_dict` reads it back (the SGLang adapter reads the
+engines put in `stats()` (docs/design.md §9); `from_dict` reads it back (the SGLang adapter reads the
 plugin's `stats.json`). Counters are cumulative since the engine started.
 """
 

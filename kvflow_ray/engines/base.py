@@ -1,4 +1,4 @@
-"""The protocol every engine implements (DESIGN.md §4), and the plain data it exchanges.
+"""The protocol every engine implements (docs/design.md §4), and the plain data it exchanges.
 
 An engine owns compute and data movement only; every cache decision is made by `kvflow_ray.core`
 (through `core.scheduler.ReplicaScheduler`). The serving layer talks to any engine through this
@@ -21,7 +21,7 @@ from kvflow_ray.core.radix import Namespace
 
 MAX_STOP_STRINGS = 4  # stop strings one request may give (OpenAI's limit)
 
-# Workflow metadata (DESIGN.md §7) enters through three doors: the OpenAI body's `kvflow` object
+# Workflow metadata (docs/design.md §7) enters through three doors: the OpenAI body's `kvflow` object
 # (`serve.openai_api`), SGLang's `custom_params["kvflow"]` (`engines.sglang.protocol`) and the fields
 # of `GenerateRequest` (`workflow` holds the client id there, tenant-scoped). `meta_problem` is the
 # one rule for these fields; each door names the field in its own words. Lengths are bounded only
@@ -58,7 +58,7 @@ class GenerateRequest:
     # the cache namespace: KV is reused only between requests with the same salt (the serving layer
     # gives each tenant, or each sharing group of tenants, its own); "" is the default namespace
     cache_salt: str = ""
-    # workflow metadata (DESIGN.md §7); without it the request is served as a plain request
+    # workflow metadata (docs/design.md §7); without it the request is served as a plain request
     workflow: str | None = None  # the workflow instance (client id, tenant-scoped by the caller)
     agent: str | None = None
     fixed_prefix_tokens: int | None = None  # explicit fixed-prompt boundary

@@ -1,4 +1,4 @@
-"""The engine metrics of DESIGN.md §9, each declared once: its name, help, kind, labels, buckets and
+"""The engine metrics of docs/design.md §9, each declared once: its name, help, kind, labels, buckets and
 how its values come from an `EngineSnapshot`. The serving layer (`serve.metrics.ReplicaMetrics`,
 which adds a `replica` label in front) and the SGLang plugin (SGLang's `/metrics`) both build their
 metrics from these objects, so a series means the same on both.

@@ -1,5 +1,5 @@
 """Where the router's state lives: workflow templates, live workflow state, prefix locations and
-replica heartbeats (DESIGN.md §5). Redis is the source of truth in a deployment, so a restarted
+replica heartbeats (docs/design.md §5). Redis is the source of truth in a deployment, so a restarted
 router loses nothing; without a Redis URL the embedded default keeps the same data in process.
 
 Both stores implement one contract (tests run it against both):

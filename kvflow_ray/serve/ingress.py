@@ -1,4 +1,4 @@
-"""The ingress: an OpenAI-compatible HTTP API (DESIGN.md §7) in front of the engine replicas.
+"""The ingress: an OpenAI-compatible HTTP API (docs/design.md §7) in front of the engine replicas.
 
 Per agent call it: authenticates the bearer key (key -> tenant), admits the call within the
 tenant's limits, validates the body (`openai_api.parse_request`), tokenizes the prompt, finds the
@@ -396,7 +396,7 @@ class Ingress:
                      fixed_hash, boundary, salt, tokens, parsed.max_tokens)
 
     def _boundary(self, parsed: ParsedRequest, tokens: list[int], text: str, prompt: str | None) -> int:
-        """Where the agent's fixed prompt ends (DESIGN.md §3); 0 when the request does not start with it.
+        """Where the agent's fixed prompt ends (docs/design.md §3); 0 when the request does not start with it.
         `text` / `tokens`: the request as rendered and encoded already."""
         if not prompt:
             return 0

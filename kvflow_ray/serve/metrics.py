@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN.md §9): counters end in `_total`, times are seconds.
+"""Prometheus metrics (docs/design.md §9): counters end in `_total`, times are seconds.
 
 Each process (a replica, the router) owns a `CollectorRegistry`, so several replicas in one test
 process do not collide; `exposition()` renders it for `GET /metrics`. A replica's engine series

@@ -1,9 +1,9 @@
-"""The OpenAI-compatible wire format (DESIGN.md §7): request bodies as pydantic models, the `kvflow`
+"""The OpenAI-compatible wire format (docs/design.md §7): request bodies as pydantic models, the `kvflow`
 metadata, the fixed-prompt boundary of chat requests, and response / error bodies.
 
 Validation is strict, as OpenAI's API is: types and ranges as OpenAI documents them, unknown
 top-level fields are errors, and parameters this server cannot honour (`tools`, `logprobs`, ...) are
-rejected by name rather than silently ignored. The only extensions are `kvflow` (DESIGN.md §7),
+rejected by name rather than silently ignored. The only extensions are `kvflow` (docs/design.md §7),
 `ignore_eos` (as in vLLM) and `custom_params` (SGLang's carrier, here only for `kvflow`). Bad input
 raises `ApiError`, which the ingress turns into a 4xx with OpenAI's error body:
 `{"error": {"message", "type", "param", "code"}}`.
@@ -63,7 +63,7 @@ class _Strict(BaseModel):
 
 
 class KvflowMeta(_Strict):
-    """The `kvflow` object of a request (DESIGN.md §7). The types and length bounds are this door's;
+    """The `kvflow` object of a request (docs/design.md §7). The types and length bounds are this door's;
     what client_id, agent and fixed_prefix_tokens may hold is `engines.base.meta_problem`'s rule,
     shared with every engine. `workflow` and `workflow_spec` are for the router alone."""
 
@@ -288,7 +288,7 @@ def fixed_boundary(render: Callable[[list[dict[str, str]]], str], encode: Callab
                    full_ids: Sequence[int] | None = None) -> int | None:
     """Tokens of the rendered chat that belong to the agent's fixed prompt: when the first message's
     content begins with `agent_prompt`, the boundary is where that text ends after the chat
-    template is applied (DESIGN.md §3). None when it does not apply, or when the tokenizer does
+    template is applied (docs/design.md §3). None when it does not apply, or when the tokenizer does
     not split the text at that point the same way on its own (then the boundary is not exact).
     `full` / `full_ids`: the whole chat rendered and encoded, when the caller has them already."""
     if not agent_prompt or not messages or not messages[0]["content"].startswith(agent_prompt):

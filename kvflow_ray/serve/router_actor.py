@@ -1,5 +1,5 @@
 """The router actor, `WorkflowRouterActor`: one named Ray actor, the hub between the engine replicas
-and the ingress replicas (DESIGN.md §1, §5; docs/dev/ingress-routing.md).
+and the ingress replicas (docs/design.md §1, §5; docs/dev/ingress-routing.md).
 
 The routing decisions are not made here: each ingress replica routes its own clients' calls with its
 own `RouterCore` (`router/peers.py`), so no call waits on this actor. The actor keeps what is shared:

@@ -1,4 +1,4 @@
-"""KVFlow eviction order inside SGLang's own trees (DESIGN.md §3), with the plugin registered.
+"""KVFlow eviction order inside SGLang's own trees (docs/design.md §3), with the plugin registered.
 
 Every cache here is SGLang 0.5.23's (the unified tree on its Python core, and the legacy
 `RadixCache`) with real CPU pools; requests go through SGLang's `Req` and `checkpoint`, which is

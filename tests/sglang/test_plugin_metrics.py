@@ -1,4 +1,4 @@
-"""The plugin's metrics (DESIGN.md §9) reach SGLang's `/metrics`: SGLang runs prometheus_client in
+"""The plugin's metrics (docs/design.md §9) reach SGLang's `/metrics`: SGLang runs prometheus_client in
 multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, set before its scheduler processes start) and its
 `/metrics` is a `MultiProcessCollector` over that directory. The scenario runs in a fresh process
 with the directory set, as a scheduler does; this test then reads the directory the way SGLang's

@@ -1,5 +1,5 @@
 """Run the simulator's scenarios for real on the CPU engine, policy by policy in one process, and
-report the same JSON as `kvflow-ray sim` (DESIGN.md §8).
+report the same JSON as `kvflow-ray sim` (docs/design.md §8).
 
 The driver plays the router's part, as the simulator does: it keeps each client's step-graph state
 (`WorkflowClient`, shared with the simulator), sends steps-to-execution and the agents' fixed prompts

@@ -148,7 +148,7 @@ def after_checkpoint(result: Any, cache: Any, req: Any, *args: Any, **kwargs: An
 
 
 class KVFlowPrefillAdder(PrefillAdder):
-    """Admission on loading status (DESIGN.md §3), as the configured admission policy says. A request
+    """Admission on loading status (docs/design.md §3), as the configured admission policy says. A request
     whose cached prefix is still being copied in by a prefetch never joins a batch: SGLang's batch
     can only wait on loads it queued itself, and a prefetched node publishes its device indices
     before the copy ends. The scheduler polls until the copy lands (the request's stall). Meanwhile

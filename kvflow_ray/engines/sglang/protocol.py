@@ -100,7 +100,7 @@ def decode_hints(payload: str) -> tuple[dict[str, dict[str, float]], dict[Tag, t
 HICACHE_ARGS: dict[str, Any] = {
     "enable_hierarchical_cache": True,
     "hicache_ratio": 2.0,
-    # evicted device KV is written to the host tier on eviction (DESIGN.md §3: "eviction from GPU
+    # evicted device KV is written to the host tier on eviction (docs/design.md §3: "eviction from GPU
     # writes back to CPU when the node has no CPU copy")
     "hicache_write_policy": "write_back",
 }

@@ -1,4 +1,4 @@
-"""Run one scenario under several policies side by side and summarise them (DESIGN.md §8 JSON)."""
+"""Run one scenario under several policies side by side and summarise them (docs/design.md §8 JSON)."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def fleet_measures(sim: Simulation) -> dict[str, Any]:
 
 def summarise_run(iterations: Sequence[IterationRecord], stats: Sequence[ReplicaStats], makespan: float,
                   device_kv_tokens: int | None) -> dict[str, Any]:
-    """The DESIGN.md §8 result of one policy's run, from any engine."""
+    """The docs/design.md §8 result of one policy's run, from any engine."""
     measured = [it.latency for it in iterations if it.measured]
     gpu = sum(s.gpu_tokens for s in stats)
     cpu = sum(s.cpu_tokens for s in stats)
