@@ -1,5 +1,5 @@
-"""Print the benchmark tables of docs/results.md from a `paper_figures.py` result, so docs/results.md quotes exactly
-what the last run measured.
+"""Print the benchmark tables of docs/results/simulator.md from a `paper_figures.py` result, so that
+page quotes exactly what the last run measured.
 
     python benchmarks/report.py [benchmarks/results/paper_figures.json]
 """

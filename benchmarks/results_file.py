@@ -15,7 +15,7 @@ from typing import Any
 
 BENCHMARKS = Path(__file__).resolve().parent
 OUT = BENCHMARKS / "out"  # git-ignored: where a run writes unless told otherwise
-RESULTS = BENCHMARKS / "results"  # committed: what docs/results.md and the README quote
+RESULTS = BENCHMARKS / "results"  # committed: what docs/results/ and the README quote
 
 
 def add_out_argument(ap: argparse.ArgumentParser, files: str) -> None:
