@@ -122,6 +122,15 @@ def test_a_prompt_one_ingress_places_ends_the_others_held_sync(ray_cluster: None
     """The actor holds an ingress's sync until news comes for it: a prompt another ingress just sent
     to a replica ends it (so the ingresses follow each other's placements within a round trip), and so
     does the ingress itself when it has something to send or must not wait."""
+    router = _fresh_router()
+    ray.get([router.add_replica.remote("r1"), router.add_replica.remote("r2")])
+    try:
+        asyncio.run(_held_syncs(router))
+    finally:
+        ray.kill(router, no_restart=True)
+
+
+def _fresh_router() -> object:
     deadline = time.monotonic() + 30
     while True:  # the previous test's actor is gone for good: its name frees a moment later
         try:
@@ -130,10 +139,19 @@ def test_a_prompt_one_ingress_places_ends_the_others_held_sync(ray_cluster: None
             break
         assert time.monotonic() < deadline, "the previous router actor's name was never freed"
         time.sleep(0.2)
-    router = get_router(RouterSettings())
-    ray.get([router.add_replica.remote("r1"), router.add_replica.remote("r2")])
+    return get_router(RouterSettings())
+
+
+def test_what_a_replica_sent_before_it_died_does_not_bring_it_back(ray_cluster: None) -> None:
+    """An ingress saw r1 die under a call; a heartbeat, events or a hint poll r1 sent just before
+    reach the actor after that: r1 stays forgotten (a replacement replica has a new name)."""
+    router = _fresh_router()
     try:
-        asyncio.run(_held_syncs(router))
+        ray.get([router.add_replica.remote("r1"), router.add_replica.remote("r2")])
+        ray.get(router.remove_replica.remote("r1"))
+        ray.get([router.report.remote("r1"), router.cache_events.remote("r1", []),
+                 router.pull_hints.remote("r1", timeout_s=0.01), router.report.remote("r3")])
+        assert sorted(ray.get(router.replicas.remote())) == ["r2", "r3"]
     finally:
         ray.kill(router, no_restart=True)
 

@@ -52,6 +52,10 @@ ROUTER_NAME = "kvflow-router"
 ROUTER_NAMESPACE = "kvflow"
 HEARTBEAT_MAX_AGE_S = 60.0  # replicas a restarted router trusts
 STALE_REPLICA_S = 15.0  # a live replica reports every second; this long without a word means it is gone
+# Reports and events a replica sent just before it died can reach the actor after an ingress said it
+# died; for this long they are not taken for signs of life (a Serve replica's name never comes back:
+# its replacement has a new one).
+DEAD_QUIET_S = 5.0
 logger = logging.getLogger(__name__)
 
 
@@ -73,6 +77,7 @@ class WorkflowRouterActor:
         self.keeper = StoreKeeper(store, threaded=self.backend == "redis", reconcile=self.core.reconcile,
                                   every_probe=self._prune)
         self._reported: dict[str, float] = {}  # replica -> when it last said something (monotonic)
+        self._died: dict[str, float] = {}  # replica -> when an ingress saw it die (monotonic)
         self.calls: Counter[str] = Counter()  # calls made to this actor, by method (what they cost)
         self.held_syncs: Counter[str] = Counter()  # syncs held; ended by news or by their wait running out
         self.ingresses_lost = 0
@@ -90,6 +95,7 @@ class WorkflowRouterActor:
     async def remove_replica(self, name: str) -> None:
         """A replica that failed a call (an ingress saw it die): forgotten, by every ingress at its
         next sync."""
+        self._died[name] = time.monotonic()
         self._forget(name)
 
     async def replicas(self) -> dict[str, int]:
@@ -104,7 +110,8 @@ class WorkflowRouterActor:
         (`replica.load_report`: device KV pool, usage, waiting queue), which routing policies read.
         The answer asks for a snapshot of its cache when its event feed had a gap."""
         self.calls["report"] += 1
-        self._heard_from(name)
+        if not self._heard_from(name):
+            return {"snapshot": False}
         self.store.heartbeat(name, {"load": self.peers.load(name)})
         if exposition is not None:
             self.expositions[name] = exposition
@@ -119,7 +126,8 @@ class WorkflowRouterActor:
         calls ((workflow key, agent)) whose first token it produced (their prompts are computed:
         prefill work in flight ends). Every ingress hears of both with its next sync."""
         self.calls["cache_events"] += 1
-        self._heard_from(replica)  # a restarted router learns of it here too
+        if not self._heard_from(replica):  # a restarted router learns of it here too
+            return
         self.core.cache_events(replica, [CacheEvent(*e) for e in events], seq)
         self.core.first_tokens(replica, first_tokens)
         if events:
@@ -130,7 +138,8 @@ class WorkflowRouterActor:
     async def cache_snapshot(self, replica: str, seq: int, events: list[tuple[Any, ...]] | None) -> None:
         """What `replica` holds as of batch `seq`, asked for by `report` after a gap in its feed."""
         self.calls["cache_snapshot"] += 1
-        self._heard_from(replica)
+        if not self._heard_from(replica):
+            return
         self.core.cache_snapshot(replica, seq, None if events is None else [CacheEvent(*e) for e in events])
         self._release(self.peers.publish(("snapshot", replica, events)))
 
@@ -138,7 +147,8 @@ class WorkflowRouterActor:
         """Long poll: the replica's pending hints, at once when some wait, else as soon as an
         ingress's sync brings some; None after `timeout_s` without any."""
         self.calls["pull_hints"] += 1
-        self._heard_from(replica)
+        if not self._heard_from(replica):
+            return None
         if not self.core.has_hints(replica):
             wakeup = self._wakeups.setdefault(replica, asyncio.Event())
             wakeup.clear()
@@ -245,15 +255,26 @@ class WorkflowRouterActor:
             if held is not None:
                 held.set()
 
-    def _heard_from(self, replica: str) -> None:
+    def _heard_from(self, replica: str) -> bool:
+        """`replica` said something: it is live (added if new). False for one an ingress just saw die
+        (what it says was sent before)."""
+        now = time.monotonic()
+        died = self._died.get(replica)
+        if died is not None:
+            if now - died < DEAD_QUIET_S:
+                return False
+            del self._died[replica]
         self.core.add_replica(replica)  # idempotent
-        self._reported[replica] = time.monotonic()
+        self._reported[replica] = now
         self.keeper.start()
+        return True
 
     def _prune(self) -> None:
         """Forget replicas that stopped reporting (killed without a goodbye), ingresses that stopped
         syncing (their calls and clients stop counting), and templates nobody used for their TTL."""
-        horizon = time.monotonic() - STALE_REPLICA_S
+        now = time.monotonic()
+        self._died = {name: at for name, at in self._died.items() if now - at < DEAD_QUIET_S}
+        horizon = now - STALE_REPLICA_S
         for name in [r for r in self.core.loads if self._reported.get(r, 0.0) < horizon]:
             self._forget(name)
         for name, peer in self.peers.prune().items():
