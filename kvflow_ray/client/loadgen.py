@@ -159,13 +159,10 @@ class _Client:
                                    register=register, timeout=config.timeout_s, max_retries=0,  # counts failures
                                    client_id=f"{workflow.name}-{index}-{uuid.uuid4().hex[:8]}")
         self.last_output = ""
+        self.last_agent = ""
 
     def call(self, agent: str, iteration: int) -> None:
-        task = self.config.task
-        if task is None:
-            task = (f"Task {self.index}.{iteration} for the {agent}: " + "analyse the quarterly filing; " * 40)
-            task = task[:self.config.task_chars]
-        content = task + (f"\n\nPrevious step said: {self.last_output[:200]}" if self.last_output else "")
+        content = self._message(agent, iteration)
         handle = self.run.agent(agent)
         started = time.perf_counter()
         try:
@@ -177,6 +174,7 @@ class _Client:
             usage = response.usage
             details = getattr(usage, "prompt_tokens_details", None)
             self.last_output = response.choices[0].message.content or ""
+            self.last_agent = agent
             record = CallRecord(self.index, iteration, agent, time.perf_counter() - started, usage.prompt_tokens,
                                 (details.cached_tokens or 0) if details else 0,
                                 raw.headers.get("x-kvflow-route", "plain"), raw.headers.get("x-kvflow-replica", "?"),
@@ -187,6 +185,17 @@ class _Client:
         with self.lock:
             self.result.calls.append(record)
         self.on_call()
+
+    def _message(self, agent: str, iteration: int) -> str:
+        """The call's user message: the task and what the previous agent wrote. A real task frames the
+        previous output as another agent's (a small model otherwise repeats it as its own answer)."""
+        previous = self.last_output[:200]
+        if self.config.task is not None:
+            if not previous:
+                return self.config.task
+            return f"{self.config.task}\n\nFor reference, the {self.last_agent} wrote: \"{previous}\""
+        task = (f"Task {self.index}.{iteration} for the {agent}: " + "analyse the quarterly filing; " * 40)
+        return task[:self.config.task_chars] + (f"\n\nPrevious step said: {previous}" if previous else "")
 
     def go(self) -> None:
         """All iterations of this client, then `finish`."""
