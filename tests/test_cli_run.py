@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -52,6 +53,9 @@ def test_run_starts_the_embedded_default_and_reports(free_port: Callable[[], int
     assert 0 < report["gpu_hit_ratio"] <= 1 and 0 < report["affinity_ratio_after_warmup"] <= 1
     assert sum(report["router_decisions"].values()) == report["calls"]
     assert "starting the embedded server" in done.stderr
+    # the default model's answers, one per role: real text (SmolLM2's), not bytes of a random model
+    assert list(report["answers"]) == ["planner", "executor", "expresser", "reviewer"]
+    assert all(re.search(r"[A-Za-z]{3,}", answer) for answer in report["answers"].values()), report["answers"]
 
 
 @pytest.mark.slow
