@@ -71,7 +71,7 @@ def routing_comparison(args: argparse.Namespace) -> dict[str, Any]:
         base = AppConfig(engine="sim", replicas=args.replicas, profile=args.profile, time_scale=args.time_scale,
                          route_headers=True)
     else:
-        base = AppConfig(replicas=args.replicas, threads=1, route_headers=True)
+        base = AppConfig(replicas=args.replicas, threads=1, route_headers=True, model=args.model)
     out: dict[str, Any] = {"setup": {"replicas": base.replicas, "engine": base.engine, "model": base.model_name(),
                                      "time_scale": base.time_scale if base.engine == "sim" else None,
                                      "device_kv_tokens": device_kv_tokens(base), "workflow": "peer",
@@ -294,6 +294,9 @@ def main() -> int:
     parser.add_argument("--engine", choices=("cpu", "sim"), default="cpu",
                         help="cpu: real compute (2 replicas on this machine); sim: simulated GPUs from --profile")
     parser.add_argument("--replicas", type=int, default=None, help="default: 2 (cpu), 4 (sim)")
+    parser.add_argument("--model", default="random",
+                        help="--engine cpu: the model (default random: routing, not the text, is measured here, "
+                             "and its compute leaves the two cores to the serving stack; smollm2-135m for real text)")
     parser.add_argument("--profile", default="a10g-llama3.1-8b", help="--engine sim: GPU cost profile")
     parser.add_argument("--time-scale", type=float, default=0.25,
                         help="--engine sim: wall seconds per simulated second (latencies are reported in wall s)")
