@@ -107,6 +107,7 @@ SPEED_PROMPT = 512  # tokens of each decode benchmark prompt (an agent prompt's 
 SPEED_NEW = 64  # tokens generated per stream
 STREAMS = 8
 PREFILL_CONTEXT = 2048
+PREFILL_PAIRS = 3  # prefill samples per side and round
 
 
 def _prompt(tokenizer: Any, n: int, seed: int) -> list[int]:
@@ -138,8 +139,9 @@ def _engine_results(engine: CpuEngine, prompts: list[list[int]], new_tokens: int
 
 
 def real_model_speed(path: str, repeats: int) -> dict[str, Any]:
-    """The engine and `generate`, alternately, `repeats` times each; medians. Each engine run is on a
-    fresh engine (no cached prefix: both sides compute every prompt token)."""
+    """The engine and `generate`, alternately, `repeats` rounds (prefill: `PREFILL_PAIRS` samples each
+    per round); medians. Each engine run is on a fresh engine (no cached prefix: both sides compute
+    every prompt token)."""
     import statistics
 
     from kvflow_ray.engines.tokenizer import load_tokenizer
@@ -168,10 +170,11 @@ def real_model_speed(path: str, repeats: int) -> dict[str, Any]:
         rows["engine_batch"].append(STREAMS * (SPEED_NEW - 1) / window)
         rows["hf_batch"].append(STREAMS * (SPEED_NEW - 1) / (_hf_seconds(model.hf, batch, SPEED_NEW, pad)
                                                              - _hf_seconds(model.hf, batch, 1, pad)))
-        with CpuEngine(config, model=model) as engine:
-            (first,) = _engine_results(engine, [long], 1)
-        rows["engine_prefill"].append(PREFILL_CONTEXT / first.ttft_s)
-        rows["hf_prefill"].append(PREFILL_CONTEXT / _hf_seconds(model.hf, [long], 1, pad))
+        for _ in range(PREFILL_PAIRS):  # a few seconds each: more samples, alternating, steady the median
+            with CpuEngine(config, model=model) as engine:
+                (first,) = _engine_results(engine, [long], 1)
+            rows["engine_prefill"].append(PREFILL_CONTEXT / first.ttft_s)
+            rows["hf_prefill"].append(PREFILL_CONTEXT / _hf_seconds(model.hf, [long], 1, pad))
         bar.update(1)
     bar.close()
     median = {k: statistics.median(v) for k, v in rows.items()}
