@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from kvflow_ray.core.routing import DEFAULT_ROUTING
 from kvflow_ray.core.scheduler import POLICIES
-from kvflow_ray.engines.cpu.weights import DEFAULT_MODEL, MODEL_NAMES, resolve_model, served_name
+from kvflow_ray.engines.cpu.weights import DEFAULT_MODEL, check_model, resolve_model, served_name
 from kvflow_ray.router.limits import TenantLimits
 from kvflow_ray.router.settings import SYNC_S, RouterSettings
 
@@ -151,7 +151,7 @@ class AppConfig(BaseModel):
             if self.time_scale <= 0:
                 raise ValueError(f"time_scale must be positive, got {self.time_scale}")
         if self.engine == "cpu":
-            self._check_cpu_model()
+            check_model(self.model, model_path=self.model_path, gguf=self.gguf)
         elif self.gguf:
             raise ValueError(f"gguf applies to engine 'cpu' only (this config runs engine {self.engine!r})")
         if self.engine in ("cpu", "sim"):  # SGLang's policies are checked with its server args above
@@ -197,13 +197,6 @@ class AppConfig(BaseModel):
                     raise ValueError(f"cache_sharing_groups: tenant {tenant!r} is in two groups")
                 self._salts[tenant] = f"group:{group}"
         return self
-
-    def _check_cpu_model(self) -> None:
-        if self.model_path and self.gguf:
-            raise ValueError("give model_path (a model directory) or gguf (a GGUF file), not both")
-        if not (self.model_path or self.gguf) and self.model not in MODEL_NAMES:
-            raise ValueError(f"unknown model {_short(self.model)}: one of {list(MODEL_NAMES)}, or set model_path "
-                             "(a model directory) or gguf (a GGUF file)")
 
     def cpu_model_dir(self) -> str | None:
         """The model directory the CPU engine loads (dequantized on first use); None for the random model.

@@ -209,15 +209,17 @@ class Ingress:
         self.spec_limits = self.limits.spec_limits()
         self._inflight: Counter[str] = Counter()  # per tenant: calls admitted here and not yet answered
         # the engines' own tokenizer and context (the engine checks a prompt against its pool too)
-        self.tokenizer = load_tokenizer(self.config.tokenizer_path())
+        tokenizer_path = self.config.tokenizer_path()
+        self.tokenizer = load_tokenizer(tokenizer_path)
         self.model_name = self.config.model_name()
         if self.config.engine == "sim":
             from kvflow_ray.engines.sim.serving import MAX_CONTEXT
 
             self.max_context = MAX_CONTEXT
         else:
-            # a real model's own limit is the engine's to check
-            random = self.config.engine == "cpu" and self.config.cpu_model_dir() is None
+            # the CPU engine's random model has no files (no tokenizer path); a real model's own limit is
+            # the engine's to check
+            random = self.config.engine == "cpu" and tokenizer_path is None
             self.max_context = ModelConfig().max_context if random else 1 << 30
         # (tenant, body hash) -> the spec it registered, while that is still the tenant's current template
         self._registered: FreshCache[tuple[str, bytes], WorkflowSpec] = FreshCache(REGISTERED_CACHE_S)

@@ -69,10 +69,6 @@ class KVPool:
         """KV of `slots`, each [layers, kv_heads, len(slots), head_dim]."""
         return self.k.index_select(2, slots), self.v.index_select(2, slots)
 
-    def scatter(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k.index_copy_(2, slots, k.to(self.k.dtype))
-        self.v.index_copy_(2, slots, v.to(self.v.dtype))
-
 
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
     """The maximal runs of consecutive slots in `slots`, in order: [(first, past the last), ...]."""

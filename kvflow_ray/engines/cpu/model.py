@@ -98,8 +98,7 @@ def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, in
     then the chunk itself, causal. The parts are merged by their log-sum-exps, so no [T, context] mask is built
     and the past is not copied (the same work as one causal pass over the whole prompt)."""
     past_runs, new_runs = _split_runs(runs, past)
-    new_k = torch.cat([k[:, lo:hi] for lo, hi in new_runs], dim=1) if len(new_runs) > 1 else k[:, slice(*new_runs[0])]
-    new_v = torch.cat([v[:, lo:hi] for lo, hi in new_runs], dim=1) if len(new_runs) > 1 else v[:, slice(*new_runs[0])]
+    new_k, new_v = _joined(k, new_runs), _joined(v, new_runs)
     if not past_runs:
         o = F.scaled_dot_product_attention(q[None], new_k[None], new_v[None], is_causal=True, scale=scaling,
                                            enable_gqa=True)
@@ -125,6 +124,13 @@ def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, in
 
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns the log-sum-exp with the output
+
+
+def _joined(pool_layer: Tensor, runs: list[tuple[int, int]]) -> Tensor:
+    """A layer's K or V ([H, S, D]) over `runs`, in order, as [H, n, D]: a view for one run, a copy for several."""
+    if len(runs) == 1:
+        return pool_layer[:, runs[0][0]:runs[0][1]]
+    return torch.cat([pool_layer[:, lo:hi] for lo, hi in runs], dim=1)
 
 
 def _split_runs(runs: list[tuple[int, int]], at: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

@@ -66,21 +66,27 @@ def builtin_file(name: str) -> Path:
     raise ValueError(f"model {name!r} is not installed: run `{model.install}`")
 
 
+def check_model(model: str = DEFAULT_MODEL, *, model_path: str | None = None, gguf: str | None = None) -> None:
+    """A ValueError naming what is wrong with these settings, without looking at any file."""
+    if model_path and gguf:
+        raise ValueError("give a model directory (model_path) or a GGUF file (gguf), not both")
+    if not (model_path or gguf) and model not in MODEL_NAMES:
+        raise ValueError(f"unknown model {model[:64]!r}: one of {list(MODEL_NAMES)}, or a model directory "
+                         "(model_path) or a GGUF file (gguf)")
+
+
 def resolve_model(model: str = DEFAULT_MODEL, *, model_path: str | None = None, gguf: str | None = None,
                   cache: str | None = None) -> str | None:
     """The local model directory the CPU engine loads for these settings; None for the random model.
     `model_path` (a model directory) or `gguf` (a file), when given, win over the `model` name."""
-    if model_path and gguf:
-        raise ValueError("give a model directory (model_path) or a GGUF file (gguf), not both")
+    check_model(model, model_path=model_path, gguf=gguf)
     if model_path:
         return model_path
     if gguf:
         return str(dequantized(Path(gguf).expanduser(), cache))
     if model == RANDOM:
         return None
-    if model in BUILTINS:
-        return str(dequantized(builtin_file(model), cache))
-    raise ValueError(f"unknown model {model[:64]!r}: one of {list(MODEL_NAMES)}, or a model directory / GGUF file")
+    return str(dequantized(builtin_file(model), cache))
 
 
 def served_name(model: str = DEFAULT_MODEL, *, model_path: str | None = None, gguf: str | None = None) -> str:
