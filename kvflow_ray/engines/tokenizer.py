@@ -2,12 +2,21 @@
 
 Both share one small interface (`Tokenizer`): `encode` never adds special tokens by itself, since the chat template
 already spells out whatever a model expects at the start; `decode` drops specials.
+
+Chats with tools (`apply_chat_template(messages, tools=...)`, or a history holding tool calls and
+results) render through the model's own template when it renders tools itself (its source names
+`tools`), else through the fallback of `tool_calls.fallback_messages` (Hermes style, in the template's
+own roles); ByteTokenizer always uses the fallback. Rendering is a pure function of its arguments.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+from kvflow_ray.engines.tool_calls import fallback_messages, template_messages
 
 ROLE_TAGS = ("system", "user", "assistant")
 
@@ -30,6 +39,19 @@ def format_chat(messages: list[dict[str, Any]]) -> str:
     return "".join(parts)
 
 
+def has_tool_turns(messages: Sequence[dict[str, Any]]) -> bool:
+    """Whether a conversation holds tool calls or tool results (then it needs a tool-aware rendering)."""
+    return any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+
+
+def template_renders_tools(template: object) -> bool:
+    """Whether a Hugging Face chat template renders tools itself: its source reads the `tools` variable
+    (a template that never names it would drop them). Named templates (a dict): the default one."""
+    if isinstance(template, dict):
+        template = template.get("default") or template.get("tool_use")
+    return isinstance(template, str) and re.search(r"\btools\b", template) is not None
+
+
 class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int | None
@@ -38,7 +60,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: Sequence[dict[str, Any]] | None = None) -> str: ...
 
 
 class ByteTokenizer:
@@ -57,7 +80,10 @@ class ByteTokenizer:
         # A generated stream may stop mid-character, so broken UTF-8 becomes U+FFFD instead of raising.
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: Sequence[dict[str, Any]] | None = None) -> str:
+        if tools or has_tool_turns(messages):
+            return format_chat(fallback_messages(messages, tools))
         return format_chat(messages)
 
 
@@ -90,6 +116,11 @@ class HFTokenizer:
         self.eos_id: int | None = tok.eos_token_id
         self.pad_id: int | None = tok.pad_token_id
 
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the model's own chat template renders tools (read each time: a template may be set later)."""
+        return template_renders_tools(self.tok.chat_template)
+
     def encode(self, text: str) -> list[int]:
         # Specials written out in the text (e.g. a template's "<|begin_of_text|>") still map to their ids.
         return self.tok.encode(text, add_special_tokens=False)
@@ -97,7 +128,13 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: Sequence[dict[str, Any]] | None = None) -> str:
+        if tools or has_tool_turns(messages):
+            if self.renders_tools:  # the model's own rendering of tools, calls and results
+                return str(self.tok.apply_chat_template(template_messages(messages), tools=list(tools or []) or None,
+                                                        tokenize=False, add_generation_prompt=True))
+            messages = fallback_messages(messages, tools)
         if self.tok.chat_template is None:
             return format_chat(messages)
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
