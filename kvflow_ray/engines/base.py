@@ -62,6 +62,9 @@ class GenerateRequest:
     workflow: str | None = None  # the workflow instance (client id, tenant-scoped by the caller)
     agent: str | None = None
     fixed_prefix_tokens: int | None = None  # explicit fixed-prompt boundary
+    # constrained decoding: the output must spell one string of this grammar (`engines.constrained`:
+    # [kind, value] segments; a forced tool call). Only engines that honour it accept it (`request_tokens`)
+    constraint: Sequence[Sequence[Any]] | None = None
 
 
 @dataclass
@@ -110,9 +113,14 @@ class CacheEvent:
 
 
 def request_tokens(request: GenerateRequest, *, model_name: str, encode: Callable[[str], list[int]],
-                   vocab_size: int, max_context: int, device_tokens: int) -> tuple[int, ...]:
+                   vocab_size: int, max_context: int, device_tokens: int, constrained: bool = False
+                   ) -> tuple[int, ...]:
     """The prompt's token ids after every check an engine makes before queueing a request; raises
-    ValueError naming what is wrong (the request can never run), so nothing is queued."""
+    ValueError naming what is wrong (the request can never run), so nothing is queued. `constrained`:
+    the engine honours `request.constraint` (checks it itself); an engine that does not refuses one,
+    since ignoring it would return an unconstrained output as if it were one."""
+    if request.constraint is not None and not constrained:
+        raise ValueError("this engine does not support constrained decoding (forced tool choice)")
     if request.model is not None and request.model != model_name:
         raise ValueError(f"unknown model {request.model!r}: this engine serves {model_name!r}")
     if (request.prompt is None) == (request.tokens is None):

@@ -6,6 +6,10 @@ picks, placing KV in pool slots, and copying slots between the device and host p
 forward pass attends over the stored KV of its cached prefix where it lies in the device pool and only
 computes the rest.
 
+Constrained decoding (`GenerateRequest.constraint`, a forced tool call): each output token is the
+model's most likely token (or a draw, when the request samples) among those `engines.constrained`
+allows; the request ends when the grammar is complete.
+
 Threading: everything below runs on one engine thread (the caller's, via `step()`, or a background
 loop via `start()`), except the copy threads, whose completions come back through a queue. Other
 threads talk to the engine only through `submit` / `apply_hints` (an inbox queue).
@@ -27,9 +31,10 @@ from kvflow_ray.core.policies import StepBook
 from kvflow_ray.core.radix import RadixNode
 from kvflow_ray.core.scheduler import CacheRequest, build_replica, resolve_policy
 from kvflow_ray.engines.base import BackgroundEngine, CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
+from kvflow_ray.engines.constrained import CANDIDATES, TokenConstraint, TokenTexts, check_constraint
 from kvflow_ray.engines.cpu.config import CpuEngineConfig
 from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream
-from kvflow_ray.engines.cpu.model import CpuModel, sample
+from kvflow_ray.engines.cpu.model import GREEDY_TEMPERATURE, CpuModel, sample
 from kvflow_ray.engines.cpu.weights import RANDOM_MODEL_NAME
 from kvflow_ray.engines.events import CacheEventLog
 from kvflow_ray.engines.stops import StopTokens
@@ -43,6 +48,7 @@ class CpuRequest(CacheRequest):
     # the request's stop strings over its output (set by the engine); it streams the tokens to on_token
     stops: StopTokens | None = None
     ignore_eos: bool = False
+    constraint: TokenConstraint | None = None  # the grammar its output must spell (a forced tool call)
     generator: torch.Generator | None = None
     on_done: Callable[[CpuRequest], None] | None = None
     out: list[int] = field(default_factory=list)
@@ -93,6 +99,7 @@ class CpuEngine(BackgroundEngine):
         self.requests_failed = 0
         self.requests_rejected = 0  # refused by `submit` (bad input): never queued
         self._callbacks: deque[CpuRequest] = deque()
+        self._token_texts: TokenTexts | None = None  # built at the first constrained request
 
     @property
     def model_name(self) -> str:
@@ -220,7 +227,13 @@ class CpuEngine(BackgroundEngine):
                       ) -> CpuRequest:
         tokens = request_tokens(request, model_name=self.model_name, encode=self.tokenizer.encode,
                                 vocab_size=self.model.vocab_size, max_context=self.model.max_context,
-                                device_tokens=self.cache.gpu_capacity)
+                                device_tokens=self.cache.gpu_capacity, constrained=True)
+        constraint = None
+        if request.constraint is not None:
+            grammar = check_constraint(request.constraint, request.max_tokens)
+            if self._token_texts is None:  # once per engine (~0.15 s for a 49k vocabulary)
+                self._token_texts = TokenTexts(self.tokenizer.decode, self.model.vocab_size, self.tokenizer.encode)
+            constraint = TokenConstraint(grammar, self._token_texts)
         fixed = request.fixed_prefix_tokens
         generator = None
         if request.temperature > 0:
@@ -230,7 +243,7 @@ class CpuEngine(BackgroundEngine):
                           cache_salt=request.cache_salt,
                           temperature=request.temperature, top_p=request.top_p,
                           stops=StopTokens(request.stop, self.tokenizer.decode, on_token),
-                          ignore_eos=request.ignore_eos, generator=generator,
+                          ignore_eos=request.ignore_eos, constraint=constraint, generator=generator,
                           submitted_at=time.perf_counter())
 
     def _drain_inbox(self) -> None:
@@ -340,7 +353,21 @@ class CpuEngine(BackgroundEngine):
                 self._finish(req)
 
     def _sample(self, req: CpuRequest, logits: torch.Tensor) -> int:
-        return sample(logits, req.temperature, req.generator, req.top_p)
+        constraint = req.constraint
+        if constraint is None:
+            return sample(logits, req.temperature, req.generator, req.top_p)
+        budget = req.max_new - len(req.out)  # tokens this request may still produce, this one included
+        if req.temperature < GREEDY_TEMPERATURE:  # the most likely token the grammar allows
+            return constraint.choose(torch.topk(logits, min(CANDIDATES, len(logits))).indices.tolist(), budget)
+        # a draw from the model's distribution over the allowed tokens: a disallowed draw is masked out
+        # and drawn again (exact for the renormalised distribution), at most CANDIDATES times
+        masked = logits.float().clone()
+        for _ in range(min(CANDIDATES, len(logits) - 1)):
+            token = sample(masked, req.temperature, req.generator, req.top_p)
+            if constraint.fits(token, budget):
+                return token
+            masked[token] = float("-inf")
+        return constraint.forced()
 
     def _emit(self, req: CpuRequest, token: int) -> bool:
         """Record an output token; True if it ends the request (a stop string or end of sequence).
@@ -350,6 +377,11 @@ class CpuEngine(BackgroundEngine):
         if req.stops.push(token)[1]:
             req.finish_reason = "stop"
             return True
+        if req.constraint is not None:  # a constrained output ends where its grammar does, not at EOS
+            if req.constraint.advance(token):
+                req.finish_reason = "stop"
+                return True
+            return False
         if not req.ignore_eos and token == self.tokenizer.eos_id:
             req.finish_reason = "stop"
             return True
