@@ -32,7 +32,7 @@ def test_a_valid_chat_request() -> None:
 BAD: dict[str, tuple[Any, bool, str, str | None]] = {
     "not an object": ([1, 2], True, "JSON object", None),
     "no messages": ({"model": "m"}, True, "'messages' is required", "messages"),
-    "bad role": ({"messages": [{"role": "tool", "content": "x"}]}, True, "not supported", "messages[0].role"),
+    "bad role": ({"messages": [{"role": "developer", "content": "x"}]}, True, "not supported", "messages[0].role"),
     "content not text": ({"messages": [{"role": "user", "content": 3}]}, True, "must be a string",
                          "messages[0].content"),
     "no prompt": ({"prompt": ""}, False, "'prompt' must be a non-empty string", "prompt"),

@@ -180,13 +180,15 @@ def test_app_config_checks_tenants_and_sharing_groups_and_echoes_no_input() -> N
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 7}, "top_p", "invalid_value"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop", "invalid_value"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop", "invalid_value"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools", "invalid_value"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": "x"}], "extra": 1}, "extra", "unknown_parameter"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens", "invalid_value"),
     ({"messages": [{"role": "user", "content": "x"}], "kvflow": {"agent": "a"}}, "kvflow.client_id",
      "missing_required_parameter"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ({"messages": [{"role": "developer", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "missing_required_parameter"),
     ({}, "messages", "missing_required_parameter"),
 ])
 def test_chat_requests_are_validated_strictly(body: dict, param: str, code: str) -> None:

@@ -70,6 +70,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--engine sim: the GPU cost profile each replica simulates (default a10g-llama3.1-8b)")
     parser.add_argument("--time-scale", type=float, default=None,
                         help="--engine sim: wall seconds per simulated second (default 1; 0.1 = 10x faster)")
+    parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                        help="how the model's output holds tool calls (default hermes: <tool_call>{json}</tool_call>, "
+                             "the fallback rendering's format; docs/serving.md, Tool calls)")
     parser.add_argument("--api-key", action="append", default=None, metavar="KEY=TENANT",
                         help="accept bearer KEY for TENANT (repeatable); none = one open 'default' tenant")
     parser.add_argument("--config", type=Path, default=None,
@@ -97,7 +100,7 @@ def app_config(args: argparse.Namespace) -> AppConfig:
         data.update(raw)
     for key in ("engine", "replicas", "redis", "routing", "request_router", "policy", "model", "model_path", "gguf",
                 "model_cache",
-                "device_kv_tokens", "profile", "time_scale"):
+                "device_kv_tokens", "profile", "time_scale", "tool_call_parser"):
         value = getattr(args, key, None)
         if value is not None:
             data[key] = value

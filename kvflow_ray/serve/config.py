@@ -15,10 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from kvflow_ray.core.routing import DEFAULT_ROUTING
 from kvflow_ray.core.scheduler import POLICIES
 from kvflow_ray.engines.cpu.weights import DEFAULT_MODEL, check_model, resolve_model, served_name
+from kvflow_ray.engines.tool_calls import DEFAULT_TOOL_CALL_PARSER, get_parser
 from kvflow_ray.router.limits import TenantLimits
 from kvflow_ray.router.settings import SYNC_S, RouterSettings
 
 ENGINES = ("cpu", "sim", "sglang")
+# engines that honour constrained decoding (`GenerateRequest.constraint`): forced tool choice runs there
+CONSTRAINED_ENGINES = frozenset({"cpu"})
 # request_router -> the Ray Serve request router that sends each engine call to a replica (an import
 # path, as Serve's RequestRouterConfig takes it; None: Serve's own power-of-two-choices router)
 REQUEST_ROUTERS: dict[str, str | None] = {
@@ -115,6 +118,9 @@ class AppConfig(BaseModel):
     # eviction policy and the host tier, device_kv_tokens sets max_total_tokens and seed random_seed;
     # host_kv_tokens, link_gbps, max_running, horizon and threads are CPU-engine settings.
     sglang_args: dict[str, Any] = Field(default_factory=dict)
+    # how a model's output holds tool calls (engines/tool_calls.py `TOOL_CALL_PARSERS`, as SGLang's
+    # --tool-call-parser): the ingress parses every engine's output with it when a request has tools
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER
 
     # keys and the metrics token from the environment are resolved wherever the config is built
     # (ingress, replicas) and kept out of the fields, so to_dict() never copies them into Ray's
@@ -167,6 +173,7 @@ class AppConfig(BaseModel):
             raise ValueError(f"routing {self.routing!r} needs {'; '.join(ROUTING_INPUTS[m] for m in missing)}, which "
                              f"serving on the {self.engine} engine does not give; choose a routing policy that "
                              f"does not (e.g. workflow)")
+        get_parser(self.tool_call_parser)  # names the known parsers when it is wrong
         if self.request_router not in REQUEST_ROUTERS:
             raise ValueError(f"request_router must be one of {tuple(REQUEST_ROUTERS)}, "
                              f"got {_short(self.request_router)}")

@@ -36,21 +36,25 @@ from starlette.exceptions import HTTPException
 
 from kvflow_ray.core.graph import SpecError, SpecLimitError, UnknownAgentError, WorkflowSpec, parse_spec
 from kvflow_ray.engines.base import GenerateResult, prefix_hash
+from kvflow_ray.engines.constrained import Grammar
 from kvflow_ray.engines.cpu.config import ModelConfig
 from kvflow_ray.engines.tokenizer import load_tokenizer
+from kvflow_ray.engines.tool_calls import CallEvent, ContentEvent, ToolCallStream, get_parser
 from kvflow_ray.router.core import NoReplicaError, TenantLimitError, UnknownClientError, UnknownWorkflowError
 from kvflow_ray.router.store import StoreUnavailableError, check_name
-from kvflow_ray.serve.config import AppConfig
+from kvflow_ray.serve.config import CONSTRAINED_ENGINES, AppConfig
 from kvflow_ray.serve.ingress_router import DEAD, IngressRouter
 from kvflow_ray.serve.openai_api import (
     ApiError,
     ParsedRequest,
+    finish_reason,
     fixed_boundary,
     new_id,
     parse_request,
     public_text,
     response_body,
     stream_chunk,
+    tool_call_deltas,
     usage,
 )
 from kvflow_ray.serve.request_router import ROUTE_KWARG
@@ -211,6 +215,7 @@ class Ingress:
         # the engines' own tokenizer and context (the engine checks a prompt against its pool too)
         tokenizer_path = self.config.tokenizer_path()
         self.tokenizer = load_tokenizer(tokenizer_path)
+        self.tool_parser = get_parser(self.config.tool_call_parser)  # every engine's output, same parser
         self.model_name = self.config.model_name()
         if self.config.engine == "sim":
             from kvflow_ray.engines.sim.serving import MAX_CONTEXT
@@ -311,7 +316,7 @@ class Ingress:
     async def _completion(self, request: Request, tenant: str, *, chat: bool, release: Callable[[], None]
                           ) -> Response:
         """A streamed response keeps the tenant's admission until its last chunk (`_stream` releases it)."""
-        parsed = parse_request(await self._json(request), chat=chat)
+        parsed = parse_request(await self._json(request), chat=chat, headers=request.headers)
         if parsed.model is not None and parsed.model not in (self.model_name, "default"):
             raise ApiError(404, f"model {parsed.model!r} does not exist; this server serves {self.model_name!r}",
                            "model", code="model_not_found")
@@ -322,7 +327,7 @@ class Ingress:
                                "prompt", code="invalid_value")
             text, tokens = "", parsed.prompt_ids
         else:
-            text = self.tokenizer.apply_chat_template(parsed.messages) if chat else parsed.prompt or ""
+            text = self._render(parsed)(parsed.messages) if chat else parsed.prompt or ""
             tokens = self.tokenizer.encode(text)
         need = len(tokens) + parsed.max_tokens
         if need > self.max_context:
@@ -334,6 +339,9 @@ class Ingress:
                                           "temperature": parsed.temperature, "top_p": parsed.top_p,
                                           "stop": parsed.stop, "seed": parsed.seed, "ignore_eos": parsed.ignore_eos,
                                           "cache_salt": salt}
+        constraint = self._forced_call(parsed)
+        if constraint is not None:
+            engine_request["constraint"] = constraint
         call = await self._start_call(tenant, parsed, tokens, text, engine_request)
         if parsed.stream:
             # the generator ends the call when it stops; the background task when the client hung up
@@ -345,9 +353,40 @@ class Ingress:
             outcome = await self._run(call, engine_request)
         finally:
             self._end_call(call)
-        result = outcome["result"]
-        body = response_body(GenerateResult(**result), chat=chat, model=self.model_name)
+        result = GenerateResult(**outcome["result"])
+        tools = parsed.tools
+        if tools is not None and tools.active:  # the output's calls, by the configured parser
+            output = self.tool_parser.parse(result.text, tools.names, tools.max_calls)
+            body = response_body(result, chat=chat, model=self.model_name, content=output.content,
+                                 tool_calls=output.calls)
+        else:
+            body = response_body(result, chat=chat, model=self.model_name)
         return JSONResponse(body, headers=self._route_headers(call, outcome["replica"]))
+
+    def _render(self, parsed: ParsedRequest) -> Callable[[list[dict[str, Any]]], str]:
+        """How this request's chat renders (with its callable tools, if any): one function for the prompt
+        and for finding the fixed-prompt boundary, so both see the same text."""
+        tools = parsed.tools.render if parsed.tools is not None else None
+        return lambda messages: self.tokenizer.apply_chat_template(messages, tools=tools)
+
+    def _forced_call(self, parsed: ParsedRequest) -> list[list[Any]] | None:
+        """The constrained-decoding grammar of a forced tool call (`tool_choice` "required" or a named
+        function), or None. Forced choice is honoured by constrained decoding or refused: never ignored."""
+        tools = parsed.tools
+        if tools is None or tools.forced is None:
+            return None
+        if self.config.engine not in CONSTRAINED_ENGINES:
+            raise ApiError(400, f"this engine ({self.config.engine}) does not support forced tool choice "
+                                "('tool_choice' \"required\" or a named function); use \"auto\" or \"none\"",
+                           "tool_choice", code="unsupported_parameter")
+        schemas = {t["function"]["name"]: t["function"].get("parameters") for t in tools.tools}
+        grammar = self.tool_parser.forced_call([(name, schemas[name]) for name in tools.forced])
+        need = Grammar(grammar).min_chars()
+        if parsed.max_tokens < need:
+            param = parsed.max_tokens_param if parsed.max_tokens_given else "tool_choice"
+            raise ApiError(400, f"a forced tool call needs up to {need} output tokens, and "
+                                f"{parsed.max_tokens_param} is {parsed.max_tokens}", param, code="invalid_value")
+        return grammar
 
     def _route_headers(self, call: _Call | None, replica: str | None) -> dict[str, str]:
         """Where the call went and why: only when the config enables them (debugging), since they
@@ -403,7 +442,7 @@ class Ingress:
         if not prompt:
             return 0
         if parsed.chat:
-            n = fixed_boundary(self.tokenizer.apply_chat_template, self.tokenizer.encode, parsed.messages, prompt,
+            n = fixed_boundary(self._render(parsed), self.tokenizer.encode, parsed.messages, prompt,
                                full=text, full_ids=tokens)
             return n or 0
         if text.startswith(prompt):
@@ -459,6 +498,33 @@ class Ingress:
                       prompt_tokens: int, release: Callable[[], None]) -> AsyncIterator[str]:
         request_id = new_id("chatcmpl" if parsed.chat else "cmpl")
         first = True
+        tools = parsed.tools
+        # with callable tools the text goes through the parser: content that may open a call is held
+        # back, and a call is sent once its block is complete (docs/serving.md, Tool calls)
+        calls: ToolCallStream | None = (self.tool_parser.stream(tools.names, tools.max_calls)
+                                        if tools is not None and tools.active else None)
+
+        def chunks(text: str, final: bool = False) -> list[dict[str, Any]]:
+            nonlocal first
+            if calls is None:
+                events: list[Any] = [ContentEvent(text)] if text else []
+            else:
+                events = calls.feed(text) if text else []
+                if final:
+                    events += calls.finish()
+            out: list[dict[str, Any]] = []
+            for event in events:
+                if isinstance(event, CallEvent):
+                    for delta in tool_call_deltas(event.index, event.call):
+                        out.append(stream_chunk("", chat=True, model=self.model_name, request_id=request_id,
+                                                first=first, tool_call=delta))
+                        first = False
+                else:
+                    out.append(stream_chunk(event.text, chat=parsed.chat, model=self.model_name,
+                                            request_id=request_id, first=first))
+                    first = False
+            return out
+
         try:
             stream = self.engine.options(stream=True).stream
             async for item in stream.remote(engine_request, **self._route_kwargs(call)):
@@ -466,15 +532,16 @@ class Ingress:
                     yield f"data: {json.dumps(_engine_error(item).body())}\n\n"
                     break
                 if "text" in item:
-                    chunk = stream_chunk(item["text"], chat=parsed.chat, model=self.model_name,
-                                         request_id=request_id, first=first)
-                    first = False
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    for chunk in chunks(item["text"]):
+                        yield f"data: {json.dumps(chunk)}\n\n"
                     continue
                 result = item["result"]
+                for chunk in chunks("", final=True):
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                reason = finish_reason(result["finish_reason"], bool(calls is not None and calls.calls))
                 yield "data: " + json.dumps(stream_chunk("", chat=parsed.chat, model=self.model_name,
                                                          request_id=request_id,
-                                                         finish_reason=result["finish_reason"], first=first)) + "\n\n"
+                                                         finish_reason=reason, first=first)) + "\n\n"
                 if parsed.include_usage:
                     final = stream_chunk("", chat=parsed.chat, model=self.model_name, request_id=request_id)
                     final["choices"] = []
