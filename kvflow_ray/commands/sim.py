@@ -3,9 +3,12 @@
 Policies: lru (device only, a miss recomputes), hicache (LRU + host tier, load on demand),
 kvflow (workflow-aware eviction + prefetch + status-aware admission), kvflow-noprefetch (ablation),
 belady (offline optimum eviction over the known access order), infinite (no capacity limit),
-predictive and oracle (dynamic workflows), lpm (SGLang's longest-prefix-match order), queue-aware
-(PEEK's order over the waiting queue: pioneers first, clusters together, an oldest-first lane;
-eviction protects what queued requests need) and kvflow-qa (kvflow with queue-aware admission).
+predictive and oracle (dynamic workflows); for agent sessions in tool pauses (--scenario agentic)
+tlru (SGLang's T-LRU), retention (SGLang's retention_seconds), continuum (Continuum's TTL pinning and
+job-level FCFS) and pause-oracle (kvflow knowing each pause's length); lpm (SGLang's
+longest-prefix-match order), queue-aware (PEEK's order over the waiting queue: pioneers first,
+clusters together, an oldest-first lane; eviction protects what queued requests need) and kvflow-qa
+(kvflow with queue-aware admission).
 
 Examples:
   kvflow-ray sim --scenario single --agents 10 --fixed 8192 --dynamic 32 --output 32 \\
@@ -15,6 +18,8 @@ Examples:
   kvflow-ray sim --workflow workflows/peer.yaml --clients 32 --profile a10g-llama3.1-8b
   kvflow-ray sim --scenario burst --prompts 16 --policies hicache,lpm,queue-aware --seed 1
   kvflow-ray sim --scenario fanout --workers 16 --policies kvflow,kvflow-qa
+  kvflow-ray sim --scenario agentic --sessions 64 --pressure 2 --profile h100-llama3.1-8b \
+      --policies lru,hicache,tlru,retention,continuum,kvflow,pause-oracle
   kvflow-ray sim --scenario concurrent --tasks 128 --replicas 8 --policies lru,kvflow \
       --routing workflow,ray-prefix,sglang-cache-aware,dynamo-kv,llmd-precise,pow2,round-robin
 
@@ -34,7 +39,7 @@ import sys
 
 from kvflow_ray.core.graph import SpecError, load_spec
 from kvflow_ray.core.scheduler import POLICIES
-from kvflow_ray.engines.sim import workload
+from kvflow_ray.engines.sim import agentic, workload
 from kvflow_ray.engines.sim.profile import available_profiles, load_profile
 from kvflow_ray.engines.sim.runner import parse_policies, parse_routings, run_policies
 
@@ -45,7 +50,7 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, single_iterations: i
     """The scenario flags, shared by `sim` and `bench cpu` (docs/design.md §8); `fleet`: the fleet scenario's
     too (the simulator's alone: its arrivals follow the simulated clock)."""
     which = parser.add_mutually_exclusive_group(required=True)
-    scenarios = ["single", "concurrent", "peer", "dynamic", "burst", "fanout", *(["fleet"] if fleet else [])]
+    scenarios = ["single", "concurrent", "peer", "dynamic", "burst", "fanout", *(["fleet", "agentic"] if fleet else [])]
     which.add_argument("--scenario", choices=scenarios, help="a built-in scenario")
     which.add_argument("--workflow", metavar="FILE", help="run any workflow spec (YAML/JSON)")
     parser.add_argument("--agents", type=int, default=10, help="agents per workflow (single, concurrent)")
@@ -93,7 +98,15 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, single_iterations: i
         parser.add_argument("--pressure", type=float, default=None, metavar="X",
                             help="fleet: the applications' prompts over the fleet's device KV (working set / "
                                  "replicas x device pool; 0.5, 1, 2, 4, 8): sets the tenants, or with --tenants "
-                                 "the prompt sizes; the report prints the ratio either way")
+                                 "the prompt sizes; the report prints the ratio either way. agentic: the live "
+                                 "session histories (time-averaged, measured without capacity limit) over the "
+                                 "fleet's device KV: sets the device pool (default 2)")
+        parser.add_argument("--sessions", type=int, default=64,
+                            help="agentic: agent sessions (5-30 turns each, tool pauses between them)")
+        parser.add_argument("--variant", choices=["single", "planner"], default="single",
+                            help="agentic: single agents, or planners whose spawn tool starts 2-4 sub-agent sessions")
+        parser.add_argument("--pause-hint", type=float, default=None, metavar="S",
+                            help="agentic: clients send kvflow.expected_pause_s = S with every turn (default none)")
         parser.add_argument("--preset", choices=["llmd", "tools"], default=None,
                             help="fleet: llmd = llm-d's benchmark shape (150 system prompts of 6,000 tokens, "
                                  "1,200-token questions, 1,000 tokens out); tools = agents' system prompts of "
@@ -127,9 +140,14 @@ def build_scenario(args: argparse.Namespace, fleet_kv_tokens: int | None = None)
     def pick(value: int | None, default: int) -> int:
         return default if value is None else value
 
-    for flag in ("preset", "pressure"):
-        if getattr(args, flag, None) is not None and args.scenario != "fleet":
-            raise ValueError(f"--{flag} goes with --scenario fleet")
+    if getattr(args, "preset", None) is not None and args.scenario != "fleet":
+        raise ValueError("--preset goes with --scenario fleet")
+    if getattr(args, "pressure", None) is not None and args.scenario not in ("fleet", "agentic"):
+        raise ValueError("--pressure goes with --scenario fleet or agentic")
+    if args.scenario == "agentic":
+        return agentic.agentic(sessions=args.sessions, pressure=2.0 if args.pressure is None else args.pressure,
+                               apps=pick(args.apps, 4), tenants=pick(args.tenants, 2), rate=args.rate,
+                               variant=args.variant, hint_s=args.pause_hint, seed=args.seed)
     if args.scenario == "fleet":
         rate = args.rate
         if args.preset == "llmd":
@@ -227,7 +245,11 @@ def format_table(out: dict) -> str:
     width = max(18, *(len(name) + 2 for name in results))
     params = out["params"]
     lines = [f"scenario {out['scenario']} on {out['profile']} {params}"]
-    if params.get("pressure") is not None:
+    if params.get("live_history_tokens") is not None:
+        lines.append(f"live session histories {params['live_history_tokens']:,} tokens = "
+                     f"{params['measured_pressure']:.2f} x the fleet's device KV "
+                     f"({params['device_kv_tokens']:,} tokens per replica); latency = job completion time")
+    elif params.get("pressure") is not None:
         lines.append(f"working set {params['working_set_tokens']:,} tokens = {params['pressure']:.2f} x the fleet's "
                      "device KV")
     lines.append(f"{'policy':<{width}}{'latency s':>11}{'p99 s':>9}{'vs lru':>8}{'gpu hit':>9}{'cpu hit':>9}"

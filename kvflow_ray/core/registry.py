@@ -24,12 +24,14 @@ class PolicyContext:
     """What a policy may read besides its options. `book`: steps-to-execution and fixed prompts
     (`policies.StepBook`); `future`: the known future access sequence (`policies.FutureAccesses`,
     offline bounds only); `tree`: the replica's cache tree (`radix.RadixTree`; None where the engine
-    keeps its own, as SGLang does); `clock`: the engine's clock in seconds."""
+    keeps its own, as SGLang does); `clock`: the engine's clock in seconds; `sessions`: the replica's
+    agent sessions in tool pauses (`sessions.SessionBook`)."""
 
     book: Any = None
     future: Any = None
     tree: Any = None
     clock: Any = None
+    sessions: Any = None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import kvflow_ray.core.session_policies  # noqa: F401  (registers the session baselines)
 from kvflow_ray.core.admission import ADMISSION, AdmissionPolicy
 from kvflow_ray.core.cache import TieredCache
 from kvflow_ray.core.policies import EVICTION, FutureAccesses, StepBook
@@ -30,6 +31,7 @@ from kvflow_ray.core.prefetch import (
 )
 from kvflow_ray.core.radix import GpuState, RadixNode, Tag
 from kvflow_ray.core.registry import PolicyContext
+from kvflow_ray.core.sessions import PAUSES, SESSION_AGENT, PauseModel, SessionBook, SessionTurn
 from kvflow_ray.core.snapshot import EngineSnapshot
 from kvflow_ray.core.waiting import ArrivalOrder, WaitingIndex
 
@@ -52,6 +54,10 @@ class PolicyConfig:
     # first, then host-only leaves by the eviction policy (`TieredCache._make_host_room`); off: the
     # eviction policy ranks every host copy (the workflow-aware policies)
     host_duplicates_first: bool = False
+    # how a session's tool pause is predicted (`sessions.PAUSES`): learned | oracle
+    pauses: str = "learned"
+    # options of the eviction policy (name, value), as its registry entry takes them
+    eviction_options: tuple[tuple[str, float], ...] = ()
 
 
 POLICIES: dict[str, PolicyConfig] = {
@@ -77,6 +83,20 @@ POLICIES: dict[str, PolicyConfig] = {
                                 admission="queue-aware", host_duplicates_first=True),
     "kvflow-qa": PolicyConfig("kvflow-qa", "demand-kvflow", host_tier=True, prefetch="steps-ahead",
                               admission="queue-aware"),
+    # agent sessions in tool pauses (core.sessions, core.session_policies): kvflow ranks a paused
+    # history by its predicted return and prefetches it before; the pause oracle knows each pause's
+    # length; the peers' policies, each with HiCache's host tier (docs/design.md §11)
+    "pause-oracle": PolicyConfig("pause-oracle", "kvflow", host_tier=True, prefetch="steps-ahead",
+                                 admission="status-aware", pauses="oracle"),
+    "tlru": PolicyConfig("tlru", "tlru", host_tier=True, prefetch="none", admission="fcfs",
+                         host_duplicates_first=True,
+                         # SGLang's defaults (0, 0) are LRU: ξ a TTFT budget of 4,096 uncached tokens,
+                         # Q̂ the agentic scenario's mean new tokens per turn (tool result + output)
+                         eviction_options=(("threshold", 4096), ("next_prompt_estimate", 2400))),
+    "retention": PolicyConfig("retention", "retention", host_tier=True, prefetch="none", admission="fcfs",
+                              host_duplicates_first=True),
+    "continuum": PolicyConfig("continuum", "continuum", host_tier=True, prefetch="none", admission="continuum",
+                              host_duplicates_first=True),
 }
 
 
@@ -93,6 +113,9 @@ class CacheRequest:
     # the cache namespace (`GenerateRequest.cache_salt`): every look-up, commit and tag of this request
     # stays in it, so it reuses KV only of requests with the same salt
     cache_salt: str = ""
+    # a turn of an agent session (`workflow` is the session's key, `agent` SESSION_AGENT): its history
+    # joins the session's tag when it ends, and its pause is predicted (`sessions.SessionBook`)
+    session: SessionTurn | None = None
     arrival: float = 0.0
     # cache state
     locked: RadixNode | None = None
@@ -212,7 +235,7 @@ class ReplicaScheduler:
     def __init__(self, cache: TieredCache, policy: PolicyConfig, book: StepBook, copier: Copier, *,
                  clock: Callable[[], float], horizon: int = 1, max_inflight: int = 4,
                  max_running: int = 1 << 30, measuring: Callable[[], bool] = lambda: True,
-                 events: CacheListener | None = None) -> None:
+                 events: CacheListener | None = None, sessions: SessionBook | None = None) -> None:
         self.cache = cache
         self.policy = policy
         self.book = book
@@ -221,7 +244,9 @@ class ReplicaScheduler:
         self.measuring = measuring
         self.events = events
         self.max_running = max_running
-        context = PolicyContext(book=book, tree=cache.tree, clock=clock)
+        # agent sessions in tool pauses: their pauses ranked in `book` (time to reuse, one ranking)
+        self.sessions = sessions if sessions is not None else SessionBook(book, PAUSES.create(policy.pauses))
+        context = PolicyContext(book=book, tree=cache.tree, clock=clock, sessions=self.sessions)
         self.admission: AdmissionPolicy = ADMISSION.create(policy.admission, context)
         self.prefetcher: PrefetchPolicy = PREFETCH.create(policy.prefetch, context,
                                                           {"horizon": horizon, "max_inflight": max_inflight})
@@ -272,6 +297,8 @@ class ReplicaScheduler:
                              if req.workflow is not None and req.agent is not None else 0)
         self.check(req)
         req.arrival = self.clock()
+        if req.session is not None and req.workflow is not None:
+            self.sessions.resumed(req.workflow, req.session, req.arrival)
         # split: a prefix that ends inside a node (a preamble shared by other agents) counts too
         match = self.cache.tree.match_prefix(req.tokens, namespace=req.cache_salt)
         ready, loading, host = match.split_by_tier()
@@ -656,8 +683,41 @@ class ReplicaScheduler:
             self.stats.waits.append(wait)
             self.stats.max_wait_s = max(self.stats.max_wait_s, wait)
             self.stats.ttfts.append(req.first_token_at - req.arrival)
+        if req.session is not None and req.workflow is not None:
+            self._turn_ended(req, sequence)
         if free_slots is not None:
             free_slots()
+        self.plan_prefetch()
+
+    # ------------------------------------------------------------------ sessions
+    def _turn_ended(self, req: CacheRequest, sequence: tuple[int, ...]) -> None:
+        """A session's turn ended: its history (prompt and output) is the session's prompt now. The
+        final turn releases it at once; otherwise its pause is predicted, and a replica that prefetches
+        writes a history whose pause outlasts the copy back to the host now, off the critical path."""
+        assert req.session is not None and req.workflow is not None
+        key, turn = req.workflow, req.session
+        if turn.final:
+            self.sessions.close(key)
+            self.retire([key])
+            return
+        tag = (key, SESSION_AGENT)
+        self.book.register_prompt(tag, sequence)
+        self.cache.tree.tag_prefix(sequence, tag, namespace=req.cache_salt)
+        forecast = self.sessions.pause(key, turn, len(sequence), self.clock())
+        writes_ahead = self.cache.host_tier and self.prefetcher.max_inflight
+        if writes_ahead and forecast.expected > self.sessions.lead(len(sequence)):
+            match = self.cache.tree.match_prefix(sequence, split=False, namespace=req.cache_salt)
+            backups = [node for node in match.path if self.cache.backup(node)]
+            if backups:
+                self.copier.write_back(backups)
+
+    def wake_at(self) -> float | None:
+        """When the engine should call `tick` next (a paused session's prefetch falls due)."""
+        return self.sessions.next_wake()
+
+    def tick(self) -> None:
+        """Time moved: paused sessions' ranks and due prefetches, then plan prefetches."""
+        self.sessions.advance(self.clock())
         self.plan_prefetch()
 
 
@@ -666,7 +726,8 @@ def build_replica(policy: str | PolicyConfig, copier: Copier, *, gpu_capacity: i
                   horizon: int = 1, max_inflight: int = 4, max_running: int = 1 << 30,
                   measuring: Callable[[], bool] = lambda: True, events: CacheListener | None = None,
                   free_value: Callable[[RadixNode, str, object], None] | None = None,
-                  serving_on: str | None = None) -> ReplicaScheduler:
+                  serving_on: str | None = None, pauses: PauseModel | None = None,
+                  load_seconds: Callable[[int], float] | None = None) -> ReplicaScheduler:
     """The one recipe every engine builds a replica with: the named policy combination (`serving_on`:
     the engine, which must be able to run it live, see `resolve_policy`), a step book (shared by
     several replicas when given), the eviction policy from its registry, the tiered cache (an
@@ -674,7 +735,11 @@ def build_replica(policy: str | PolicyConfig, copier: Copier, *, gpu_capacity: i
     engine releases a dropped copy's payload (`events` hears the drop after it)."""
     config = resolve_policy(policy, serving_on=serving_on) if isinstance(policy, str) else policy
     book = book if book is not None else StepBook(near_horizon=max(horizon, 2))
-    eviction = EVICTION.create(config.eviction, PolicyContext(book=book, future=future))
+    # `pauses`: a pause model shared by several replicas (what one learns, all use)
+    sessions = SessionBook(book, pauses if pauses is not None else PAUSES.create(config.pauses),
+                           load_seconds=load_seconds or (lambda tokens: 0.0))
+    eviction = EVICTION.create(config.eviction, PolicyContext(book=book, future=future, clock=clock, sessions=sessions),
+                               **dict(config.eviction_options))
     capacity = 1 << 60 if config.infinite else gpu_capacity
     cache = TieredCache(capacity, eviction, cpu_capacity=cpu_capacity, host_tier=config.host_tier,
                         host_duplicates_first=config.host_duplicates_first)
@@ -686,4 +751,5 @@ def build_replica(policy: str | PolicyConfig, copier: Copier, *, gpu_capacity: i
                 events.on_free(node, tier)
         cache.tree.on_free = on_free
     return ReplicaScheduler(cache, config, book, copier, clock=clock, horizon=horizon,
-                            max_inflight=max_inflight, max_running=max_running, measuring=measuring, events=events)
+                            max_inflight=max_inflight, max_running=max_running, measuring=measuring, events=events,
+                            sessions=sessions)

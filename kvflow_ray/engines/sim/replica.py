@@ -15,6 +15,7 @@ from typing import Protocol
 from kvflow_ray.core.policies import FutureAccesses, StepBook
 from kvflow_ray.core.radix import RadixNode
 from kvflow_ray.core.scheduler import Batch, CacheRequest, PolicyConfig, ReplicaStats, build_replica
+from kvflow_ray.core.sessions import PauseModel
 from kvflow_ray.engines.events import CacheEventLog
 from kvflow_ray.engines.sim.profile import Profile
 
@@ -45,7 +46,7 @@ class SimReplica:
     def __init__(self, sim: SimClock, index: int, profile: Profile, policy: str | PolicyConfig,
                  book: StepBook | None = None, *, future: FutureAccesses | None = None, horizon: int = 1,
                  max_inflight: int = 4, gpu_capacity: int | None = None, events: CacheEventLog | None = None,
-                 serving_on: str | None = None) -> None:
+                 serving_on: str | None = None, pauses: PauseModel | None = None) -> None:
         self.sim = sim
         self.events = events  # serving: what the router learns of this replica's cache (offline: None)
         self.index = index
@@ -54,7 +55,8 @@ class SimReplica:
             policy, self, gpu_capacity=profile.gpu_kv_tokens if gpu_capacity is None else gpu_capacity,
             cpu_capacity=profile.host_kv_tokens, clock=lambda: sim.now, book=book, future=future,
             horizon=horizon, max_inflight=max_inflight, max_running=profile.max_running_requests,
-            measuring=lambda: sim.measuring, events=events, serving_on=serving_on)
+            measuring=lambda: sim.measuring, events=events, serving_on=serving_on, pauses=pauses,
+            load_seconds=profile.h2d_time)
         self.cache = self.scheduler.cache
         self.book = self.scheduler.book
         self.policy = self.scheduler.policy
@@ -76,6 +78,7 @@ class SimReplica:
         # what a fleet comparison reads: compute time spent, and the measured requests' output tokens
         self.busy_s = 0.0
         self.output_tokens = 0
+        self.wake_armed: float | None = None  # the earliest session wake-up scheduled (`_arm_wake`)
 
     @property
     def stats(self) -> ReplicaStats:
@@ -212,5 +215,24 @@ class SimReplica:
         if req.measured:
             self.output_tokens += len(req.output_tokens)
         self.scheduler.finish(req, req.tokens + req.output_tokens)  # simulated memory: no slots to hand back
+        if req.session is not None:
+            self._arm_wake()
         assert req.on_done is not None
         req.on_done(req)
+
+    # ------------------------------------------------------------------ session pauses
+    def _arm_wake(self) -> None:
+        """Wake up when a paused session's rank or prefetch falls due (one event per earlier time)."""
+        at = self.scheduler.wake_at()
+        if at is None or (self.wake_armed is not None and self.wake_armed <= at):
+            return
+        self.wake_armed = at
+        self.sim.at(max(at, self.sim.now), self._wake)
+
+    def _wake(self) -> None:
+        if self.wake_armed is not None and self.wake_armed > self.sim.now:
+            return  # superseded by an earlier wake-up that re-armed a later one
+        self.wake_armed = None
+        self.scheduler.tick()
+        self._arm_wake()
+        self.kick()

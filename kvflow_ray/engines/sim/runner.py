@@ -9,7 +9,9 @@ from typing import Any
 from kvflow_ray.core.radix import Tag
 from kvflow_ray.core.routing import parse_routing
 from kvflow_ray.core.scheduler import POLICIES, ReplicaStats, resolve_policy
+from kvflow_ray.core.sessions import PauseStats
 from kvflow_ray.core.stats import percentile
+from kvflow_ray.engines.sim.agentic import SessionClient, largest_need, live_tokens_mean
 from kvflow_ray.engines.sim.profile import Profile
 from kvflow_ray.engines.sim.simulator import IterationRecord, Simulation
 from kvflow_ray.engines.sim.workload import Scenario
@@ -46,8 +48,21 @@ def simulate(scenario: Scenario, profile: Profile, policy: str, *, replicas: int
                      future=future, gpu_capacity=gpu_capacity, routing=routing, seed=seed)
     for plan in scenario.plans:
         sim.add_client(plan)
+    for session in scenario.sessions:
+        client = SessionClient(sim, session, sim.tokens)
+        sim.at(session.start_at, client.begin)
     sim.run()
     return summarise(sim), sim
+
+
+def pressure_capacity(scenario: Scenario, profile: Profile, replicas: int) -> tuple[int, float]:
+    """The device pool per replica at which the sessions' live histories (time-averaged, measured in a
+    run without capacity limit) are `pressure` times the fleet's device KV; never below what one turn
+    needs. Returns (pool tokens, live tokens)."""
+    _result, ref = simulate(scenario, profile, "infinite", replicas=replicas)
+    live = live_tokens_mean(ref.live_log)
+    pressure = float(scenario.params["pressure"])  # type: ignore[arg-type]
+    return max(int(live / (pressure * replicas)), largest_need(scenario.sessions) + 1), live
 
 
 def summarise(sim: Simulation) -> dict[str, Any]:
@@ -55,7 +70,22 @@ def summarise(sim: Simulation) -> dict[str, Any]:
                            None if sim.policy.infinite else sim.replicas[0].cache.gpu_capacity)
     if sim.router is not None:
         result.update(fleet_measures(sim))
+    if sim.live_log:
+        result["pauses"] = pause_measures([r.scheduler.sessions.stats for r in sim.replicas])
     return result
+
+
+def pause_measures(stats: Sequence[PauseStats]) -> dict[str, float]:
+    """Agent sessions' pause predictions against the pauses' true lengths, over every replica."""
+    pauses = sum(s.pauses for s in stats)
+    errors = [e for s in stats for e in s.errors]
+    return {"pauses": pauses,
+            "mean_abs_error_s": sum(s.abs_error_s for s in stats) / pauses if pauses else 0.0,
+            "p90_abs_error_s": percentile(errors, 0.9, 0.0),
+            "mean_signed_error_s": sum(s.signed_error_s for s in stats) / pauses if pauses else 0.0,
+            # prefetch due (started) before the client came back, and after it (too late)
+            "prefetch_due_early": sum(s.due_before_return for s in stats),
+            "prefetch_due_late": sum(s.due_after_return for s in stats)}
 
 
 def fleet_measures(sim: Simulation) -> dict[str, Any]:
@@ -119,6 +149,11 @@ def run_policies(scenario: Scenario, profile: Profile, policies: list[str], *, r
     `"<policy>@<routing>"`). `belady` needs the future: it replays the arrival order of a reference
     run under the same routing (exact for sequential workflows, an approximation under concurrency)."""
     results: dict[str, Any] = {}
+    params = dict(scenario.params)
+    if scenario.sessions and params.get("pressure") is not None and gpu_capacity is None:
+        gpu_capacity, live = pressure_capacity(scenario, profile, replicas)
+        params.update(live_history_tokens=round(live), device_kv_tokens=gpu_capacity,
+                      measured_pressure=live / (gpu_capacity * replicas))
     for routing in routings or [None]:
         trace: list[Tag] | None = None
         for policy in policies:
@@ -137,4 +172,4 @@ def run_policies(scenario: Scenario, profile: Profile, policies: list[str], *, r
             if POLICIES[policy].infinite:
                 trace = sim.trace
             results[name] = result
-    return {"scenario": scenario.name, "profile": profile.name, "params": scenario.params, "results": results}
+    return {"scenario": scenario.name, "profile": profile.name, "params": params, "results": results}

@@ -22,6 +22,7 @@ from kvflow_ray.core.policies import FutureAccesses, StepBook
 from kvflow_ray.core.predict import Forecaster
 from kvflow_ray.core.radix import Tag
 from kvflow_ray.core.scheduler import PolicyConfig
+from kvflow_ray.core.sessions import PAUSES
 from kvflow_ray.engines.events import CacheEventLog
 from kvflow_ray.engines.sim.profile import Profile
 from kvflow_ray.engines.sim.replica import SimReplica, SimRequest
@@ -125,10 +126,12 @@ class Simulation:
         self.future = FutureAccesses(future or []) if policy.oracle else None
         if policy.oracle and future is None:
             raise ValueError(f"{policy.name} needs the future access sequence (run another policy first)")
+        # one pause model for the fleet: what a session's pause teaches serves every replica
+        self.pauses = PAUSES.create(policy.pauses)
         self.replicas = [
             SimReplica(self, i, profile, policy, StepBook(near_horizon=max(horizon, 2)), future=self.future,
                        horizon=horizon, max_inflight=max_inflight, gpu_capacity=gpu_capacity,
-                       events=None if routing is None else CacheEventLog())
+                       events=None if routing is None else CacheEventLog(), pauses=self.pauses)
             for i in range(replicas)
         ]
         self.router = None if routing is None else SimRouter(self, routing, seed)
@@ -140,6 +143,7 @@ class Simulation:
         self.iterations: list[IterationRecord] = []
         self.measuring = False
         self._rid = 0
+        self.live_log: list[tuple[float, int]] = []  # agent sessions' live history tokens: (time, change)
 
     # ------------------------------------------------------------------ event loop
     def at(self, time: float, fn: Callable[[], None]) -> None:
@@ -212,6 +216,10 @@ class Simulation:
     def branching_of(self, plan: ClientPlan) -> Branching | None:
         """This run's copy of the plan's `Branching` (its instance count), once a client of it exists."""
         return None if plan.branching is None else self._branchings.get(id(plan.branching))
+
+    def next_rid(self) -> int:
+        self._rid += 1
+        return self._rid
 
     def new_request(self, client: WorkflowClient, agent: str) -> SimRequest:
         self._rid += 1

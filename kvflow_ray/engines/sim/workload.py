@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvflow_ray.core.graph import AgentSpec, WorkflowSpec
 from kvflow_ray.engines.sim.simulator import Branching, ClientPlan, TokenSource
@@ -30,6 +31,7 @@ class Scenario:
     name: str
     plans: list[ClientPlan]
     params: dict[str, object]
+    sessions: list[Any] = field(default_factory=list)  # agent sessions (`agentic.SessionPlan`)
 
 
 def sequential_loop(name: str, agents: list[str]) -> WorkflowSpec:
