@@ -208,6 +208,11 @@ def test_schema_segments_spell_each_property_by_its_type() -> None:
     # no required properties: all of them; no properties: any object
     assert Grammar([schema_segments({"type": "object", "properties": {"a": {}}}, "!")]).min_chars() == len('{"a": 0}!')
     assert Grammar([schema_segments({"type": "object"}, "!")]).min_chars() == len("{}!")
+    # what cannot be spelled segment by segment within the grammar's bounds is any JSON instead
+    huge = {"type": "object", "properties": {"k": {"enum": ["v" * 5000]}}}
+    assert schema_segments(huge, "!") == [["text", '{"k": '], ["json", "value"], ["text", "}!"]]
+    assert schema_segments({"type": "object", "properties": {"k" * 2000: {}}}, "!") == [["json", "object"],
+                                                                                     ["text", "!"]]
 
 
 @pytest.mark.parametrize(("spec", "message"), [

@@ -350,7 +350,8 @@ def schema_segments(schema: Any, follow: str) -> list[list[Any]]:
         return _merge([["json", "object"], ["text", follow]])
     required = schema.get("required")
     names = [n for n in required if n in props] if isinstance(required, list) and required else list(props)
-    if not names or len(names) > MAX_SEGMENTS // 3:
+    # a schema too large to spell segment by segment: any object (still valid JSON, not checked by it)
+    if not names or len(names) > MAX_SEGMENTS // 3 or any(len(n) > MAX_SEGMENT_CHARS // 4 for n in names):
         return _merge([["json", "object"], ["text", follow]])
     segments: list[list[Any]] = []
     for i, name in enumerate(names):
@@ -366,7 +367,10 @@ def _value_segment(schema: Any) -> list[Any]:
     values = schema.get("enum", [schema["const"]] if "const" in schema else None)
     if (isinstance(values, list) and 0 < len(values) <= MAX_CHOICES
             and all(v is None or isinstance(v, (str, int, float, bool)) for v in values)):
-        return ["choice", [json.dumps(v, ensure_ascii=False) for v in values]]
+        options = [json.dumps(v, ensure_ascii=False) for v in values]
+        if all(len(o) <= MAX_SEGMENT_CHARS // 2 for o in options):  # room for the text folded in after
+            return ["choice", options]
+        return ["json", "value"]
     kind = schema.get("type")
     if kind == "boolean":
         return ["choice", ["true", "false"]]
