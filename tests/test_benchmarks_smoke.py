@@ -259,3 +259,23 @@ def test_fleet_quick_pressure_point(tmp_path: Path) -> None:
 
 def fleet_routers() -> list[str]:
     return _fleet_module().ROUTERS
+
+
+def test_agentic_quick(tmp_path: Path) -> None:
+    """benchmarks/agentic.py --quick: every policy in each cell, the issue's target computed from the
+    same run's oracle, best baseline and lru, and the plot."""
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "agentic.py"), "--quick", "--no-progress",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "targets met:" in proc.stdout
+    report = json.loads((tmp_path / "agentic.json").read_text())
+    assert [c["pressure"] for c in report["cells"]] == [0.5, 2.0]
+    for row in report["cells"]:
+        assert set(row["results"]) == {"lru", "tlru", "continuum", "retention", "hicache", "kvflow", "pause-oracle"}
+        for key in ("mean", "p99"):
+            t = row[key]
+            assert t["best_baseline"] in {"tlru", "continuum", "retention", "hicache"}
+            assert t["met"] == (t["kvflow"] <= t["target"])
+        assert row["results"]["pause-oracle"]["pauses"]["prefetch_due_late"] == 0
+    assert (tmp_path / "agentic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

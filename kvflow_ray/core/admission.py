@@ -90,12 +90,28 @@ class FCFSAdmission(ArrivalAdmission):
 
 
 class StatusAwareAdmission(ArrivalAdmission):
+    """Ready requests first. Turns of agent sessions (`sessions`, a `core.sessions.SessionBook`) go by
+    their session's first arrival (job-level FCFS, as Continuum orders jobs): a job's later turns do not
+    queue behind sessions that started after it. Without live sessions, arrival order."""
+
     name = "status-aware"
     loads_while_queued = True
     batch_waits_for_loads = False
 
+    def __init__(self, sessions: Any = None) -> None:
+        self.sessions = sessions
+
     def order(self, waiting: Sequence[R], ready: Sequence[R]) -> Iterable[R]:
-        return list(ready) if ready else list(waiting)
+        candidates = ready if ready else waiting
+        sessions = self.sessions
+        if sessions is None or not sessions.sessions:
+            return list(candidates)
+
+        def job(req: Any) -> tuple[float, int]:
+            state = sessions.state(req.workflow) if req.workflow is not None else None
+            return (req.arrival if state is None else state.opened, req.seq)
+
+        return sorted(candidates, key=job)
 
 
 class QueueTracking(ArrivalAdmission):
@@ -365,7 +381,7 @@ ADMISSION: Registry[AdmissionPolicy] = Registry("admission")
 # arrival order; a batch waits for its members' loads (SGLang's default)
 ADMISSION.register("fcfs", lambda context: FCFSAdmission())
 # ready requests first, queued loads start at once (KVFlow)
-ADMISSION.register("status-aware", lambda context: StatusAwareAdmission())
+ADMISSION.register("status-aware", lambda context: StatusAwareAdmission(context.sessions))
 
 
 @partial(ADMISSION.register, "lpm")

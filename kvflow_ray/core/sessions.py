@@ -162,6 +162,7 @@ class SessionState:
     tokens: int = 0  # history tokens (prompt and output of its turns so far)
     paused_at: float | None = None
     forecast: Forecast | None = None
+    predicted: float = 0.0  # the pause expected when it began (what its prediction error is scored on)
     returns_at: float = INF  # paused_at + forecast.expected
     due_at: float = INF  # from then on its history is prefetched
     retained: int = 0  # tokens it counts against its tenant's retention bound while paused
@@ -235,6 +236,8 @@ class SessionBook:
         state.tool_mean = self.pauses.mean(self._tool_key(state)) if turn.tool else None
         self.paused[key] = state
         self._forecast(state, now)
+        assert state.forecast is not None
+        state.predicted = state.forecast.expected
         cap = self.tenant_retain_tokens
         tenant = turn.tenant
         if cap is None or self.retained.get(tenant, 0) + tokens <= cap:
@@ -337,9 +340,8 @@ class SessionBook:
         state.returns_at = state.due_at = INF
 
     def _score(self, state: SessionState, gap: float, now: float) -> None:
-        assert state.forecast is not None
         stats = self.stats
-        error = state.forecast.expected - gap
+        error = state.predicted - gap
         stats.pauses += 1
         stats.abs_error_s += abs(error)
         stats.signed_error_s += error
