@@ -70,3 +70,22 @@ def test_each_clients_calls_stay_on_one_ingress_replica(server: LocalServer) -> 
         run.finish()
     assert all(len(ingresses) == 1 for ingresses in seen.values()), seen
     assert len(set().union(*seen.values())) == 2, seen
+
+
+def test_forced_tool_choice_is_refused_where_the_engine_cannot_constrain(server: LocalServer) -> None:
+    """The simulated engine has no constrained decoding: a forced tool choice is a 400 that says so, never
+    an unforced answer; tool_choice auto is served (its made-up text parsed for calls)."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    ask = [{"role": "user", "content": "Time?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="default", messages=ask, tools=tools, tool_choice=choice,
+                                           max_tokens=96)
+        body = info.value.body
+        assert isinstance(body, dict) and body["param"] == "tool_choice" and body["code"] == "unsupported_parameter"
+        assert "this engine (sim) does not support forced tool choice" in body["message"]
+    served = client.chat.completions.create(model="default", messages=ask, tools=tools, max_tokens=4)
+    assert served.choices[0].finish_reason in ("stop", "length") and not served.choices[0].message.tool_calls
