@@ -433,13 +433,29 @@ def workflows() -> dict[str, Any]:
                    "percentunit", Target(or_zero(PREDICTION_ACCURACY, label="steps"), "{{steps}} step(s) ahead"),
                    width=24, min=0, soft_max=1),
     ]
+    pauses = sum_by((), rate("kvflow_session_pauses_total", REPLICA))
+    sessions = [
+        timeseries("Session pause-prediction error", "Agent sessions in tool pauses: mean |predicted - actual| "
+                   "pause length over the selected replicas (all tenants); '(none)' until a pause has ended. "
+                   "Large errors on one tool mean its durations are bimodal: prefetch still errs early.", "s",
+                   Target(or_zero(ratio(sum_by((), rate("kvflow_session_pause_error_seconds_total", REPLICA)),
+                                        pauses)), "mean error"), width=8, min=0),
+        timeseries("Session prefetch timing", "Paused histories whose prefetch fell due before the client came "
+                   "back (early: the history was on its way) or after (late: the turn waited for it), per second.",
+                   "ops", Target(or_zero(sum_by(["timing"], rate("kvflow_session_prefetch_total", REPLICA)),
+                                         label="timing"), "{{timing}}"), width=8, stacking="normal"),
+        timeseries("Retained session history by tenant", "History tokens of paused sessions ranked as needed, per "
+                   "tenant (bounded by tenant_retain_tokens: a pause never pins memory).", "short",
+                   Target(or_zero(sum_by(["tenant"], selector("kvflow_session_retained_tokens", REPLICA, TENANT)),
+                                  label="tenant"), "{{tenant}}"), width=8, stacking="normal"),
+    ]
     return dashboard(
         "kvflow-workflows", "kvflow workflows",
         "Per-tenant workflow view: live workflows and step-graph deviations by tenant (the router's tenant-labelled "
         "metrics), with the fleet's routing outcomes, device hit ratio and latency alongside (no tenant label).",
         [datasource_variable(), label_variable("replica", "Replica", "kvflow_queue_length"),
          label_variable("tenant", "Tenant", "kvflow_workflows_active")],
-        [headline, tenants, routing, latency, prediction],
+        [headline, tenants, routing, latency, prediction, sessions],
     )
 
 

@@ -33,7 +33,8 @@ KNOWN_SERIES = frozenset({
     "kvflow_queue_length", "kvflow_router_decisions_total", "kvflow_workflows_active",
     "kvflow_workflow_deviations_total", "kvflow_router_replicas", "kvflow_router_replicas_lost_total",
     "kvflow_store_up", "kvflow_store_pending_writes", "kvflow_store_reconciles_total",
-    "kvflow_prediction_accuracy", "kvflow_predictions",
+    "kvflow_prediction_accuracy", "kvflow_predictions", "kvflow_session_pauses_total",
+    "kvflow_session_pause_error_seconds_total", "kvflow_session_prefetch_total", "kvflow_session_retained_tokens",
     *(h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")),
 })
 METRIC = re.compile(r"kvflow_[a-z_]+")

@@ -344,6 +344,9 @@ class ReplicaScheduler:
         `elsewhere`), finished workflow instances (their prompts lose their tags); then plan
         prefetches (each prompt in its workflow's namespace)."""
         retire = list(retire)
+        sessions = self.sessions.sessions
+        if sessions:  # a live session's rank is its pause's, kept here (the router's steps know no time)
+            steps = {wf: agent_steps for wf, agent_steps in steps.items() if wf not in sessions}
         self.book.apply(steps, prompts, retire, salts, elsewhere)
         self.retire(retire, book=False)
         self.plan_prefetch()
@@ -353,6 +356,7 @@ class ReplicaScheduler:
         prompts leave the book, unless `apply_hints` already took them out)."""
         self._changes += 1
         for workflow in workflows:
+            self.sessions.close(workflow)
             if book:
                 self.book.retire(workflow)
             self.cache.retire_workflow(workflow)
@@ -373,6 +377,7 @@ class ReplicaScheduler:
             cache_tokens={"gpu": self.cache.tree.gpu_tokens, "cpu": self.cache.tree.cpu_tokens,
                           "private": self.cache.private_tokens},
             capacity_tokens={"gpu": self.cache.gpu_capacity, "cpu": self.cache.cpu_capacity},
+            sessions=self.sessions.report(),
         )
 
     # ------------------------------------------------------------------ prefetch

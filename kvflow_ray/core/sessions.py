@@ -62,6 +62,7 @@ class SessionTurn:
     hint_s: float | None = None  # the client's expected pause (`kvflow.expected_pause_s`, a cache TTL)
     final: bool = False  # the session ends with this turn: its KV is released at once
     true_pause_s: float | None = None
+    tool_parser: str | None = None  # serving: the format its output calls tools in (the tool is read from it)
 
 
 class PauseModel(Protocol):
@@ -204,6 +205,7 @@ class SessionBook:
         self.sessions: dict[str, SessionState] = {}
         self.paused: dict[str, SessionState] = {}
         self.retained: dict[str, int] = {}  # tenant -> paused history tokens ranked as needed
+        self._tenants: set[str] = set()  # tenants that ever retained (their gauge reads 0 when none now)
         self.origin = 0.0
         self._wakes: list[tuple[float, int, str, int]] = []
         self._seq = 0
@@ -243,6 +245,7 @@ class SessionBook:
         if cap is None or self.retained.get(tenant, 0) + tokens <= cap:
             state.retained = tokens
             self.retained[tenant] = self.retained.get(tenant, 0) + tokens
+            self._tenants.add(tenant)
         self._rank(state, now)
         assert state.forecast is not None
         return state.forecast
@@ -282,6 +285,14 @@ class SessionBook:
             self._rank(state, now)
 
     # ------------------------------------------------------------------ reading
+    def report(self) -> dict[str, object]:
+        """What metrics read (`EngineSnapshot.sessions`): cumulative pause counts and errors, and the
+        retained tokens per tenant now."""
+        s = self.stats
+        return {"pauses": s.pauses, "abs_error_s": s.abs_error_s, "due_early": s.due_before_return,
+                "due_late": s.due_after_return,
+                "retained_tokens": {tenant: self.retained.get(tenant, 0) for tenant in self._tenants}}
+
     def state(self, key: str) -> SessionState | None:
         return self.sessions.get(key)
 

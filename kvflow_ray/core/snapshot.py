@@ -30,6 +30,11 @@ class EngineSnapshot:
     # CPU seconds the engine's own compute threads used (None: the engine does not measure it); the rest
     # of a replica process's CPU is serving overhead
     compute_cpu_s: float | None = None
+    # agent sessions in tool pauses (docs/design.md §11): pauses ended, the sum of their prediction
+    # errors (|predicted - actual| seconds), prefetches due before / after the client came back, and
+    # per tenant the paused history tokens ranked as needed (retained)
+    sessions: dict[str, Any] = field(default_factory=lambda: {
+        "pauses": 0, "abs_error_s": 0.0, "due_early": 0, "due_late": 0, "retained_tokens": {}})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

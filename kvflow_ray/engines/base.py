@@ -14,10 +14,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from kvflow_ray.core.radix import Namespace
+from kvflow_ray.core.sessions import SESSION_AGENT, SessionTurn
+from kvflow_ray.engines.tool_calls import get_parser
 
 MAX_STOP_STRINGS = 4  # stop strings one request may give (OpenAI's limit)
 
@@ -65,6 +67,9 @@ class GenerateRequest:
     # constrained decoding: the output must spell one string of this grammar (`engines.constrained`:
     # [kind, value] segments; a forced tool call). Only engines that honour it accept it (`request_tokens`)
     constraint: Sequence[Sequence[Any]] | None = None
+    # a turn of an agent session (docs/design.md §11; `workflow` is the session's key, `agent` "session"):
+    # {"tenant": str, "hint_s": float | None, "final": bool, "tool_parser": str | None}. None: not a session
+    session: Mapping[str, Any] | None = None
 
 
 @dataclass
@@ -251,3 +256,31 @@ class BackgroundEngine:
             raise req.error
         assert req.result is not None
         yield req.result
+
+
+def session_turn(request: GenerateRequest) -> SessionTurn | None:
+    """The core's view of a session turn (`core.sessions.SessionTurn`); raises ValueError on a malformed
+    one. The tool its output calls is filled in when it ends (`ended_turn`)."""
+    meta = request.session
+    if meta is None:
+        return None
+    if request.workflow is None or request.agent != SESSION_AGENT:
+        raise ValueError(f"a session turn names its session as workflow and {SESSION_AGENT!r} as agent")
+    hint = meta.get("hint_s")
+    if hint is not None and not (isinstance(hint, int | float) and 0 < hint <= 86_400):
+        raise ValueError("session hint_s must be a number of seconds in (0, 86400]")
+    tenant = meta.get("tenant", "")
+    parser = meta.get("tool_parser")
+    if not isinstance(tenant, str) or not isinstance(meta.get("final", False), bool) or \
+            not (parser is None or isinstance(parser, str)):
+        raise ValueError("session: tenant is a string, final a boolean, tool_parser a parser name")
+    return SessionTurn(tenant=tenant, agent=SESSION_AGENT, hint_s=None if hint is None else float(hint),
+                       final=bool(meta.get("final", False)), tool_parser=parser)
+
+
+def ended_turn(turn: SessionTurn, output: str) -> SessionTurn:
+    """`turn` with the tool its `output` calls (the first call's name, by the turn's parser; "" if none)."""
+    if turn.tool_parser is None:
+        return turn
+    calls = get_parser(turn.tool_parser).parse(output).calls
+    return replace(turn, tool=calls[0].name[:128] if calls else "")

@@ -87,9 +87,28 @@ PREFETCH_STALL = MetricDef(
     "kvflow_prefetch_stall_seconds", "Time an admitted request waited for its KV to load to the device "
     "(0 when it did not wait)", "histogram", buckets=STALL_BUCKETS)
 
+# Agent sessions in tool pauses (docs/design.md §11); an engine without sessions reports zeros.
+SESSION_PAUSES = MetricDef(
+    "kvflow_session_pauses", "Tool pauses of agent sessions that ended (the client came back)", "counter",
+    read=lambda s: {(): float(s.sessions.get("pauses", 0))})
+SESSION_PAUSE_ERROR = MetricDef(
+    "kvflow_session_pause_error_seconds", "Sum over ended pauses of |predicted - actual| pause length "
+    "(divide by kvflow_session_pauses_total for the mean error)", "counter",
+    read=lambda s: {(): float(s.sessions.get("abs_error_s", 0.0))})
+SESSION_PREFETCH = MetricDef(
+    "kvflow_session_prefetch", "Paused histories whose prefetch fell due before the client came back (early) "
+    "or not (late)", "counter", ("timing",),
+    read=lambda s: {("early",): float(s.sessions.get("due_early", 0)), ("late",): float(s.sessions.get("due_late", 0))})
+SESSION_RETAINED = MetricDef(
+    "kvflow_session_retained_tokens", "History tokens of paused sessions ranked as needed, per tenant (bounded "
+    "by tenant_retain_tokens)", "gauge", ("tenant",),
+    read=lambda s: {(tenant,): float(n) for tenant, n in s.sessions.get("retained_tokens", {}).items()},
+    multiprocess_mode="livemax")
+
 # Every engine metric, in exposition order.
 ENGINE_METRICS: tuple[MetricDef, ...] = (PROMPT_TOKENS, PREFETCH, PREFETCH_STALL, EVICTED_TOKENS, CACHE_TOKENS,
-                                         QUEUE_LENGTH)
+                                         QUEUE_LENGTH, SESSION_PAUSES, SESSION_PAUSE_ERROR, SESSION_PREFETCH,
+                                         SESSION_RETAINED)
 
 
 def make_metric(definition: MetricDef, extra_labels: tuple[str, ...] = (), registry: Any = None) -> Any:

@@ -35,6 +35,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 
 from kvflow_ray.core.graph import SpecError, SpecLimitError, UnknownAgentError, WorkflowSpec, parse_spec
+from kvflow_ray.core.sessions import SESSION_AGENT
 from kvflow_ray.engines.base import GenerateResult, prefix_hash
 from kvflow_ray.engines.constrained import Grammar
 from kvflow_ray.engines.cpu.config import ModelConfig
@@ -61,6 +62,9 @@ from kvflow_ray.serve.request_router import ROUTE_KWARG
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="kvflow-ray", description="OpenAI-compatible, workflow-aware LLM serving")
+# the workflow every agent session is routed as: one agent that follows itself, turn after turn
+SESSION_SPEC: dict[str, Any] = {"name": "kvflow.session", "entry": SESSION_AGENT,
+                                "agents": {SESSION_AGENT: {"after": [SESSION_AGENT]}}}
 REGISTERED_CACHE_S = 10.0  # a registration body seen again within this is answered without parsing
 K = TypeVar("K")
 V = TypeVar("V")
@@ -216,6 +220,7 @@ class Ingress:
         tokenizer_path = self.config.tokenizer_path()
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.tool_parser = get_parser(self.config.tool_call_parser)  # every engine's output, same parser
+        self._session_tenants: set[str] = set()  # tenants the built-in session workflow is registered for
         self.model_name = self.config.model_name()
         if self.config.engine == "sim":
             from kvflow_ray.engines.sim.serving import MAX_CONTEXT
@@ -403,6 +408,8 @@ class Ingress:
                           engine_request: dict[str, Any]) -> _Call | None:
         meta = parsed.meta
         if meta is None:
+            if parsed.session.session is not None:
+                return await self._start_session(tenant, parsed, tokens, engine_request)
             return None
         check_name("client_id", meta.client_id)
         workflow = meta.workflow
@@ -435,6 +442,32 @@ class Ingress:
         engine_request.update(workflow=route.workflow_key, agent=meta.agent, fixed_prefix_tokens=boundary)
         return _Call(tenant, meta.client_id, meta.agent, workflow, route.replica, route.outcome,
                      fixed_hash, boundary, salt, tokens, parsed.max_tokens)
+
+    async def _start_session(self, tenant: str, parsed: ParsedRequest, tokens: list[int],
+                             engine_request: dict[str, Any]) -> _Call:
+        """A turn of an agent session (docs/design.md §11): routed as the one agent of the built-in
+        `SESSION_SPEC` workflow, its session id the client id, so it stays on the replica holding its
+        history; the engine ranks the history by the pause that follows."""
+        meta = parsed.session
+        assert meta.session is not None
+        if tenant not in self._session_tenants:
+            await self._put_template(tenant, SESSION_SPEC)
+            self._session_tenants.add(tenant)
+        router = self.router
+        await router.ready()
+        await router.recall(tenant, meta.session)
+        salt = engine_request["cache_salt"]
+        route = router.start_call(tenant, meta.session, SESSION_AGENT, workflow=SESSION_SPEC["name"], cache_salt=salt,
+                                  tokens=tokens, max_new=parsed.max_tokens)
+        tools = parsed.tools
+        hint = meta.expected_pause_s if meta.expected_pause_s is not None else meta.cache_ttl_s
+        engine_request.update(workflow=route.workflow_key, agent=SESSION_AGENT, session={
+            "tenant": tenant, "hint_s": hint, "final": bool(meta.final_turn),
+            "tool_parser": self.tool_parser.name if tools is not None and tools.active else None})
+        call = _Call(tenant, meta.session, SESSION_AGENT, SESSION_SPEC["name"], route.replica, route.outcome,
+                     None, 0, salt, tokens, parsed.max_tokens)
+        call.final = bool(meta.final_turn)
+        return call
 
     def _boundary(self, parsed: ParsedRequest, tokens: list[int], text: str, prompt: str | None) -> int:
         """Where the agent's fixed prompt ends (docs/design.md §3); 0 when the request does not start with it.
@@ -493,6 +526,8 @@ class Ingress:
             return
         call.ended = True
         self.router.end_call(call.tenant, call.client_id, call.agent, call.replica)
+        if call.final:  # the session's last turn: the router forgets it (its engine released the KV)
+            self.router.finish_client(call.tenant, call.client_id)
 
     async def _stream(self, call: _Call | None, parsed: ParsedRequest, engine_request: dict[str, Any],
                       prompt_tokens: int, release: Callable[[], None]) -> AsyncIterator[str]:
@@ -691,6 +726,7 @@ class _Call:
         self.prefix_hash, self.prefix_tokens, self.salt = prefix_hash, prefix_tokens, salt
         self.tokens, self.max_new = tokens, max_new  # what the routing policy prices (a retry sends them again)
         self.ended = False  # end_call sent (once per call)
+        self.final = False  # a session's last turn: the router forgets the session once it ends
 
 
 # Bound here, at import, not in `build_app`: Serve pickles the FastAPI app by reference, so every

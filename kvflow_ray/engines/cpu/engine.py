@@ -30,7 +30,16 @@ import torch
 from kvflow_ray.core.policies import StepBook
 from kvflow_ray.core.radix import RadixNode
 from kvflow_ray.core.scheduler import CacheRequest, build_replica, resolve_policy
-from kvflow_ray.engines.base import BackgroundEngine, CacheEvent, GenerateRequest, GenerateResult, Hints, request_tokens
+from kvflow_ray.engines.base import (
+    BackgroundEngine,
+    CacheEvent,
+    GenerateRequest,
+    GenerateResult,
+    Hints,
+    ended_turn,
+    request_tokens,
+    session_turn,
+)
 from kvflow_ray.engines.constrained import CANDIDATES, TokenConstraint, TokenTexts, check_constraint
 from kvflow_ray.engines.cpu.config import CpuEngineConfig
 from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream
@@ -204,6 +213,9 @@ class CpuEngine(BackgroundEngine):
     def _step(self, timeout: float) -> bool:
         self._drain_inbox()
         self._land_copies()
+        wake = self.scheduler.wake_at()
+        if wake is not None and time.perf_counter() >= wake:  # a paused session's rank or prefetch is due
+            self.scheduler.tick()
         batch = self.scheduler.next_batch(self.config.chunk_tokens)
         if batch is None:
             if not self.busy:
@@ -244,7 +256,7 @@ class CpuEngine(BackgroundEngine):
                           temperature=request.temperature, top_p=request.top_p,
                           stops=StopTokens(request.stop, self.tokenizer.decode, on_token),
                           ignore_eos=request.ignore_eos, constraint=constraint, generator=generator,
-                          submitted_at=time.perf_counter())
+                          session=session_turn(request), submitted_at=time.perf_counter())
 
     def _drain_inbox(self) -> None:
         while True:
@@ -393,6 +405,8 @@ class CpuEngine(BackgroundEngine):
         sequence = req.tokens + tuple(req.out[:-1])  # the last token was sampled, never fed: no KV
         adopted: list[tuple[int, int]] = []
         own = req.own
+        if req.session is not None:  # the tool its output calls: what its pause is learned under
+            req.session = ended_turn(req.session, self.tokenizer.decode(list(req.out)))
         self.scheduler.finish(req, sequence, req.ctx[:len(sequence)], adopted,
                               free_slots=lambda: self._free_unadopted(own[req.committed - req.base:], req.committed,
                                                                       adopted))

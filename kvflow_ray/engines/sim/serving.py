@@ -27,7 +27,9 @@ from kvflow_ray.engines.base import (
     GenerateRequest,
     GenerateResult,
     Hints,
+    ended_turn,
     request_tokens,
+    session_turn,
     thread_cpu_seconds,
 )
 from kvflow_ray.engines.events import CacheEventLog
@@ -132,6 +134,7 @@ class SimEngine(BackgroundEngine):
             tokens = request_tokens(request, model_name=self.model_name, encode=self.tokenizer.encode,
                                     vocab_size=self.tokenizer.vocab_size, max_context=MAX_CONTEXT,
                                     device_tokens=self.cache.gpu_capacity)
+            session = session_turn(request)
         except ValueError:
             self.requests_rejected += 1
             raise
@@ -168,7 +171,8 @@ class SimEngine(BackgroundEngine):
 
         req = ServedRequest(workflow=request.workflow, agent=request.agent, tokens=tokens,
                             fixed_len=fixed if fixed is not None else -1, max_new=request.max_tokens,
-                            cache_salt=request.cache_salt, output_tokens=output, on_done=done)
+                            cache_salt=request.cache_salt, output_tokens=output, on_done=done,
+                            session=None if session is None else ended_turn(session, stops.text))
 
         self.clock.soon(lambda: self.replica.submit(req))
         return req
