@@ -14,7 +14,11 @@ pause-prediction error and prefetch timing, and the issue's target
 from the pause oracle O, the best baseline Bst (T-LRU, Continuum, retention, HiCache) and lru L of the
 same run (at pressure <= 0.5: kvflow within 2% of the best baseline instead).
 
-Run: python benchmarks/agentic.py [--quick] [--out DIR]. Progress on stderr, tables on stdout,
+On the CPU engine (real compute on real KV tensors, SmolLM2-135M, wall clock) a small agentic run
+(the `small` shape: short prompts, pauses / 20) compares the same policies, recomputed tokens beside
+job completion time.
+
+Run: python benchmarks/agentic.py [--quick] [--no-cpu] [--out DIR]. Progress on stderr, tables on stdout,
 agentic.json and agentic.png in DIR (default benchmarks/out; the committed figures come from
 --out benchmarks/results).
 """
@@ -69,6 +73,23 @@ def cell(replicas: int, sessions: int, pressure: float, variant: str, bar: tqdm)
             "mean": target(results, "latency_s", pressure), "p99": target(results, "p99_latency_s", pressure)}
 
 
+def cpu_cell(model: str, sessions: int, device_tokens: int) -> dict[str, Any]:
+    """A small agentic run on the CPU engine (real compute on real KV, wall clock), every policy."""
+    from kvflow_ray.engines.cpu.bench import run_cpu_policies
+    from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig
+    from kvflow_ray.engines.cpu.weights import resolve_model
+
+    scenario = agentic(sessions=sessions, shape="small", seed=SEED)
+    path = resolve_model(model)
+    config = CpuEngineConfig(model=ModelConfig(path=path), device_kv_tokens=device_tokens,
+                             host_kv_tokens=8 * device_tokens, max_running=8)
+    out = run_cpu_policies(scenario, config, POLICIES)
+    results = out["results"]
+    order = sorted(POLICIES, key=lambda name: results[name]["latency_s"])
+    return {"model": model, "sessions": sessions, "device_kv_tokens": device_tokens, "results": results,
+            "order_by_jct": order}
+
+
 def tables(report: dict[str, Any]) -> str:
     lines = []
     for row in report["cells"]:
@@ -91,6 +112,14 @@ def tables(report: dict[str, Any]) -> str:
                          f"({t['best_baseline']} {t['best']:.1f} s), {t['vs_lru']:.2f}x lru, "
                          f"oracle {t['oracle']:.1f} s, "
                          f"{t['oracle_gain_captured']:.0%} of the oracle's gain over lru")
+    for row in report["cpu"]:
+        lines.append(f"\nCPU engine, {row['model']}, {row['sessions']} small sessions, device pool "
+                     f"{row['device_kv_tokens']:,} tokens (wall clock)")
+        lines.append(f"{'policy':<14}{'JCT s':>9}{'p99 s':>9}{'recomputed':>12}{'loaded':>11}{'gpu hit':>9}")
+        for name, r in row["results"].items():
+            lines.append(f"{name:<14}{r['latency_s']:>9.2f}{r['p99_latency_s']:>9.2f}{r['recomputed_tokens']:>12,}"
+                         f"{r['loaded_tokens']:>11,}{r['gpu_hit_ratio']:>9.3f}")
+        lines.append(f"  order by mean JCT: {', '.join(row['order_by_jct'])}")
     met = sum(row[k]["met"] for row in report["cells"] for k in ("mean", "p99"))
     lines.append(f"\ntargets met: {met} of {2 * len(report['cells'])}")
     return "\n".join(lines)
@@ -120,16 +149,20 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = results_file.parser(__doc__, "agentic", "two small single-replica cells (a smoke run)")
+    ap = results_file.parser(__doc__, "agentic", "two small single-replica cells, the CPU run on the random model "
+                                                 "(a smoke run)")
+    ap.add_argument("--no-cpu", action="store_true", help="skip the CPU engine run (SmolLM2: about 10 minutes)")
     args = ap.parse_args(argv)
     results_file.require("matplotlib")
     grid = QUICK if args.quick else FULL
     started = time.perf_counter()
     with tqdm(total=len(grid), disable=args.no_progress, file=sys.stderr, unit="cell") as bar:
         cells = [cell(*spec, bar) for spec in grid]
-    report = {"generated_by": "python benchmarks/agentic.py" + (" --quick" if args.quick else ""),
+    cpu = [] if args.no_cpu else [cpu_cell("random", 4, 1024) if args.quick else cpu_cell("smollm2-135m", 8, 3072)]
+    report = {"generated_by": "python benchmarks/agentic.py" + (" --quick" if args.quick else "")
+              + (" --no-cpu" if args.no_cpu else ""),
               "machine": results_file.machine(), "profile": PROFILE, "seed": SEED,
-              "wall_s": time.perf_counter() - started, "cells": cells}
+              "wall_s": time.perf_counter() - started, "cells": cells, "cpu": cpu}
     print(tables(report))
     results_file.write(args.out, "agentic", report, lambda path: plot(report, path))
     return 0

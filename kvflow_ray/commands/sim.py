@@ -50,7 +50,7 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, single_iterations: i
     """The scenario flags, shared by `sim` and `bench cpu` (docs/design.md §8); `fleet`: the fleet scenario's
     too (the simulator's alone: its arrivals follow the simulated clock)."""
     which = parser.add_mutually_exclusive_group(required=True)
-    scenarios = ["single", "concurrent", "peer", "dynamic", "burst", "fanout", *(["fleet", "agentic"] if fleet else [])]
+    scenarios = ["single", "concurrent", "peer", "dynamic", "burst", "fanout", "agentic", *(["fleet"] if fleet else [])]
     which.add_argument("--scenario", choices=scenarios, help="a built-in scenario")
     which.add_argument("--workflow", metavar="FILE", help="run any workflow spec (YAML/JSON)")
     parser.add_argument("--agents", type=int, default=10, help="agents per workflow (single, concurrent)")
@@ -101,16 +101,19 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, single_iterations: i
                                  "the prompt sizes; the report prints the ratio either way. agentic: the live "
                                  "session histories (time-averaged, measured without capacity limit) over the "
                                  "fleet's device KV: sets the device pool (default 2)")
-        parser.add_argument("--sessions", type=int, default=64,
-                            help="agentic: agent sessions (5-30 turns each, tool pauses between them)")
-        parser.add_argument("--variant", choices=["single", "planner"], default="single",
-                            help="agentic: single agents, or planners whose spawn tool starts 2-4 sub-agent sessions")
-        parser.add_argument("--pause-hint", type=float, default=None, metavar="S",
-                            help="agentic: clients send kvflow.expected_pause_s = S with every turn (default none)")
         parser.add_argument("--preset", choices=["llmd", "tools"], default=None,
                             help="fleet: llmd = llm-d's benchmark shape (150 system prompts of 6,000 tokens, "
                                  "1,200-token questions, 1,000 tokens out); tools = agents' system prompts of "
                                  "4-16k tokens (tool schemas), as agent frameworks send")
+    parser.add_argument("--sessions", type=int, default=64,
+                        help="agentic: agent sessions (5-30 turns each, tool pauses between them)")
+    parser.add_argument("--variant", choices=["single", "planner"], default="single",
+                        help="agentic: single agents, or planners whose spawn tool starts 2-4 sub-agent sessions")
+    parser.add_argument("--shape", choices=list(agentic.SHAPES), default="standard" if fleet else "small",
+                        help="agentic: standard (4-8k-token system prompts, 200-4,000-token tool results, "
+                             "100-500 output tokens, 5-30 turns) or small (the same at CPU size, pauses / 20)")
+    parser.add_argument("--pause-hint", type=float, default=None, metavar="S",
+                        help="agentic: clients send kvflow.expected_pause_s = S with every turn (default none)")
     parser.set_defaults(_single_iterations=single_iterations, _scenario_seeded=fleet)
 
 
@@ -145,9 +148,11 @@ def build_scenario(args: argparse.Namespace, fleet_kv_tokens: int | None = None)
     if getattr(args, "pressure", None) is not None and args.scenario not in ("fleet", "agentic"):
         raise ValueError("--pressure goes with --scenario fleet or agentic")
     if args.scenario == "agentic":
-        return agentic.agentic(sessions=args.sessions, pressure=2.0 if args.pressure is None else args.pressure,
-                               apps=pick(args.apps, 4), tenants=pick(args.tenants, 2), rate=args.rate,
-                               variant=args.variant, hint_s=args.pause_hint, seed=args.seed)
+        pressure = getattr(args, "pressure", None)
+        return agentic.agentic(sessions=args.sessions, pressure=2.0 if pressure is None else pressure,
+                               apps=pick(args.apps, 4), tenants=pick(getattr(args, "tenants", None), 2),
+                               rate=getattr(args, "rate", None), variant=args.variant, shape=args.shape,
+                               hint_s=args.pause_hint, seed=getattr(args, "seed", 0))
     if args.scenario == "fleet":
         rate = args.rate
         if args.preset == "llmd":
@@ -249,7 +254,7 @@ def format_table(out: dict) -> str:
         lines.append(f"live session histories {params['live_history_tokens']:,} tokens = "
                      f"{params['measured_pressure']:.2f} x the fleet's device KV "
                      f"({params['device_kv_tokens']:,} tokens per replica); latency = job completion time")
-    elif params.get("pressure") is not None:
+    elif params.get("working_set_tokens") is not None:
         lines.append(f"working set {params['working_set_tokens']:,} tokens = {params['pressure']:.2f} x the fleet's "
                      "device KV")
     lines.append(f"{'policy':<{width}}{'latency s':>11}{'p99 s':>9}{'vs lru':>8}{'gpu hit':>9}{'cpu hit':>9}"

@@ -68,7 +68,9 @@ class GenerateRequest:
     # [kind, value] segments; a forced tool call). Only engines that honour it accept it (`request_tokens`)
     constraint: Sequence[Sequence[Any]] | None = None
     # a turn of an agent session (docs/design.md §11; `workflow` is the session's key, `agent` "session"):
-    # {"tenant": str, "hint_s": float | None, "final": bool, "tool_parser": str | None}. None: not a session
+    # {"tenant": str, "hint_s": float | None, "final": bool, "tool_parser": str | None}; a benchmark
+    # driver may also name the turn's "agent" and "tool" and give "true_pause_s" (the pause oracle's).
+    # The ingress builds this itself: no client field reaches it. None: not a session turn
     session: Mapping[str, Any] | None = None
 
 
@@ -269,13 +271,14 @@ def session_turn(request: GenerateRequest) -> SessionTurn | None:
     hint = meta.get("hint_s")
     if hint is not None and not (isinstance(hint, int | float) and 0 < hint <= 86_400):
         raise ValueError("session hint_s must be a number of seconds in (0, 86400]")
-    tenant = meta.get("tenant", "")
-    parser = meta.get("tool_parser")
-    if not isinstance(tenant, str) or not isinstance(meta.get("final", False), bool) or \
-            not (parser is None or isinstance(parser, str)):
-        raise ValueError("session: tenant is a string, final a boolean, tool_parser a parser name")
-    return SessionTurn(tenant=tenant, agent=SESSION_AGENT, hint_s=None if hint is None else float(hint),
-                       final=bool(meta.get("final", False)), tool_parser=parser)
+    tenant, agent, tool = meta.get("tenant", ""), meta.get("agent", SESSION_AGENT), meta.get("tool", "")
+    parser, truth = meta.get("tool_parser"), meta.get("true_pause_s")
+    if not all(isinstance(v, str) for v in (tenant, agent, tool)) or not isinstance(meta.get("final", False), bool) \
+            or not (parser is None or isinstance(parser, str)) or not (truth is None or isinstance(truth, int | float)):
+        raise ValueError("session: tenant, agent and tool are strings, final a boolean, tool_parser a parser name")
+    return SessionTurn(tenant=tenant, agent=agent, tool=tool, hint_s=None if hint is None else float(hint),
+                       final=bool(meta.get("final", False)), tool_parser=parser,
+                       true_pause_s=None if truth is None else float(truth))
 
 
 def ended_turn(turn: SessionTurn, output: str) -> SessionTurn:

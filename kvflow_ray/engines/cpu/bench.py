@@ -9,6 +9,7 @@ to the engine as `Hints`, and times each workflow pass on the wall clock.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, replace
@@ -20,7 +21,9 @@ from kvflow_ray.engines.base import GenerateRequest, Hints
 from kvflow_ray.engines.cpu.config import CpuEngineConfig
 from kvflow_ray.engines.cpu.engine import CpuEngine, CpuRequest
 from kvflow_ray.engines.cpu.model import CpuModel
-from kvflow_ray.engines.sim.runner import summarise_run
+from kvflow_ray.engines.sim.agentic import SessionClient, SessionPlan, turns_of
+from kvflow_ray.engines.sim.replica import SimRequest
+from kvflow_ray.engines.sim.runner import pause_measures, summarise_run
 from kvflow_ray.engines.sim.simulator import Branching, IterationRecord, TokenSource, WorkflowClient, own_branching
 from kvflow_ray.engines.sim.workload import Scenario
 
@@ -32,8 +35,25 @@ def to_vocab(ids: tuple[int, ...], vocab: int = 256) -> tuple[int, ...]:
     return tuple(((t * 2654435761) & 0xFFFFFFFF) * vocab >> 32 for t in ids)
 
 
+class VocabTokens(TokenSource):
+    """Fresh token ids within the model's vocabulary (`to_vocab` of the unique ids)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+
+    def fresh(self, n: int) -> tuple[int, ...]:
+        return to_vocab(super().fresh(n), self.vocab)
+
+
+def in_vocab(plan: SessionPlan, vocab: int) -> SessionPlan:
+    """`plan` (and its sub-agents) with its system prompt's ids within the vocabulary."""
+    return replace(plan, system=to_vocab(plan.system, vocab), spawn=[in_vocab(p, vocab) for p in plan.spawn])
+
+
 class EngineDriver:
-    """A `ClientHost` over a real engine, on the wall clock."""
+    """A `ClientHost` (workflows) and `SessionHost` (agent sessions) over a real engine, on the wall
+    clock: a session's tool pause is a timer the driver's loop runs when it falls due."""
 
     def __init__(self, engine: CpuEngine, scenario: Scenario, on_request: Callable[[], None] | None = None) -> None:
         self.engine = engine
@@ -42,6 +62,9 @@ class EngineDriver:
         self.iterations: list[IterationRecord] = []
         self.tokens = TokenSource()
         self.on_request = on_request
+        self.live_log: list[tuple[float, int]] = []
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._rid = 0
         self._t0 = time.perf_counter()
         self._prompts: dict[tuple[str, str], tuple[int, ...]] = {}
         self._salts: dict[str, str] = {}  # workflow -> its requests' cache namespace
@@ -81,15 +104,61 @@ class EngineDriver:
     def retire(self, workflow: str) -> None:
         self.engine.apply_hints(Hints(retire=[workflow]))
 
+    # ------------------------------------------------------------------ agent sessions (SessionHost)
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        self._rid += 1
+        heapq.heappush(self._timers, (when, self._rid, fn))
+
+    def next_rid(self) -> int:
+        self._rid += 1
+        return self._rid
+
+    def submit(self, req: SimRequest) -> None:
+        """A session's turn: its tokens are in the vocabulary already (`VocabTokens`, `in_vocab`)."""
+        turn = req.session
+        assert turn is not None and req.workflow is not None
+        request = GenerateRequest(tokens=req.tokens, max_tokens=req.max_new, ignore_eos=True, workflow=req.workflow,
+                                  agent=req.agent, cache_salt=req.cache_salt,
+                                  session={"tenant": turn.tenant, "agent": turn.agent, "tool": turn.tool,
+                                           "hint_s": turn.hint_s, "final": turn.final,
+                                           "true_pause_s": turn.true_pause_s})
+
+        def done(engine_req: CpuRequest) -> None:
+            if engine_req.error is not None:
+                error = engine_req.error
+                raise RuntimeError(f"a turn of session {req.workflow!r} failed: {error}") from error
+            if self.on_request is not None:
+                self.on_request()
+            assert engine_req.result is not None and req.on_done is not None
+            req.output_tokens = tuple(engine_req.result.tokens)
+            req.on_done(req)
+
+        self.engine.submit(request, on_done=done)
+
+    def _run_timers(self) -> bool:
+        """Run the timers that fell due; whether any is left."""
+        now = self.now
+        while self._timers and self._timers[0][0] <= now:
+            _when, _seq, fn = heapq.heappop(self._timers)
+            fn()
+        return bool(self._timers)
+
     def run(self, stall_timeout_s: float = 300.0) -> float:
         """Run every client to the end; returns the makespan in seconds."""
         self._t0 = time.perf_counter()
         copies: dict[int, Branching] = {}
         for plan in self.scenario.plans:
             WorkflowClient(self, plan, branching=own_branching(plan, copies)).begin()  # type: ignore[arg-type]
+        vocab = self.engine.model.vocab_size
+        tokens = VocabTokens(vocab)
+        for session in self.scenario.sessions:
+            client = SessionClient(self, in_vocab(session, vocab), tokens)  # type: ignore[arg-type]
+            self.at(session.start_at, client.begin)
         last_progress, done = time.perf_counter(), self.engine.requests_done
-        while self.engine.busy:
-            self.engine.step(timeout=0.01)
+        while self._run_timers() or self.engine.busy:
+            if not self.engine.step(timeout=0.01):
+                time.sleep(0.001)  # idle until the next timer (a tool pause)
+                last_progress = time.perf_counter()
             if self.engine.requests_done != done:
                 last_progress, done = time.perf_counter(), self.engine.requests_done
             elif time.perf_counter() - last_progress > stall_timeout_s:
@@ -125,7 +194,7 @@ def expected_requests(scenario: Scenario) -> int | None:
     workflow chooses at run time (`next: one`: the count is not known ahead)."""
     if any(plan.spec.dynamic for plan in scenario.plans):
         return None
-    return sum(plan.iterations * len(plan.spec.agents) for plan in scenario.plans)
+    return sum(plan.iterations * len(plan.spec.agents) for plan in scenario.plans) + turns_of(scenario.sessions)
 
 
 def run_cpu_policies(scenario: Scenario, config: CpuEngineConfig, policies: list[str], *,
@@ -145,6 +214,8 @@ def run_cpu_policies(scenario: Scenario, config: CpuEngineConfig, policies: list
             makespan = driver.run()
             result = summarise_run(driver.iterations, [engine.scheduler.stats], makespan,
                                    engine.cache.gpu_capacity)
+            if scenario.sessions:
+                result["pauses"] = pause_measures([engine.scheduler.sessions.stats])
             stats = engine.stats()
             result["compute_s"] = stats["compute_s"]
             result["forward_steps"] = stats["forward_steps"]

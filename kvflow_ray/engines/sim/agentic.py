@@ -139,25 +139,49 @@ class SessionClient:
             self._send()
 
 
-def _turns(rng: random.Random, tools: list[str], weights: list[float], n: int, task: int) -> list[TurnPlan]:
+@dataclass(frozen=True)
+class Shape:
+    """Token counts and pause scale of a scenario's sessions (inclusive ranges)."""
+
+    system: tuple[int, int] = (4096, 8192)
+    task: tuple[int, int] = (200, 800)
+    result: tuple[int, int] = (200, 4000)  # log-uniform
+    output: tuple[int, int] = (100, 500)
+    turns: tuple[int, int] = (5, 30)
+    pause_scale: float = 1.0
+
+
+SHAPES = {
+    "standard": Shape(),  # the issue's agent sessions (SWE-bench-like)
+    # the same structure at a size the CPU engine runs in minutes: short prompts and turns, pauses / 20
+    "small": Shape(system=(256, 512), task=(32, 64), result=(32, 128), output=(8, 16), turns=(3, 6), pause_scale=0.05),
+}
+
+
+def _turns(rng: random.Random, tools: list[str], weights: list[float], n: int, task: int, shape: Shape
+           ) -> list[TurnPlan]:
     out = []
+    low, high = shape.result
     for i in range(n):
-        added = task if i == 0 else int(math.exp(rng.uniform(math.log(200), math.log(4000))))
+        added = task if i == 0 else int(math.exp(rng.uniform(math.log(low), math.log(high))))
         last = i == n - 1
         tool = "" if last else rng.choices(tools, weights=weights)[0]
-        out.append(TurnPlan(added, rng.randint(100, 500), tool, 0.0 if last else draw_pause(rng, tool)))
+        pause = 0.0 if last else draw_pause(rng, tool) * shape.pause_scale
+        out.append(TurnPlan(added, rng.randint(*shape.output), tool, pause))
     return out
 
 
 def agentic_sessions(sessions: int = 64, apps: int = 4, tenants: int = 2, rate: float | None = None,
-                     variant: str = "single", min_turns: int = 5, max_turns: int = 30, hint_s: float | None = None,
+                     variant: str = "single", shape: str = "standard", hint_s: float | None = None,
                      seed: int = 0) -> list[SessionPlan]:
-    """The sessions of the scenario, arrivals at `rate` per second (default: `sessions` per minute)."""
+    """The sessions of the scenario, arrivals at `rate` per second (default: `sessions` per minute, in
+    the shape's time scale)."""
     for name, value in (("sessions", sessions), ("apps", apps), ("tenants", tenants)):
         if value < 1:
             raise ValueError(f"--{name} must be at least 1, got {value}")
-    if not 1 <= min_turns <= max_turns:
-        raise ValueError("turns: need 1 <= min_turns <= max_turns")
+    if shape not in SHAPES:
+        raise ValueError(f"--shape: one of {', '.join(SHAPES)}, got {shape!r}")
+    form = SHAPES[shape]
     if variant not in ("single", "planner"):
         raise ValueError(f"--variant: single or planner, got {variant!r}")
     rng = random.Random(f"agentic-{seed}")
@@ -166,24 +190,25 @@ def agentic_sessions(sessions: int = 64, apps: int = 4, tenants: int = 2, rate: 
     apps_tools = []
     for a in range(apps):
         weights = [rng.uniform(0.2, 1.0) for _ in names]
-        apps_tools.append((f"t{a % tenants}", f"app{a}", source.fresh(rng.randint(4096, 8192)), weights))
-    rate = sessions / 60.0 if rate is None else rate
+        apps_tools.append((f"t{a % tenants}", f"app{a}", source.fresh(rng.randint(*form.system)), weights))
+    rate = sessions / (60.0 * form.pause_scale) if rate is None else rate
     if rate <= 0:
         raise ValueError(f"--rate must be positive, got {rate}")
     plans, t = [], 0.0
     for s in range(sessions):
         t += rng.expovariate(rate)
         tenant, agent, system, weights = apps_tools[s % apps]
-        n = rng.randint(min_turns, max_turns)
+        n = rng.randint(*form.turns)
         plan = SessionPlan(f"{tenant}/s{s}", tenant, agent, system,
-                           _turns(rng, names, weights, n, rng.randint(200, 800)), start_at=t, hint_s=hint_s)
+                           _turns(rng, names, weights, n, rng.randint(*form.task), form), start_at=t, hint_s=hint_s)
         if variant == "planner":
             spawn_at = rng.randint(0, n - 2) if n > 1 else 0
             turns = list(plan.turns)
             turns[spawn_at] = TurnPlan(turns[spawn_at].added, turns[spawn_at].output, "spawn", 0.0)
             plan.turns = turns
             plan.spawn = [SessionPlan(f"{plan.key}.sub{c}", tenant, f"{agent}-sub", system,
-                                      _turns(rng, names, weights, rng.randint(2, 6), rng.randint(100, 400)))
+                                      _turns(rng, names, weights, rng.randint(2, max(2, form.turns[1] // 5)),
+                                             rng.randint(*form.task), form))
                           for c in range(rng.randint(2, 4))]
         plans.append(plan)
     return plans
@@ -203,14 +228,18 @@ def live_tokens_mean(records: list[tuple[float, int]]) -> float:
 
 
 def agentic(sessions: int = 64, pressure: float = 2.0, apps: int = 4, tenants: int = 2, rate: float | None = None,
-            variant: str = "single", min_turns: int = 5, max_turns: int = 30, hint_s: float | None = None,
-            seed: int = 0) -> Scenario:
+            variant: str = "single", shape: str = "standard", hint_s: float | None = None, seed: int = 0) -> Scenario:
     if pressure <= 0:
         raise ValueError(f"--pressure must be positive, got {pressure}")
-    plans = agentic_sessions(sessions, apps, tenants, rate, variant, min_turns, max_turns, hint_s, seed)
+    plans = agentic_sessions(sessions, apps, tenants, rate, variant, shape, hint_s, seed)
     return Scenario("agentic", [], dict(sessions=sessions, pressure=pressure, apps=apps, tenants=tenants,
-                                        rate=rate, variant=variant, turns=[min_turns, max_turns], hint_s=hint_s,
-                                        seed=seed), sessions=plans)
+                                        rate=rate, variant=variant, shape=shape, hint_s=hint_s, seed=seed),
+                    sessions=plans)
+
+
+def turns_of(plans: list[SessionPlan]) -> int:
+    """Requests the sessions make (sub-agents' included)."""
+    return sum(len(plan.turns) + turns_of(plan.spawn) for plan in plans)
 
 
 def largest_need(plans: list[SessionPlan]) -> int:
