@@ -60,6 +60,8 @@ class PolicyConfig:
     eviction_options: tuple[tuple[str, float], ...] = ()
 
 
+WRITE_AHEAD_FACTOR = 10.0  # a paused history is written to the host at once when its pause is this many copies long
+
 POLICIES: dict[str, PolicyConfig] = {
     "lru": PolicyConfig("lru", "lru", host_tier=False, prefetch="none", admission="fcfs"),
     "hicache": PolicyConfig("hicache", "lru", host_tier=True, prefetch="none", admission="fcfs",
@@ -698,7 +700,9 @@ class ReplicaScheduler:
     def _turn_ended(self, req: CacheRequest, sequence: tuple[int, ...]) -> None:
         """A session's turn ended: its history (prompt and output) is the session's prompt now. The
         final turn releases it at once; otherwise its pause is predicted, and a replica that prefetches
-        writes a history whose pause outlasts the copy back to the host now, off the critical path."""
+        writes a history whose pause is long against its copy (`WRITE_AHEAD_FACTOR` times) to the host
+        now, off the critical path: its eviction later frees the device at once. A shorter pause keeps
+        the link for the write-backs and loads that requests wait on."""
         assert req.session is not None and req.workflow is not None
         key, turn = req.workflow, req.session
         if turn.final:
@@ -710,7 +714,7 @@ class ReplicaScheduler:
         self.cache.tree.tag_prefix(sequence, tag, namespace=req.cache_salt)
         forecast = self.sessions.pause(key, turn, len(sequence), self.clock())
         writes_ahead = self.cache.host_tier and self.prefetcher.max_inflight
-        if writes_ahead and forecast.expected > self.sessions.lead(len(sequence)):
+        if writes_ahead and forecast.expected > WRITE_AHEAD_FACTOR * self.sessions.load_seconds(len(sequence)):
             match = self.cache.tree.match_prefix(sequence, split=False, namespace=req.cache_salt)
             backups = [node for node in match.path if self.cache.backup(node)]
             if backups:

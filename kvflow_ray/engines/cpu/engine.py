@@ -87,10 +87,14 @@ class CpuEngine(BackgroundEngine):
         self.device = m.pool("device", config.device_kv_tokens)
         self.host = m.pool("host", config.host_kv_tokens) if policy.host_tier else None
         self.events = CacheEventLog()
+        # a history's copy back from the host: its bytes over the paced link (unpaced: memcpy, ~5 GB/s)
+        token_bytes = self.device.nbytes / config.device_kv_tokens
+        link_bytes_per_s = (config.link_gbps or 5.0) * 1e9
         self.scheduler = build_replica(policy, self, gpu_capacity=config.device_kv_tokens,
                                        cpu_capacity=config.host_kv_tokens, clock=time.perf_counter, book=book,
                                        horizon=config.horizon, max_inflight=config.max_inflight,
-                                       max_running=config.max_running, events=self.events, free_value=self._free_value)
+                                       max_running=config.max_running, events=self.events, free_value=self._free_value,
+                                       load_seconds=lambda tokens: tokens * token_bytes / link_bytes_per_s)
         self.book = self.scheduler.book
         self.cache = self.scheduler.cache
         self._copies: queue.Queue[CopyJob] = queue.Queue()
