@@ -12,10 +12,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
@@ -106,3 +108,35 @@ def test_bad_session_fields_are_refused_by_name(server: Any) -> None:
     assert status == 400 and answer["error"]["param"] == "kvflow.expected_pause_s"
     status, answer, _ = post(server.url, {**body, "kvflow": {"session": "bad id/../x"}})
     assert status == 400 and "session" in answer["error"]["param"]
+
+
+def test_session_specs_load_and_bad_ones_name_the_field(tmp_path: Any) -> None:
+    from kvflow_ray.client.sessions import is_session_spec, load_session_spec
+
+    spec = load_session_spec(ROOT / "workflows" / "sessions" / "coder.yaml")
+    assert spec.session == "coder" and spec.turns == 4 and {t.name for t in spec.tools} == {"cat", "run_tests", "edit"}
+    assert is_session_spec(ROOT / "workflows" / "sessions" / "coder.yaml")
+    assert not is_session_spec(ROOT / "workflows" / "peer.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("session: x\nsystem: s\ntask: t\nturns: 0\ntools: [{name: ls}]\n")
+    with pytest.raises(ValueError, match="turns"):
+        load_session_spec(bad)
+    bad.write_text("session: x\nsystem: s\ntask: t\ntools: [{name: 'no spaces allowed'}]\n")
+    with pytest.raises(ValueError, match=r"tools\.0\.name"):
+        load_session_spec(bad)
+
+
+def test_kvflow_run_drives_sessions_with_tool_pauses(server: Any) -> None:
+    """`kvflow-ray run SESSION.yaml`'s driver: each session forces a tool call per turn (constrained
+    decoding), waits the tool's drawn duration, sends the history back with the result, and ends with
+    a final turn; the server keeps each session on one replica and predicts its pauses."""
+    from kvflow_ray.client.sessions import load_session_spec, run_sessions, summarise_sessions
+
+    spec = load_session_spec(ROOT / "workflows" / "sessions" / "coder.yaml")
+    spec = spec.model_copy(update={"turns": 3, "tools": [t.model_copy(update={"duration_s": (0.05, 0.2)})
+                                                         for t in spec.tools]})
+    summary = summarise_sessions(run_sessions(spec, server.url, 2, progress=False), spec, 2)
+    assert summary["errors"] == 0, summary["first_error"]
+    assert summary["turns"] == 6 and summary["replicas_per_session"] == 1
+    assert summary["pauses"]["ended"] == 4  # two pauses per session, each predicted and scored
+    assert summary["cached_ratio"] > 0.3  # later turns find the history in the prefix cache

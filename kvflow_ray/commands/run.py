@@ -11,8 +11,14 @@ prefix (affinity_ratio_after_warmup).
 Without --url it starts the embedded default first (local Ray, CPU-engine replicas, in-process
 router store; no GPU, no Redis) and stops it afterwards.
 
+A session spec (a YAML file with a top-level `session`, e.g. workflows/sessions/coder.yaml) runs agent
+sessions instead: each client is one session whose turns call tools (the client waits each tool's
+drawn duration, then sends the history back with its result); reported: job completion time, turn
+latency, the tool pauses and how well the server predicted them, and where prompt tokens came from.
+
 Examples:
   kvflow-ray run workflows/peer.yaml --clients 8 --iterations 2
+  kvflow-ray run workflows/sessions/coder.yaml --clients 4
   kvflow-ray run workflows/peer.yaml --url http://127.0.0.1:8000 --clients 16 --json
 """
 
@@ -30,7 +36,7 @@ ANSWER_CHARS = 160  # of each agent's answer in the text report (--json has them
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("workflow", type=Path, help="workflow spec (YAML or JSON)")
+    parser.add_argument("workflow", type=Path, help="workflow spec (YAML or JSON), or a session spec (YAML)")
     parser.add_argument("--url", default=None, help="server root, e.g. http://127.0.0.1:8000 "
                         "(default: start the embedded server for this run)")
     parser.add_argument("--clients", type=int, default=4, help="concurrent workflow instances (default 4)")
@@ -86,7 +92,11 @@ def format_summary(s: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from kvflow_ray.client.loadgen import LoadConfig, application_variants, check_server, run_load, summarise
+    from kvflow_ray.client.sessions import is_session_spec
     from kvflow_ray.client.workflow import Workflow
+
+    if is_session_spec(args.workflow):
+        return run_session_spec(args)
 
     try:
         workflow = Workflow.from_yaml(args.workflow)
@@ -121,4 +131,40 @@ def run(args: argparse.Namespace) -> int:
                 server.stop()
     summary = summarise(result, workflow, load)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 1 if summary["errors"] else 0
+
+
+def run_session_spec(args: argparse.Namespace) -> int:
+    """`kvflow-ray run SESSION.yaml`: --clients concurrent sessions of the spec."""
+    from kvflow_ray.client.loadgen import check_server
+    from kvflow_ray.client.sessions import format_sessions, load_session_spec, run_sessions, summarise_sessions
+    from kvflow_ray.serve.app import LocalServer, say_on_stderr, stdout_to_stderr
+
+    try:
+        spec = load_session_spec(args.workflow)
+        if args.clients < 1:
+            raise ValueError("--clients must be at least 1")
+        config = app_config(args).model_copy(update={"route_headers": True}) if args.url is None else None
+    except (ValueError, OSError) as exc:
+        print(f"kvflow-ray run: {exc}", file=sys.stderr)
+        return 2
+    metrics_token = args.metrics_token or (config.metrics_token_value() if config is not None else None)
+    with stdout_to_stderr():
+        server = None
+        if args.url is None:
+            print(f"starting the embedded server ({config.replicas} {config.engine} replicas) ...", file=sys.stderr)
+            server = LocalServer(config, port=args.port).start(say=say_on_stderr)
+        try:
+            if args.url is not None:
+                check_server(args.url, args.key)
+            result = run_sessions(spec, args.url or server.url, args.clients, api_key=args.key,  # type: ignore[union-attr]
+                                  metrics_token=metrics_token)
+        except (ConnectionError, PermissionError) as exc:
+            print(f"kvflow-ray run: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            if server is not None:
+                server.stop()
+    summary = summarise_sessions(result, spec, args.clients)
+    print(json.dumps(summary, indent=2) if args.json else format_sessions(summary))
     return 1 if summary["errors"] else 0
