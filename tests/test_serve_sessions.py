@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+KEYS = {"key-a": "acme", "key-b": "globex"}
+A = {"Authorization": "Bearer key-a"}
 pytestmark = pytest.mark.slow
 
 
@@ -27,7 +29,7 @@ def server(free_port: Callable[[], int]) -> Iterator[Any]:
     from kvflow_ray.serve.app import LocalServer
     from kvflow_ray.serve.config import AppConfig
 
-    config = AppConfig(replicas=2, model="random", max_running=4, route_headers=True)
+    config = AppConfig(replicas=2, model="random", max_running=4, route_headers=True, api_keys=KEYS)
     with LocalServer(config, port=free_port(), num_cpus=2) as local:
         yield local
 
@@ -72,7 +74,7 @@ def test_a_session_stays_on_its_replica_reuses_its_history_and_is_released(serve
     replicas, cached, prompts = [], [], []
     for i in range(3):
         last = i == 2
-        body, replica = turn(url, messages, {"X-Session-ID": "fix-parser-1"},
+        body, replica = turn(url, messages, {"X-Session-ID": "fix-parser-1", **A},
                              {"expected_pause_s": 0.5, **({"final_turn": True} if last else {})})
         replicas.append(replica)
         usage = body["usage"]
@@ -104,9 +106,9 @@ def test_bad_session_fields_are_refused_by_name(server: Any) -> None:
     messages = [{"role": "user", "content": "hi"}]
     body = {"model": "kvflow-cpu-random", "messages": messages, "max_tokens": 2,
             "kvflow": {"session": "s1", "expected_pause_s": -3}}
-    status, answer, _ = post(server.url, body)
+    status, answer, _ = post(server.url, body, A)
     assert status == 400 and answer["error"]["param"] == "kvflow.expected_pause_s"
-    status, answer, _ = post(server.url, {**body, "kvflow": {"session": "bad id/../x"}})
+    status, answer, _ = post(server.url, {**body, "kvflow": {"session": "bad id/../x"}}, A)
     assert status == 400 and "session" in answer["error"]["param"]
 
 
@@ -135,8 +137,22 @@ def test_kvflow_run_drives_sessions_with_tool_pauses(server: Any) -> None:
     spec = load_session_spec(ROOT / "workflows" / "sessions" / "coder.yaml")
     spec = spec.model_copy(update={"turns": 3, "tools": [t.model_copy(update={"duration_s": (0.05, 0.2)})
                                                          for t in spec.tools]})
-    summary = summarise_sessions(run_sessions(spec, server.url, 2, progress=False), spec, 2)
+    summary = summarise_sessions(run_sessions(spec, server.url, 2, api_key="key-a", progress=False), spec, 2)
     assert summary["errors"] == 0, summary["first_error"]
     assert summary["turns"] == 6 and summary["replicas_per_session"] == 1
     assert summary["pauses"]["ended"] == 4  # two pauses per session, each predicted and scored
     assert summary["cached_ratio"] > 0.3  # later turns find the history in the prefix cache
+
+
+def test_sessions_are_per_tenant(server: Any) -> None:
+    """The same session id under two tenants is two sessions: the second tenant's turn finds none of the
+    first tenant's history."""
+    messages = [{"role": "system", "content": "You are the billing agent. " * 30},
+                {"role": "user", "content": "Reconcile the March invoices."}]
+    first, _ = turn(server.url, messages, {"X-Session-ID": "shared-id", **A})
+    history = [*messages, {"role": "assistant", "content": first["choices"][0]["message"]["content"] or ""},
+               {"role": "user", "content": "Now April."}]
+    again, _ = turn(server.url, history, {"X-Session-ID": "shared-id", **A})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 1
+    other, _ = turn(server.url, history, {"X-Session-ID": "shared-id", "Authorization": "Bearer key-b"})
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
