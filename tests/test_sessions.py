@@ -318,3 +318,22 @@ def test_sim_cli_runs_the_agentic_scenario() -> None:
     bad = subprocess.run([sys.executable, "-m", "kvflow_ray.cli", "sim", "--scenario", "agentic", "--sessions", "0"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--sessions must be at least 1" in bad.stderr
+
+
+def test_the_retention_bound_reaches_every_engine_from_the_app_config() -> None:
+    from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig
+    from kvflow_ray.engines.cpu.engine import CpuEngine
+    from kvflow_ray.engines.sim.serving import SimEngine
+    from kvflow_ray.serve.config import AppConfig
+
+    assert AppConfig(session_retain_tokens=5000).session_retain_tokens == 5000
+    with pytest.raises(ValueError):
+        AppConfig(session_retain_tokens=0)
+    with CpuEngine(CpuEngineConfig(model=ModelConfig(), device_kv_tokens=512, host_kv_tokens=1024,
+                                   session_retain_tokens=700)) as engine:
+        assert engine.scheduler.sessions.tenant_retain_tokens == 700
+    sim = SimEngine("h100-llama3.1-8b", session_retain_tokens=900)
+    try:
+        assert sim.replica.scheduler.sessions.tenant_retain_tokens == 900
+    finally:
+        sim.close()

@@ -73,6 +73,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
                         help="how the model's output holds tool calls (default hermes: <tool_call>{json}</tool_call>, "
                              "the fallback rendering's format; docs/serving.md, Tool calls)")
+    parser.add_argument("--session-retain-tokens", type=int, default=None, metavar="N",
+                        help="agent sessions: per tenant and replica, at most N tokens of paused histories rank as "
+                             "needed (docs/design.md §11; default unbounded: a pause never pins memory either way)")
     parser.add_argument("--api-key", action="append", default=None, metavar="KEY=TENANT",
                         help="accept bearer KEY for TENANT (repeatable); none = one open 'default' tenant")
     parser.add_argument("--config", type=Path, default=None,
@@ -100,7 +103,7 @@ def app_config(args: argparse.Namespace) -> AppConfig:
         data.update(raw)
     for key in ("engine", "replicas", "redis", "routing", "request_router", "policy", "model", "model_path", "gguf",
                 "model_cache",
-                "device_kv_tokens", "profile", "time_scale", "tool_call_parser"):
+                "device_kv_tokens", "profile", "time_scale", "tool_call_parser", "session_retain_tokens"):
         value = getattr(args, key, None)
         if value is not None:
             data[key] = value

@@ -736,7 +736,8 @@ def build_replica(policy: str | PolicyConfig, copier: Copier, *, gpu_capacity: i
                   measuring: Callable[[], bool] = lambda: True, events: CacheListener | None = None,
                   free_value: Callable[[RadixNode, str, object], None] | None = None,
                   serving_on: str | None = None, pauses: PauseModel | None = None,
-                  load_seconds: Callable[[int], float] | None = None) -> ReplicaScheduler:
+                  load_seconds: Callable[[int], float] | None = None,
+                  tenant_retain_tokens: int | None = None) -> ReplicaScheduler:
     """The one recipe every engine builds a replica with: the named policy combination (`serving_on`:
     the engine, which must be able to run it live, see `resolve_policy`), a step book (shared by
     several replicas when given), the eviction policy from its registry, the tiered cache (an
@@ -746,7 +747,7 @@ def build_replica(policy: str | PolicyConfig, copier: Copier, *, gpu_capacity: i
     book = book if book is not None else StepBook(near_horizon=max(horizon, 2))
     # `pauses`: a pause model shared by several replicas (what one learns, all use)
     sessions = SessionBook(book, pauses if pauses is not None else PAUSES.create(config.pauses),
-                           load_seconds=load_seconds or (lambda tokens: 0.0))
+                           load_seconds=load_seconds or (lambda tokens: 0.0), tenant_retain_tokens=tenant_retain_tokens)
     eviction = EVICTION.create(config.eviction, PolicyContext(book=book, future=future, clock=clock, sessions=sessions),
                                **dict(config.eviction_options))
     capacity = 1 << 60 if config.infinite else gpu_capacity

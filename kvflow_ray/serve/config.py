@@ -111,6 +111,9 @@ class AppConfig(BaseModel):
     link_gbps: float | None = 0.1
     max_running: int = Field(16, ge=1)
     horizon: int = Field(1, ge=0)
+    # agent sessions: per tenant and replica, at most this many tokens of paused histories rank as needed
+    # (docs/design.md §11; beyond it a paused history ranks as unneeded); None: unbounded
+    session_retain_tokens: int | None = Field(None, ge=1)
     threads: int | None = Field(None, ge=1)  # torch threads per replica; None: the machine's cores / replicas
     seed: int = 0
     # sglang: more `sglang.Engine` server args (ServerArgs fields), e.g. {mem_fraction_static: 0.8,

@@ -51,13 +51,14 @@ def make_engine(config: AppConfig) -> Any:
             model=ModelConfig(path=config.cpu_model_dir(), name=config.model_name(), seed=config.seed),
             policy=config.policy,
             host_kv_tokens=config.host_kv_tokens, link_gbps=config.link_gbps, max_running=config.max_running,
-            horizon=config.horizon, threads=config.engine_threads(), **sizes)
+            horizon=config.horizon, threads=config.engine_threads(), session_retain_tokens=config.session_retain_tokens,
+            **sizes)
         return CpuEngine(engine_config).start()
     if config.engine == "sim":
         from kvflow_ray.engines.sim.serving import SimEngine
 
         return SimEngine(config.profile, policy=config.policy, horizon=config.horizon, time_scale=config.time_scale,
-                         device_kv_tokens=config.device_kv_tokens)
+                         device_kv_tokens=config.device_kv_tokens, session_retain_tokens=config.session_retain_tokens)
     if config.engine == "sglang":
         from kvflow_ray.engines.sglang.engine import SglangEngine
 

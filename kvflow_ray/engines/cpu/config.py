@@ -51,3 +51,4 @@ class CpuEngineConfig:
     horizon: int = 1  # prefetch agents at most this many steps ahead
     max_inflight: int = 4  # concurrent prefetch loads
     threads: int | None = None  # torch.set_num_threads; None keeps torch's default
+    session_retain_tokens: int | None = None  # per tenant: paused session history ranked as needed (None: unbounded)

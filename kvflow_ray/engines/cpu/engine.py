@@ -94,7 +94,8 @@ class CpuEngine(BackgroundEngine):
                                        cpu_capacity=config.host_kv_tokens, clock=time.perf_counter, book=book,
                                        horizon=config.horizon, max_inflight=config.max_inflight,
                                        max_running=config.max_running, events=self.events, free_value=self._free_value,
-                                       load_seconds=lambda tokens: tokens * token_bytes / link_bytes_per_s)
+                                       load_seconds=lambda tokens: tokens * token_bytes / link_bytes_per_s,
+                                       tenant_retain_tokens=config.session_retain_tokens)
         self.book = self.scheduler.book
         self.cache = self.scheduler.cache
         self._copies: queue.Queue[CopyJob] = queue.Queue()

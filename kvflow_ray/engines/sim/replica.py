@@ -46,7 +46,8 @@ class SimReplica:
     def __init__(self, sim: SimClock, index: int, profile: Profile, policy: str | PolicyConfig,
                  book: StepBook | None = None, *, future: FutureAccesses | None = None, horizon: int = 1,
                  max_inflight: int = 4, gpu_capacity: int | None = None, events: CacheEventLog | None = None,
-                 serving_on: str | None = None, pauses: PauseModel | None = None) -> None:
+                 serving_on: str | None = None, pauses: PauseModel | None = None,
+                 session_retain_tokens: int | None = None) -> None:
         self.sim = sim
         self.events = events  # serving: what the router learns of this replica's cache (offline: None)
         self.index = index
@@ -56,7 +57,7 @@ class SimReplica:
             cpu_capacity=profile.host_kv_tokens, clock=lambda: sim.now, book=book, future=future,
             horizon=horizon, max_inflight=max_inflight, max_running=profile.max_running_requests,
             measuring=lambda: sim.measuring, events=events, serving_on=serving_on, pauses=pauses,
-            load_seconds=profile.h2d_time)
+            load_seconds=profile.h2d_time, tenant_retain_tokens=session_retain_tokens)
         self.cache = self.scheduler.cache
         self.book = self.scheduler.book
         self.policy = self.scheduler.policy

@@ -103,7 +103,8 @@ class SimEngine(BackgroundEngine):
     """Engine protocol over a wall-clock `SimReplica`."""
 
     def __init__(self, profile: str | Profile = "a10g-llama3.1-8b", *, policy: str = "kvflow", horizon: int = 1,
-                 time_scale: float = 1.0, device_kv_tokens: int | None = None, max_inflight: int = 4) -> None:
+                 time_scale: float = 1.0, device_kv_tokens: int | None = None, max_inflight: int = 4,
+                 session_retain_tokens: int | None = None) -> None:
         self.profile = load_profile(profile) if isinstance(profile, str) else profile
         self.policy = policy
         self.tokenizer = ByteTokenizer()
@@ -112,7 +113,7 @@ class SimEngine(BackgroundEngine):
         try:
             self.replica = SimReplica(self.clock, 0, self.profile, policy, horizon=horizon,
                                       max_inflight=max_inflight, gpu_capacity=device_kv_tokens, events=self.events,
-                                      serving_on="the simulator engine")
+                                      serving_on="the simulator engine", session_retain_tokens=session_retain_tokens)
         except ValueError:
             self.clock.close()
             raise
