@@ -152,7 +152,7 @@ class EngineDriver:
         vocab = self.engine.model.vocab_size
         tokens = VocabTokens(vocab)
         for session in self.scenario.sessions:
-            client = SessionClient(self, in_vocab(session, vocab), tokens)  # type: ignore[arg-type]
+            client = SessionClient(self, in_vocab(session, vocab), tokens)
             self.at(session.start_at, client.begin)
         last_progress, done = time.perf_counter(), self.engine.requests_done
         while self._run_timers() or self.engine.busy:

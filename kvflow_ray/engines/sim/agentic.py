@@ -18,6 +18,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvflow_ray.core.sessions import SESSION_AGENT, SessionTurn
 from kvflow_ray.engines.sim.replica import SimRequest
@@ -64,10 +65,13 @@ class SessionPlan:
     spawn: list[SessionPlan] = field(default_factory=list)  # planner: sub-agents its `spawn` turn starts
 
 
-class SessionHost:
-    """What a `SessionClient` drives (`simulator.Simulation`): the clock, events and submission."""
+class SessionHost(Protocol):
+    """What a `SessionClient` drives (`simulator.Simulation`, the CPU engine's `EngineDriver`): the
+    clock, events and submission."""
 
-    now: float
+    @property
+    def now(self) -> float: ...
+
     iterations: list[IterationRecord]
     measuring: bool
     live_log: list[tuple[float, int]]  # (time, change of the live histories' tokens)
