@@ -257,16 +257,21 @@ def run_load(workflow: Workflow | Sequence[Workflow], base_url: str, config: Loa
     started = time.perf_counter()
     clients = [_Client(i, workflows[i % len(workflows)], root + "/v1", config, result, lock, tick,
                        register=i < len(workflows)) for i in range(config.clients)]
-    threads = [threading.Thread(target=c.go, name=f"client-{c.index}") for c in clients]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_concurrently([(f"client-{c.index}", c.go) for c in clients])
     bar.close()
     result.wall_s = time.perf_counter() - started
     answered = sum(c.prompt_tokens for c in result.calls if c.error is None)
     result.metrics_after = settled_metrics(root, config.metrics_token, result.metrics_before, answered)
     return result
+
+
+def run_concurrently(tasks: Sequence[tuple[str, Callable[[], None]]]) -> None:
+    """Run each (thread name, task) on its own thread, and return once all have ended."""
+    threads = [threading.Thread(target=task, name=name) for name, task in tasks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def settled_metrics(root: str, token: str | None, before: Samples, answered: int, timeout_s: float = 10.0,
@@ -318,8 +323,8 @@ def summarise(result: LoadResult, workflow: Workflow, config: LoadConfig) -> dic
         "first_error": errors[0].error if errors else None,
         "wall_s": round(result.wall_s, 3),
         "calls_per_s": round(len(ok) / result.wall_s, 3) if result.wall_s else None,
-        "latency_s": _stats(result.iterations),
-        "call_latency_s": _stats([c.latency_s for c in ok]),
+        "latency_s": summary_stats(result.iterations),
+        "call_latency_s": summary_stats([c.latency_s for c in ok]),
         "gpu_hit_ratio": _ratio(prompt["gpu"], all_prompt),
         "cpu_hit_ratio": _ratio(prompt["cpu"], all_prompt),
         "cached_ratio": _ratio(sum(c.cached_tokens for c in ok), sum(c.prompt_tokens for c in ok) or math.nan),
@@ -346,7 +351,8 @@ def _ratio(num: float, den: float) -> float | None:
     return None if math.isnan(value) else round(value, 4)
 
 
-def _stats(values: Sequence[float]) -> dict[str, float | None]:
+def summary_stats(values: Sequence[float]) -> dict[str, float | None]:
+    """mean, p50 and p99 of `values`, rounded (all None without values)."""
     if not values:
         return {"mean": None, "p50": None, "p99": None}
     return {"mean": round(sum(values) / len(values), 4), "p50": round(percentile(values, 0.5), 4),

@@ -38,9 +38,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvflow_ray.client.loadgen import counter_delta, scrape, settled_metrics
+from kvflow_ray.client.loadgen import counter_delta, run_concurrently, scrape, settled_metrics, summary_stats
 from kvflow_ray.core.safe_yaml import describe_yaml_error, load_yaml, read_text_file
-from kvflow_ray.core.stats import percentile
 
 SIGMA = 0.6  # each mode of a tool's duration is lognormal around its median
 
@@ -195,11 +194,7 @@ def run_sessions(spec: SessionSpec, base_url: str, clients: int, *, api_key: str
     sessions = [_Session(i, spec, root + "/v1", api_key, model, result, lock, lambda: bar.update(1))
                 for i in range(clients)]
     started = time.perf_counter()
-    threads = [threading.Thread(target=s.go, name=f"session-{s.index}") for s in sessions]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_concurrently([(f"session-{s.index}", s.go) for s in sessions])
     bar.close()
     result.wall_s = time.perf_counter() - started
     answered = sum(t.prompt_tokens for t in result.turns if t.error is None)
@@ -218,8 +213,8 @@ def summarise_sessions(result: SessionResult, spec: SessionSpec, clients: int) -
     return {
         "session": spec.session, "sessions": clients, "turns": len(result.turns), "errors": len(errors),
         "first_error": errors[0].error if errors else None, "wall_s": round(result.wall_s, 3),
-        "job_completion_s": _stats(result.jobs), "turn_latency_s": _stats([t.latency_s for t in ok]),
-        "tool_pause_s": _stats(result.pauses),
+        "job_completion_s": summary_stats(result.jobs), "turn_latency_s": summary_stats([t.latency_s for t in ok]),
+        "tool_pause_s": summary_stats(result.pauses),
         "cached_ratio": _ratio(sum(t.cached_tokens for t in ok), sum(t.prompt_tokens for t in ok)),
         "gpu_hit_ratio": _ratio(prompt["gpu"], total), "cpu_hit_ratio": _ratio(prompt["cpu"], total),
         "recomputed_tokens": int(prompt["miss"]),
@@ -261,12 +256,6 @@ def format_sessions(s: dict[str, Any]) -> str:
 def _ratio(num: float, den: float) -> float | None:
     return round(num / den, 4) if den else None
 
-
-def _stats(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"mean": None, "p50": None, "p99": None}
-    return {"mean": round(sum(values) / len(values), 4), "p50": round(percentile(values, 0.5), 4),
-            "p99": round(percentile(values, 0.99), 4)}
 
 
 __all__ = ["SessionSpec", "ToolSpec", "format_sessions", "is_session_spec", "load_session_spec", "run_sessions",

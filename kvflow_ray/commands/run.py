@@ -27,11 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from kvflow_ray.commands.serve import add_server_arguments, app_config
 from kvflow_ray.core.graph import SpecError
 
+T = TypeVar("T")
 ANSWER_CHARS = 160  # of each agent's answer in the text report (--json has them whole)
 
 
@@ -91,7 +94,7 @@ def format_summary(s: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvflow_ray.client.loadgen import LoadConfig, application_variants, check_server, run_load, summarise
+    from kvflow_ray.client.loadgen import LoadConfig, application_variants, run_load, summarise
     from kvflow_ray.client.sessions import is_session_spec
     from kvflow_ray.client.workflow import Workflow
 
@@ -110,25 +113,11 @@ def run(args: argparse.Namespace) -> int:
     metrics_token = args.metrics_token or (config.metrics_token_value() if config is not None else None)
     load = LoadConfig(clients=args.clients, iterations=args.iterations, max_tokens=args.max_tokens, api_key=args.key,
                       metrics_token=metrics_token, ignore_eos=args.ignore_eos, task=args.task or workflow.spec.task)
-    from kvflow_ray.serve.app import LocalServer, say_on_stderr, stdout_to_stderr
-
     workflows = ([workflow] if args.applications == 1
                  else application_variants(workflow, args.applications, args.preamble_chars))
-    with stdout_to_stderr():  # stdout carries the report only
-        server = None
-        if args.url is None:
-            print(f"starting the embedded server ({config.replicas} {config.engine} replicas) ...", file=sys.stderr)
-            server = LocalServer(config, port=args.port).start(say=say_on_stderr)
-        try:
-            if args.url is not None:
-                check_server(args.url, args.key)
-            result = run_load(workflows, args.url or server.url, load)  # type: ignore[union-attr]
-        except (ConnectionError, PermissionError) as exc:  # no server there, a bad key, a missing metrics token
-            print(f"kvflow-ray run: {exc}", file=sys.stderr)
-            return 2
-        finally:
-            if server is not None:
-                server.stop()
+    result = _against_server(args, config, lambda url: run_load(workflows, url, load))
+    if result is None:
+        return 2
     summary = summarise(result, workflow, load)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return 1 if summary["errors"] else 0
@@ -136,9 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_session_spec(args: argparse.Namespace) -> int:
     """`kvflow-ray run SESSION.yaml`: --clients concurrent sessions of the spec."""
-    from kvflow_ray.client.loadgen import check_server
     from kvflow_ray.client.sessions import format_sessions, load_session_spec, run_sessions, summarise_sessions
-    from kvflow_ray.serve.app import LocalServer, say_on_stderr, stdout_to_stderr
 
     try:
         spec = load_session_spec(args.workflow)
@@ -149,6 +136,22 @@ def run_session_spec(args: argparse.Namespace) -> int:
         print(f"kvflow-ray run: {exc}", file=sys.stderr)
         return 2
     metrics_token = args.metrics_token or (config.metrics_token_value() if config is not None else None)
+    result = _against_server(args, config, lambda url: run_sessions(spec, url, args.clients, api_key=args.key,
+                                                                    metrics_token=metrics_token))
+    if result is None:
+        return 2
+    summary = summarise_sessions(result, spec, args.clients)
+    print(json.dumps(summary, indent=2) if args.json else format_sessions(summary))
+    return 1 if summary["errors"] else 0
+
+
+def _against_server(args: argparse.Namespace, config: Any, drive: Callable[[str], T]) -> T | None:
+    """`drive(server root)` against `--url` (checked first), or against the embedded server started with
+    `config` for the run and stopped after it; stdout carries the report only. None (said on stderr):
+    no server there, a bad key, a missing metrics token."""
+    from kvflow_ray.client.loadgen import check_server
+    from kvflow_ray.serve.app import LocalServer, say_on_stderr, stdout_to_stderr
+
     with stdout_to_stderr():
         server = None
         if args.url is None:
@@ -157,14 +160,10 @@ def run_session_spec(args: argparse.Namespace) -> int:
         try:
             if args.url is not None:
                 check_server(args.url, args.key)
-            result = run_sessions(spec, args.url or server.url, args.clients, api_key=args.key,  # type: ignore[union-attr]
-                                  metrics_token=metrics_token)
+            return drive(args.url or server.url)  # type: ignore[union-attr]
         except (ConnectionError, PermissionError) as exc:
             print(f"kvflow-ray run: {exc}", file=sys.stderr)
-            return 2
+            return None
         finally:
             if server is not None:
                 server.stop()
-    summary = summarise_sessions(result, spec, args.clients)
-    print(json.dumps(summary, indent=2) if args.json else format_sessions(summary))
-    return 1 if summary["errors"] else 0
