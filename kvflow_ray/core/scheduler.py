@@ -706,8 +706,7 @@ class ReplicaScheduler:
         assert req.session is not None and req.workflow is not None
         key, turn = req.workflow, req.session
         if turn.final:
-            self.sessions.close(key)
-            self.retire([key])
+            self.retire([key])  # closes the session too
             return
         tag = (key, SESSION_AGENT)
         self.book.register_prompt(tag, sequence)

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from kvflow_ray.core.admission import ADMISSION, StatusAwareAdmission
+from kvflow_ray.core.admission import ADMISSION, ArrivalAdmission
 from kvflow_ray.core.policies import EVICTION, EvictionPolicy
 from kvflow_ray.core.radix import RadixNode
 from kvflow_ray.core.registry import PolicyContext
@@ -99,13 +99,11 @@ class ContinuumPolicy:
         return (1, -max(ends)) if ends else (0, node.last_access)
 
 
-class ContinuumAdmission(StatusAwareAdmission):
+class ContinuumAdmission(ArrivalAdmission):
     """Continuum's queue: pinned jobs first, then each job by its first arrival (vLLM's waiting queue
     in its fork). Loads and batches as vLLM's: a batch waits for its loads (no status awareness)."""
 
     name = "continuum"
-    loads_while_queued = False
-    batch_waits_for_loads = True
 
     def __init__(self, sessions: SessionBook, clock: Any) -> None:
         self.sessions, self.clock = sessions, clock
