@@ -258,16 +258,26 @@ def _ping() -> str | None:
 
 
 def test_a_killed_replica_is_forgotten_at_once_and_its_calls_retried(server: LocalServer) -> None:
+    """The victim is a replica the router has calls on when it dies (a fixed choice may be one the
+    router sent no client to, and then no call meets its death), so calls in flight on it, or sent to
+    it before anyone knows, fail, and the ingress that saw it has the router forget it."""
     router = get_router(create=False)
-    victim = sorted(ray.get(router.replicas.remote()))[0]
+    killed: list[str] = []
 
     def kill_replica() -> None:
+        deadline = time.monotonic() + 10
+        while not any((busy := ray.get(router.replicas.remote())).values()):
+            assert time.monotonic() < deadline, "no replica had calls in flight"
+            time.sleep(0.05)
+        victim = max(busy, key=lambda name: busy[name])
         ray.kill(ray.get_actor(f"SERVE_REPLICA::kvflow#EngineReplica#{victim}", namespace="serve"), no_restart=True)
+        killed.append(victim)
 
     outcome = _run_with_fault(server, "replica", kill_replica)
     _assert_clean(outcome)
+    (victim,) = killed
     loads = ray.get(router.replicas.remote())
-    assert victim not in loads
+    assert victim not in loads  # well before the router would prune it as silent (STALE_REPLICA_S)
     _wait(lambda: not any(ray.get(router.replicas.remote()).values()), "a load counter stayed up after the calls")
     server.wait_ready(timeout_s=120)  # Serve replaced it; the replacement starts at 0
     assert sorted(ray.get(router.replicas.remote()).values()) == [0, 0]
