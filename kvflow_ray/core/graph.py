@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from kvflow_ray.core.reuse import parse_reuse
 from kvflow_ray.core.safe_yaml import (
     MAX_CONFIG_FILE_BYTES,
     TextFileError,
@@ -79,7 +80,7 @@ def is_name(value: object, rule: re.Pattern[str] = NAME_RE) -> bool:
     """Whether `value` is a string that `rule` (NAME_RE or KEY_PART_RE) matches in full."""
     return isinstance(value, str) and rule.fullmatch(value) is not None
 
-TOP_LEVEL_KEYS: tuple[str, ...] = ("name", "entry", "agents", "description", "task")
+TOP_LEVEL_KEYS: tuple[str, ...] = ("name", "entry", "agents", "description", "task", "reuse")
 AGENT_KEYS: tuple[str, ...] = ("prompt", "prompt_file", "after", "join", "next", "weights", "max_iterations",
                                 "description")
 JOINS: tuple[str, ...] = ("all", "any")
@@ -239,6 +240,9 @@ class WorkflowSpec:
     agents: dict[str, AgentSpec]
     description: str | None = None
     task: str | None = None  # a sample request the workflow serves (`kvflow-ray run` sends it); in no prompt
+    # how its agents' calls reuse earlier agents' outputs beyond the prefix (`core.reuse`, docs/design.md
+    # §12): None leaves it to the call's `kvflow.reuse`, else the tenant's default (exact)
+    reuse: str | None = None
     # Derived once here because steps_to_execution runs on every agent transition of every live
     # workflow; recomputing successors there would dominate its cost.
     _successors: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
@@ -372,6 +376,8 @@ class WorkflowSpec:
             out["description"] = self.description
         if self.task is not None:
             out["task"] = self.task
+        if self.reuse is not None:
+            out["reuse"] = self.reuse
         out["agents"] = {name: agent.to_dict() for name, agent in self.agents.items()}
         return out
 
@@ -800,6 +806,12 @@ def parse_spec(data: object, base_dir: Path | None = None, *, limits: SpecLimits
         raise SpecError("entry", f"must be an agent name (string), got {_type_name(entry)}")
     description = _optional_str(data, "description", "description")
     task = _optional_str(data, "task", "task")
+    reuse = _optional_str(data, "reuse", "reuse")
+    if reuse is not None:
+        try:
+            parse_reuse(reuse)
+        except ValueError as exc:
+            raise SpecError("reuse", str(exc)) from None
 
     if "agents" not in data:
         raise SpecError("agents", "required")
@@ -835,7 +847,7 @@ def parse_spec(data: object, base_dir: Path | None = None, *, limits: SpecLimits
                     f"prompts together); the limit is {limits.max_prompt_bytes} ({limits.max_prompt_bytes_setting})",
                     limits.max_prompt_bytes_setting, limits.max_prompt_bytes, prompt_bytes,
                 )
-    return WorkflowSpec(name=name, entry=entry, agents=agents, description=description, task=task)
+    return WorkflowSpec(name=name, entry=entry, agents=agents, description=description, task=task, reuse=reuse)
 
 
 def _parse_text(text: str, as_json: bool) -> object:

@@ -138,6 +138,10 @@ class CacheRequest:
     # prompt tokens the tree holds once the prompt is committed (all of them, unless the prompt diverges
     # inside a node with a copy in flight, which cannot be split: the rest stays private to the request)
     committed: int = 0
+    # prompt tokens whose KV is exact: all (-1), or those before the first token whose KV was placed
+    # from a reused segment (docs/design.md §12): everything after attended to approximate KV, so
+    # only this prefix joins the tree, and the request keeps the rest private until it ends
+    exact_len: int = -1
     decoded: int = 0  # output tokens produced
     # outcome
     gpu_hit: int = 0
@@ -644,11 +648,13 @@ class ReplicaScheduler:
             return False
         self.admission.done(req)
         req.first_token_at = self.clock()
-        computed = len(req.tokens) - min(req.matched, len(req.tokens) - 1)
+        matched = min(req.matched, len(req.tokens) - 1)
+        computed = len(req.tokens) - matched
+        exact = len(req.tokens) if req.exact_len < 0 else req.exact_len
         if adopted is None and self.events is not None:
             adopted = []
-        path = self.cache.commit(req.tokens, computed, gpu_value, adopted, keep_uncovered=True,
-                                 namespace=req.cache_salt)
+        path = self.cache.commit(req.tokens[:exact], max(0, exact - matched), gpu_value, adopted,
+                                 keep_uncovered=True, namespace=req.cache_salt)
         req.committed = sum(len(node.key) for node in path)
         req.private -= computed - min(computed, len(req.tokens) - req.committed)
         if req.fixed_len and req.workflow is not None and req.agent is not None:
@@ -675,7 +681,8 @@ class ReplicaScheduler:
         engine has not freed yet."""
         self._changes += 1
         self._decode_batch = None
-        self.cache.commit(sequence, req.private, gpu_value, adopted, namespace=req.cache_salt)
+        exact = len(sequence) if req.exact_len < 0 else req.exact_len
+        self.cache.commit(sequence[:exact], req.private, gpu_value, adopted, namespace=req.cache_salt)
         req.private = 0
         self.cache.tree.unlock(req.locked)
         req.locked = None

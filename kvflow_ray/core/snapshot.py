@@ -35,6 +35,11 @@ class EngineSnapshot:
     # per tenant the paused history tokens ranked as needed (retained)
     sessions: dict[str, Any] = field(default_factory=lambda: {
         "pauses": 0, "abs_error_s": 0.0, "due_early": 0, "due_late": 0, "retained_tokens": {}})
+    # reuse of kept outputs beyond the prefix (docs/design.md §12): prompt tokens placed and not
+    # recomputed (reused), and (token, layer) pairs the reusing prefills computed against a dense
+    # prefill's (layer_tokens / dense_layer_tokens); segments kept and their KV bytes (gauges)
+    reuse: dict[str, int] = field(default_factory=lambda: {
+        "reused_tokens": 0, "layer_tokens": 0, "dense_layer_tokens": 0, "segments": 0, "segment_kv_bytes": 0})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
