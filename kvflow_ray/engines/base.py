@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from kvflow_ray.core.radix import Namespace
+from kvflow_ray.core.reuse import EXACT
 from kvflow_ray.core.sessions import SESSION_AGENT, SessionTurn
 from kvflow_ray.engines.tool_calls import get_parser
 
@@ -72,6 +73,10 @@ class GenerateRequest:
     # driver may also name the turn's "agent" and "tool" and give "true_pause_s" (the pause oracle's).
     # The ingress builds this itself: no client field reaches it. None: not a session turn
     session: Mapping[str, Any] | None = None
+    # reuse of kept segments (agents' outputs, registered documents) found in the prompt past its
+    # cached prefix (docs/design.md §12; `core.reuse`): "exact" (none, the default), "position",
+    # "epic:k=16", "blend:r=0.15". Approximate: only engines that implement it accept another method
+    reuse: str = "exact"
 
 
 @dataclass
@@ -86,6 +91,9 @@ class GenerateResult:
     ttft_s: float
     latency_s: float
     finish_reason: str  # "length" | "stop"
+    # prompt tokens whose KV was placed from a kept segment and not recomputed in every layer
+    # (approximate: never counted as cached; the reuse method's recomputed picks count as computed)
+    reused_tokens: int = 0
 
 
 @dataclass
@@ -120,14 +128,19 @@ class CacheEvent:
 
 
 def request_tokens(request: GenerateRequest, *, model_name: str, encode: Callable[[str], list[int]],
-                   vocab_size: int, max_context: int, device_tokens: int, constrained: bool = False
-                   ) -> tuple[int, ...]:
+                   vocab_size: int, max_context: int, device_tokens: int, constrained: bool = False,
+                   reuses: bool = False) -> tuple[int, ...]:
     """The prompt's token ids after every check an engine makes before queueing a request; raises
     ValueError naming what is wrong (the request can never run), so nothing is queued. `constrained`:
     the engine honours `request.constraint` (checks it itself); an engine that does not refuses one,
-    since ignoring it would return an unconstrained output as if it were one."""
+    since ignoring it would return an unconstrained output as if it were one. `reuses`: the engine
+    honours `request.reuse` (an engine that does not refuses an approximate method rather than serve
+    exact KV as if it were reused)."""
     if request.constraint is not None and not constrained:
         raise ValueError("this engine does not support constrained decoding (forced tool choice)")
+    if request.reuse != EXACT and not reuses:
+        raise ValueError(f"reuse {request.reuse!r}: this engine reuses no KV beyond the prefix (only 'exact'); "
+                         "the CPU engine does")
     if request.model is not None and request.model != model_name:
         raise ValueError(f"unknown model {request.model!r}: this engine serves {model_name!r}")
     if (request.prompt is None) == (request.tokens is None):

@@ -105,9 +105,24 @@ SESSION_RETAINED = MetricDef(
     read=lambda s: {(tenant,): float(n) for tenant, n in s.sessions.get("retained_tokens", {}).items()},
     multiprocess_mode="livemax")
 
+# Reuse of kept outputs beyond the prefix (docs/design.md §12); an engine without it reports zeros.
+REUSED_TOKENS = MetricDef(
+    "kvflow_reused_tokens", "Prompt tokens whose KV was placed from a kept agent output and not recomputed "
+    "(approximate KV; also counted in kvflow_prompt_tokens_total{tier=\"miss\"})", "counter",
+    read=lambda s: {(): float(s.reuse.get("reused_tokens", 0))})
+REUSE_LAYER_TOKENS = MetricDef(
+    "kvflow_reuse_layer_tokens", "(token, layer) pairs of prompts that reused kept outputs: computed, and what "
+    "a dense prefill computes (1 - computed / dense: the compute reuse saved)", "counter", ("kind",),
+    read=lambda s: {("computed",): float(s.reuse.get("layer_tokens", 0)),
+                    ("dense",): float(s.reuse.get("dense_layer_tokens", 0))})
+SEGMENT_KV_BYTES = MetricDef(
+    "kvflow_segment_kv_bytes", "KV bytes of the agent outputs kept for reuse", "gauge",
+    read=lambda s: {(): float(s.reuse.get("segment_kv_bytes", 0))}, multiprocess_mode="livemax")
+
 # Every engine metric, in exposition order.
 ENGINE_METRICS: tuple[MetricDef, ...] = (PROMPT_TOKENS, PREFETCH, PREFETCH_STALL, EVICTED_TOKENS, CACHE_TOKENS,
                                          QUEUE_LENGTH, SESSION_PAUSES, SESSION_PAUSE_ERROR, SESSION_PREFETCH,
+                                         REUSED_TOKENS, REUSE_LAYER_TOKENS, SEGMENT_KV_BYTES,
                                          SESSION_RETAINED)
 
 

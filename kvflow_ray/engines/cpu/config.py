@@ -51,4 +51,7 @@ class CpuEngineConfig:
     horizon: int = 1  # prefetch agents at most this many steps ahead
     max_inflight: int = 4  # concurrent prefetch loads
     threads: int | None = None  # torch.set_num_threads; None keeps torch's default
+    # kept segments (agents' outputs reused beyond the prefix, docs/design.md §12): at most this many
+    # tokens of KV, held outside the pools (a request asking for reuse opts its output in)
+    segment_kv_tokens: int = 16_384
     session_retain_tokens: int | None = None  # per tenant: paused session history ranked as needed (None: unbounded)

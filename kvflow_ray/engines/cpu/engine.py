@@ -29,6 +29,7 @@ import torch
 
 from kvflow_ray.core.policies import StepBook
 from kvflow_ray.core.radix import RadixNode
+from kvflow_ray.core.reuse import Placement, ReuseMethod, SegmentBook, parse_reuse
 from kvflow_ray.core.scheduler import CacheRequest, build_replica, resolve_policy
 from kvflow_ray.engines.base import (
     BackgroundEngine,
@@ -44,6 +45,7 @@ from kvflow_ray.engines.constrained import CANDIDATES, TokenConstraint, TokenTex
 from kvflow_ray.engines.cpu.config import CpuEngineConfig
 from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream
 from kvflow_ray.engines.cpu.model import GREEDY_TEMPERATURE, CpuModel, sample
+from kvflow_ray.engines.cpu.reuse import ReuseCounts, SegmentStore, check_reusable, prefill_reusing
 from kvflow_ray.engines.cpu.weights import RANDOM_MODEL_NAME
 from kvflow_ray.engines.events import CacheEventLog
 from kvflow_ray.engines.stops import StopTokens
@@ -59,6 +61,8 @@ class CpuRequest(CacheRequest):
     ignore_eos: bool = False
     constraint: TokenConstraint | None = None  # the grammar its output must spell (a forced tool call)
     generator: torch.Generator | None = None
+    reuse: ReuseMethod | None = None  # how kept segments in its prompt are reused (None: exact, not at all)
+    reused: int = 0  # prompt tokens placed from segments and not recomputed
     on_done: Callable[[CpuRequest], None] | None = None
     out: list[int] = field(default_factory=list)
     ctx: torch.Tensor | None = None  # device slot of the KV at each position (prompt, then output)
@@ -98,6 +102,12 @@ class CpuEngine(BackgroundEngine):
                                        tenant_retain_tokens=config.session_retain_tokens)
         self.book = self.scheduler.book
         self.cache = self.scheduler.cache
+        # kept segments (agents' outputs): ranked by the same step book; absent where the model's
+        # decoder is not one `prefill_reusing` can run (requests asking for reuse are refused then)
+        self.cannot_reuse = check_reusable(self.model)
+        self.segments = None if self.cannot_reuse else SegmentStore(
+            config.segment_kv_tokens, SegmentBook(config.segment_kv_tokens, self.book))
+        self.reuse_counts = ReuseCounts()
         self._copies: queue.Queue[CopyJob] = queue.Queue()
         self._copies_inflight = 0
         self.h2d = CopyStream("h2d", config.link_gbps, self._copies)
@@ -158,6 +168,11 @@ class CpuEngine(BackgroundEngine):
             "requests_failed": self.requests_failed,
             "requests_rejected": self.requests_rejected,
             **self.scheduler.snapshot().to_dict(),
+            "reuse": {"reused_tokens": self.reuse_counts.reused - self.reuse_counts.recomputed,
+                      "layer_tokens": self.reuse_counts.layer_tokens,
+                      "dense_layer_tokens": self.reuse_counts.dense_layer_tokens,
+                      "segments": len(self.segments.kv) if self.segments else 0,
+                      "segment_kv_bytes": self.segments.nbytes if self.segments else 0},
             "pool_bytes": self.device.nbytes + (self.host.nbytes if self.host else 0),
             "compute_s": self.compute_s,
             "forward_steps": self.forward_steps,
@@ -244,7 +259,13 @@ class CpuEngine(BackgroundEngine):
                       ) -> CpuRequest:
         tokens = request_tokens(request, model_name=self.model_name, encode=self.tokenizer.encode,
                                 vocab_size=self.model.vocab_size, max_context=self.model.max_context,
-                                device_tokens=self.cache.gpu_capacity, constrained=True)
+                                device_tokens=self.cache.gpu_capacity, constrained=True, reuses=True)
+        reuse = parse_reuse(request.reuse)
+        if reuse.exact:
+            reuse = None
+        elif self.cannot_reuse:
+            raise ValueError(f"reuse {request.reuse!r}: {self.model_name} cannot reuse KV beyond the prefix "
+                             f"({self.cannot_reuse})")
         constraint = None
         if request.constraint is not None:
             grammar = check_constraint(request.constraint, request.max_tokens)
@@ -261,7 +282,7 @@ class CpuEngine(BackgroundEngine):
                           temperature=request.temperature, top_p=request.top_p,
                           stops=StopTokens(request.stop, self.tokenizer.decode, on_token),
                           ignore_eos=request.ignore_eos, constraint=constraint, generator=generator,
-                          session=session_turn(request), submitted_at=time.perf_counter())
+                          session=session_turn(request), reuse=reuse, submitted_at=time.perf_counter())
 
     def _drain_inbox(self) -> None:
         while True:
@@ -282,6 +303,8 @@ class CpuEngine(BackgroundEngine):
 
     def _apply(self, hints: Hints) -> None:
         self.scheduler.apply_hints(hints.steps, hints.prompts, hints.retire, hints.salts, hints.elsewhere)
+        if hints.retire and self.segments is not None:  # a finished workflow's outputs have no reader left
+            self.segments.retire(list(hints.retire))
 
     # ------------------------------------------------------------------ copies (the Copier protocol)
     def load(self, nodes: list[RadixNode], tokens: int, prefetch: bool) -> None:
@@ -339,12 +362,39 @@ class CpuEngine(BackgroundEngine):
             req.base = req.prefill_pos
             req.own = self.device.alloc(req.private)
             req.ctx = torch.cat([self._path_slots(req.locked)[:req.base], req.own])
+            placements = self._placements(req)
+            if placements:
+                self._prefill_reusing(req, placements)
+                return
         start = req.prefill_pos
         logits = self.model.prefill(self.device, req.tokens[start:start + n], req.ctx[:start + n])
         if start + n < len(req.tokens):
             self.scheduler.prefill_done(req, n)
             return
-        # the prompt's KV joins the tree; keep the slots it took, free the rest (already cached)
+        self._prompt_done(req, n, logits)
+
+    def _placements(self, req: CpuRequest) -> list[Placement]:
+        """Kept segments in the prompt past its cached prefix (none unless the request asks for reuse)."""
+        if req.reuse is None or self.segments is None:
+            return []
+        return self.segments.book.find(req.tokens, req.prefill_pos, req.cache_salt, time.perf_counter())
+
+    def _prefill_reusing(self, req: CpuRequest, placements: list[Placement]) -> None:
+        """The rest of the prompt in one pass, its segments' KV placed by the request's method. KV from
+        the first placed token on is approximate: it stays private (`exact_len`), never in the tree."""
+        assert req.ctx is not None and req.reuse is not None and self.segments is not None
+        start = req.prefill_pos
+        logits, counts = prefill_reusing(self.model, self.device, req.tokens, req.ctx[:len(req.tokens)], start,
+                                         placements, self.segments, req.reuse)
+        # reported reused: placed and not recomputed in every layer (the method's picks count as computed)
+        req.exact_len, req.reused = placements[0].at, counts.reused - counts.recomputed
+        self.reuse_counts.add(counts)
+        self._prompt_done(req, len(req.tokens) - start, logits)
+
+    def _prompt_done(self, req: CpuRequest, n: int, logits: torch.Tensor) -> None:
+        """The prompt's last `n` tokens have KV: its (exact) KV joins the tree; keep the slots the tree
+        took, free the rest (already cached); the first output token."""
+        assert req.ctx is not None
         prompt_len = len(req.tokens)
         adopted: list[tuple[int, int]] = []
         token = self._sample(req, logits)
@@ -412,6 +462,10 @@ class CpuEngine(BackgroundEngine):
         own = req.own
         if req.session is not None:  # the tool its output calls: what its pause is learned under
             req.session = ended_turn(req.session, self.tokenizer.decode(list(req.out)))
+        if req.reuse is not None and req.workflow is not None and self.segments is not None:
+            # its output, as decoded, for the agents after it that read it (until the workflow ends)
+            self.segments.keep(self.device, req.ctx[prompt_len:len(sequence)], sequence[prompt_len:], prompt_len,
+                               req.cache_salt, req.workflow, req.agent, now=time.perf_counter())
         self.scheduler.finish(req, sequence, req.ctx[:len(sequence)], adopted,
                               free_slots=lambda: self._free_unadopted(own[req.committed - req.base:], req.committed,
                                                                       adopted))
@@ -424,7 +478,7 @@ class CpuEngine(BackgroundEngine):
             tokens=req.stops.tokens, text=req.stops.text, prompt_tokens=prompt_len,
             gpu_hit_tokens=req.gpu_hit, cpu_hit_tokens=req.cpu_hit, miss_tokens=req.miss, stall_s=req.stall,
             ttft_s=req.first_token_at - req.submitted_at, latency_s=now - req.submitted_at,
-            finish_reason=req.finish_reason)
+            finish_reason=req.finish_reason, reused_tokens=req.reused)
         self.requests_done += 1
         self._callbacks.append(req)
 

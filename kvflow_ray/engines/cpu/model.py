@@ -247,23 +247,24 @@ class CpuModel:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
         return ids
 
-    def _forward(self, ids: Tensor, positions: Tensor, pages: _Pages) -> Tensor:
-        """Run `ids` [B, T] at `positions`; their KV lands in the pool. Returns the last logits [B, vocab] float32."""
+    def _forward(self, ids: Tensor, positions: Tensor, pages: _Pages, every: bool = False) -> Tensor:
+        """Run `ids` [B, T] at `positions`; their KV lands in the pool. Returns the last logits [B, vocab]
+        float32 (`every`: every position's, [B, T, vocab])."""
         config = self.hf.config
         before, config._attn_implementation = config._attn_implementation, ATTENTION
         try:
             # logits_to_keep=1: only the last position goes through lm_head (saves a [T, vocab] matmul in prefill)
             out = self.hf(input_ids=ids, position_ids=positions, cache=_PoolCache(pages), use_cache=True,
-                          logits_to_keep=1, kvflow_pages=pages)
+                          logits_to_keep=0 if every else 1, kvflow_pages=pages)
         finally:
             config._attn_implementation = before
-        return out.logits[:, -1].float()
+        return out.logits.float() if every else out.logits[:, -1].float()
 
     @torch.inference_mode()
-    def prefill(self, pool: KVPool, tokens: Sequence[int], slots: Tensor) -> Tensor:
+    def prefill(self, pool: KVPool, tokens: Sequence[int], slots: Tensor, every: bool = False) -> Tensor:
         """Run the new `tokens` of one sequence whose context (cached past, then these tokens) lies in `slots`:
         the first `len(slots) - len(tokens)` hold the past's KV, the rest receive the new tokens'.
-        Returns the logits of the last token `[vocab]` float32."""
+        Returns the logits of the last token `[vocab]` float32 (`every`: of each token, `[T, vocab]`)."""
         self._check_pool(pool)
         n_past, n_new = len(slots) - len(tokens), len(tokens)
         if n_new == 0:
@@ -275,7 +276,7 @@ class CpuModel:
         ids = self._input_ids(tokens, (1, n_new))
         positions = torch.arange(n_past, n_past + n_new).view(1, n_new)
         pages = _Pages(pool.k, pool.v, slots[n_past:], [slot_runs(slots)], n_past)
-        return self._forward(ids, positions, pages)[0]
+        return self._forward(ids, positions, pages, every)[0]
 
     @torch.inference_mode()
     def decode(self, pool: KVPool, tokens: Sequence[int], slots: Sequence[Tensor]) -> Tensor:
