@@ -38,6 +38,7 @@ import json
 import sys
 
 from kvflow_ray.core.graph import SpecError, load_spec
+from kvflow_ray.core.reuse import parse_reuse
 from kvflow_ray.core.scheduler import POLICIES
 from kvflow_ray.engines.sim import agentic, workload
 from kvflow_ray.engines.sim.profile import available_profiles, load_profile
@@ -135,6 +136,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override the device KV pool size (default: derived from the profile)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",
                         help="override a profile field, e.g. --set peak_flops=125e12 (repeatable)")
+    parser.add_argument("--reuse", default=None, metavar="METHOD",
+                        help="--workflow: each call carries its predecessors' outputs, reused beyond the prefix by "
+                             "METHOD (exact, position, epic:k=16, blend:r=0.15; default: the spec's `reuse`, else "
+                             "no outputs carried); docs/design.md §12")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -182,11 +187,15 @@ def build_scenario(args: argparse.Namespace, fleet_kv_tokens: int | None = None)
                                 clients=pick(args.clients, 8), apps=pick(args.apps, 4), fixed=pick(args.fixed, 2048),
                                 dynamic=pick(args.dynamic, 64), output=pick(args.output, 64),
                                 iterations=pick(args.iterations, 12), mix=args.mix, seed=seed)
+    if getattr(args, "reuse", None) is not None:
+        if not args.workflow:
+            raise ValueError("--reuse goes with --workflow")
+        parse_reuse(args.reuse)
     if args.workflow:
         spec = load_spec(args.workflow)
         return workload.from_spec(spec, clients=pick(args.clients, 1), fixed=pick(args.fixed, 1024),
                                   dynamic=pick(args.dynamic, 32), output=pick(args.output, 32),
-                                  iterations=pick(args.iterations, 3))
+                                  iterations=pick(args.iterations, 3), reuse=args.reuse)
     if args.scenario == "single":
         return workload.single(agents=args.agents, fixed=pick(args.fixed, 8192), dynamic=pick(args.dynamic, 32),
                                output=pick(args.output, 32),

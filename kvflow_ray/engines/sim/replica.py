@@ -38,6 +38,15 @@ class SimRequest(CacheRequest):
     output_tokens: tuple[int, ...] = ()
     on_done: Callable[[SimRequest], None] | None = None
     on_prefilled: Callable[[SimRequest], None] | None = None  # its first output token is out
+    # its prompt's last `reused` tokens are kept outputs reused beyond the prefix: each costs `reuse_share`
+    # of a computed token's compute (`ReuseMethod.recomputed_share`)
+    reused: int = 0
+    reuse_share: float = 1.0
+
+    def computed_tokens(self, n: int) -> int:
+        """The compute of its next `n` prompt tokens, in computed tokens (reused ones cost their share)."""
+        overlap = max(0, self.prefill_pos + n - max(self.prefill_pos, len(self.tokens) - self.reused))
+        return n - round(overlap * (1.0 - self.reuse_share))
 
 
 class SimReplica:
@@ -156,7 +165,7 @@ class SimReplica:
             duration = self.profile.decode_step_time(len(batch.decode), self.run_context)
         else:
             self._end_run()
-            duration = self.profile.step_time([(n, r.prefill_pos) for r, n in batch.prefill],
+            duration = self.profile.step_time([(_computed(r, n), r.prefill_pos) for r, n in batch.prefill],
                                               [len(r.tokens) + r.decoded for r in batch.decode])
             if not batch.prefill and self.decode_runs:
                 self._start_run(batch)
@@ -237,3 +246,7 @@ class SimReplica:
         self.scheduler.tick()
         self._arm_wake()
         self.kick()
+
+
+def _computed(req: CacheRequest, n: int) -> int:
+    return req.computed_tokens(n) if isinstance(req, SimRequest) else n

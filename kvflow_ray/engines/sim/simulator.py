@@ -21,6 +21,7 @@ from kvflow_ray.core.graph import WorkflowSpec, WorkflowState
 from kvflow_ray.core.policies import FutureAccesses, StepBook
 from kvflow_ray.core.predict import Forecaster
 from kvflow_ray.core.radix import Tag
+from kvflow_ray.core.reuse import parse_reuse
 from kvflow_ray.core.scheduler import PolicyConfig
 from kvflow_ray.core.sessions import PAUSES
 from kvflow_ray.engines.events import CacheEventLog
@@ -44,6 +45,10 @@ class ClientPlan:
     salt: str = ""  # its requests' cache namespace (its tenant's, when routed as one of many tenants)
     # the application's true choices at its `next: one` agents (None: the spec's weights)
     branching: Branching | None = None
+    # agents that read their predecessors' outputs (docs/design.md §12): set, each call's prompt carries,
+    # after its dynamic suffix, the latest output of each of its predecessors, reused by this method
+    # (`core.reuse`; "exact" computes them); None: prompts carry no outputs
+    reuse: str | None = None
 
 
 @dataclass
@@ -226,12 +231,23 @@ class Simulation:
         plan = client.plan
         prompt = plan.prompts[agent]
         output = self.tokens.fresh(max(plan.output, 1))
+        head = prompt + self.tokens.fresh(plan.dynamic)
+        reads: tuple[int, ...] = ()
+        share = 1.0
+        if plan.reuse is not None:
+            reads = tuple(t for pred in plan.spec.agents[agent].after for t in client.outputs.get(pred, ()))
+            client.outputs[agent] = output  # what its successors read (a successor starts after it ends)
+            method = parse_reuse(plan.reuse)
+            share = method.recomputed_share(self.profile.n_layers)
         return SimRequest(
             rid=self._rid, workflow=plan.key, agent=agent,
-            tokens=prompt + self.tokens.fresh(plan.dynamic), fixed_len=len(prompt), max_new=len(output),
+            tokens=head + reads, fixed_len=len(prompt), max_new=len(output),
             cache_salt=plan.salt,
             output_tokens=output, measured=client.iteration >= plan.warmup,
             on_done=lambda req: client.on_done(agent),
+            # reused outputs' KV is approximate: only the prompt before them joins the tree
+            exact_len=len(head) if reads and share < 1.0 else -1, reused=len(reads) if share < 1.0 else 0,
+            reuse_share=share,
         )
 
 
@@ -279,6 +295,7 @@ class WorkflowClient:
         # that every policy sees the same choices and the oracle can know them
         self.rng = random.Random(f"{self.plan.key}")
         self.upcoming: dict[str, str] = {}
+        self.outputs: dict[str, tuple[int, ...]] = {}  # agent -> its latest output (read by its successors)
 
     def begin(self) -> None:
         self.sim.register_prompts(self.plan.key, self.plan.prompts, self.plan.salt)

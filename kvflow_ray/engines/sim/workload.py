@@ -85,16 +85,18 @@ def peer(clients: int = 64, preamble: int = 96, role: tuple[int, ...] = (180, 42
 
 
 def from_spec(spec: WorkflowSpec, clients: int = 1, fixed: int = 1024, dynamic: int = 32, output: int = 32,
-              iterations: int = 3, warmup: int = 1) -> Scenario:
+              iterations: int = 3, warmup: int = 1, reuse: str | None = None) -> Scenario:
     """Agents with a `prompt` use its UTF-8 bytes as tokens (the byte-level tokenizer of the CPU
-    engine); agents without one get `fixed` fresh tokens."""
+    engine); agents without one get `fixed` fresh tokens. `reuse`: every call carries its predecessors'
+    outputs, reused by that method (default: the spec's `reuse`, else none carried)."""
+    reuse = reuse if reuse is not None else spec.reuse
     _check_positive(clients=clients, iterations=iterations)
     tokens = TokenSource(256)  # ids below 256 are bytes
     prompts = {name: tuple(a.prompt.encode()) if a.prompt else tokens.fresh(fixed) for name, a in spec.agents.items()}
     plans = [ClientPlan(key=f"{spec.name}/{c}", spec=spec, prompts=prompts, dynamic=dynamic, output=output,
-                        iterations=warmup + iterations, warmup=warmup) for c in range(clients)]
+                        iterations=warmup + iterations, warmup=warmup, reuse=reuse) for c in range(clients)]
     return Scenario(spec.name, plans, dict(clients=clients, fixed=fixed, dynamic=dynamic, output=output,
-                                           iterations=iterations, warmup=warmup))
+                                           iterations=iterations, warmup=warmup, reuse=reuse))
 
 
 # ---------------------------------------------------------------------------------------------- dynamic
