@@ -449,13 +449,28 @@ def workflows() -> dict[str, Any]:
                    Target(or_zero(sum_by(["tenant"], selector("kvflow_session_retained_tokens", REPLICA, TENANT)),
                                   label="tenant"), "{{tenant}}"), width=8, stacking="normal"),
     ]
+    layer_tokens = "kvflow_reuse_layer_tokens_total"
+    reuse = [
+        timeseries("Reports reused beyond the prefix", "Prompt tokens per second whose KV was placed from an earlier "
+                   "agent's kept output instead of computed (workflows that opt in with `reuse`, docs/design.md "
+                   "§12), beside those computed; approximate KV, never counted as cached.", "short",
+                   Target(or_zero(sum_by((), rate("kvflow_reused_tokens_total", REPLICA))), "reused"),
+                   Target(or_zero(sum_by((), rate("kvflow_prompt_tokens_total", REPLICA, 'tier="miss"'))),
+                          "computed or reused"), width=12),
+        timeseries("Computed share of reusing prompts", "Computed / dense (token, layer) pairs of the prompts that "
+                   "reused kept outputs (1 minus the compute reuse saved): what the reuse method (position, epic, "
+                   "blend) still computed; 0 while no prompt reused.", "percentunit",
+                   Target(or_zero(ratio(sum_by((), rate(layer_tokens, REPLICA, 'kind="computed"')),
+                                        sum_by((), rate(layer_tokens, REPLICA, 'kind="dense"'))), label=None),
+                          "computed share"), width=12, min=0, soft_max=1),
+    ]
     return dashboard(
         "kvflow-workflows", "kvflow workflows",
         "Per-tenant workflow view: live workflows and step-graph deviations by tenant (the router's tenant-labelled "
         "metrics), with the fleet's routing outcomes, device hit ratio and latency alongside (no tenant label).",
         [datasource_variable(), label_variable("replica", "Replica", "kvflow_queue_length"),
          label_variable("tenant", "Tenant", "kvflow_workflows_active")],
-        [headline, tenants, routing, latency, prediction, sessions],
+        [headline, tenants, routing, latency, prediction, sessions, reuse],
     )
 
 

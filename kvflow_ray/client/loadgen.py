@@ -10,7 +10,9 @@ successor the moment its predecessors finish, a client plans an iteration up fro
 (`iteration_stages`): agents that become ready together (an AND fan-out) run concurrently, and the
 next stage waits for the whole stage.
 Each agent call sends the agent's fixed prompt (system message) plus a dynamic user message that
-carries the task and the previous agent's output.
+carries the task and the previous agent's output (its first 200 characters), or, for a workflow that
+reuses its agents' outputs (`reuse` in its spec, docs/design.md §12), the whole output of each of
+the agent's predecessors, as a writer reads its researchers' reports.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ class LoadConfig:
     metrics_token: str | None = None
     model: str | None = None
     timeout_s: float = 600.0
+    # what a call's message carries of earlier outputs: "previous" (the last agent's, its first 200
+    # characters), "predecessors" (each predecessor's whole output); None: predecessors for a workflow
+    # whose spec sets `reuse`, else previous
+    reads: str | None = None
+    reuse: str | None = None  # `kvflow.reuse` on every call (None: the workflow's, else the tenant's default)
 
 
 @dataclass
@@ -66,6 +73,7 @@ class CallRecord:
     replica: str
     error: str | None = None
     answer: str = ""
+    reused_tokens: int = 0  # prompt tokens whose KV came from an earlier agent's kept output
 
 
 @dataclass
@@ -160,6 +168,11 @@ class _Client:
                                    client_id=f"{workflow.name}-{index}-{uuid.uuid4().hex[:8]}")
         self.last_output = ""
         self.last_agent = ""
+        self.outputs: dict[str, str] = {}  # agent -> its latest whole output
+        reads = config.reads or ("predecessors" if workflow.spec.reuse else "previous")
+        if reads not in READS:
+            raise ValueError(f"reads must be one of {', '.join(READS)}, got {reads!r}")
+        self.reads = reads
 
     def call(self, agent: str, iteration: int) -> None:
         content = self._message(agent, iteration)
@@ -169,16 +182,19 @@ class _Client:
             raw = handle.run.openai.chat.completions.with_raw_response.create(
                 model=self.config.model or "default", messages=handle.messages([{"role": "user", "content": content}]),
                 max_tokens=self.config.max_tokens, temperature=0, extra_body={
-                    "kvflow": self.run.metadata(agent), "ignore_eos": self.config.ignore_eos})
+                    "kvflow": self.run.metadata(agent) | ({"reuse": self.config.reuse} if self.config.reuse else {}),
+                    "ignore_eos": self.config.ignore_eos})
             response = raw.parse()
             usage = response.usage
             details = getattr(usage, "prompt_tokens_details", None)
             self.last_output = response.choices[0].message.content or ""
             self.last_agent = agent
+            self.outputs[agent] = self.last_output
             record = CallRecord(self.index, iteration, agent, time.perf_counter() - started, usage.prompt_tokens,
                                 (details.cached_tokens or 0) if details else 0,
                                 raw.headers.get("x-kvflow-route", "plain"), raw.headers.get("x-kvflow-replica", "?"),
-                                answer=self.last_output)
+                                answer=self.last_output,
+                                reused_tokens=(getattr(details, "reused_tokens", None) or 0) if details else 0)
         except Exception as exc:
             record = CallRecord(self.index, iteration, agent, time.perf_counter() - started, 0, 0, "error", "?",
                                 f"{type(exc).__name__}: {exc}")
@@ -189,6 +205,8 @@ class _Client:
     def _message(self, agent: str, iteration: int) -> str:
         """The call's user message: the task and what the previous agent wrote. A real task frames the
         previous output as another agent's (a small model otherwise repeats it as its own answer)."""
+        if self.reads == "predecessors":
+            return self._reading(agent, iteration)
         previous = self.last_output[:200]
         if self.config.task is not None:
             if not previous:
@@ -196,6 +214,13 @@ class _Client:
             return f"{self.config.task}\n\nFor reference, the {self.last_agent} wrote: \"{previous}\""
         task = (f"Task {self.index}.{iteration} for the {agent}: " + "analyse the quarterly filing; " * 40)
         return task[:self.config.task_chars] + (f"\n\nPrevious step said: {previous}" if previous else "")
+
+    def _reading(self, agent: str, iteration: int) -> str:
+        """The task, then each predecessor's whole output as another agent's report."""
+        task = self.config.task if self.config.task is not None else f"Task {self.index}.{iteration} for the {agent}."
+        reports = [f"The {pred} wrote:\n{self.outputs[pred]}" for pred in self.workflow.spec.agents[agent].after
+                   if self.outputs.get(pred)]
+        return "\n\n".join([task, *reports])
 
     def go(self) -> None:
         """All iterations of this client, then `finish`."""
@@ -209,6 +234,7 @@ class _Client:
                     self.result.iterations.append(time.perf_counter() - started)
 
 
+READS = ("previous", "predecessors")
 MAX_STAGES = 1000  # a walk of a dynamic workflow whose loops keep coming back is cut here
 
 
@@ -328,6 +354,9 @@ def summarise(result: LoadResult, workflow: Workflow, config: LoadConfig) -> dic
         "gpu_hit_ratio": _ratio(prompt["gpu"], all_prompt),
         "cpu_hit_ratio": _ratio(prompt["cpu"], all_prompt),
         "cached_ratio": _ratio(sum(c.cached_tokens for c in ok), sum(c.prompt_tokens for c in ok) or math.nan),
+        "reused_ratio": _ratio(sum(c.reused_tokens for c in ok), sum(c.prompt_tokens for c in ok) or math.nan),
+        # prompt tokens computed: neither an exact prefix hit nor reused from a kept output
+        "recomputed_prompt_tokens": sum(c.prompt_tokens - c.cached_tokens - c.reused_tokens for c in ok),
         "affinity_ratio_after_warmup": _ratio(sum(c.route == "affinity" for c in routed), len(routed) or math.nan),
         "router_decisions": {k: int(v) for k, v in decisions.items()},
         "prefetch": {o: int(_delta(result, "kvflow_prefetch_total", outcome=o))

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 from kvflow_ray.commands.serve import add_server_arguments, app_config
 from kvflow_ray.core.graph import SpecError
+from kvflow_ray.core.reuse import parse_reuse
 
 T = TypeVar("T")
 ANSWER_CHARS = 160  # of each agent's answer in the text report (--json has them whole)
@@ -57,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(client i runs application i mod N): the multi-tenant case (default 1)")
     parser.add_argument("--preamble-chars", type=int, default=1200,
                         help="length of each application's preamble with --applications > 1 (default 1200)")
+    parser.add_argument("--reuse", default=None, metavar="METHOD",
+                        help="reuse earlier agents' outputs in later prompts beyond the prefix: exact (none), "
+                             "position, epic:k=16, blend:r=0.15 (default: the workflow's `reuse`, else the tenant's "
+                             "default, exact; docs/design.md §12)")
+    parser.add_argument("--reads", choices=("previous", "predecessors"), default=None,
+                        help="what a call's message carries: the previous agent's output (its first 200 characters) "
+                             "or each predecessor's whole output (default: predecessors for a workflow with `reuse`)")
     parser.add_argument("--key", default=None, help="bearer API key")
     parser.add_argument("--metrics-token", default=None, metavar="TOKEN",
                         help="the /metrics token (`kvflow-ray serve --metrics-token`): the report's hit ratios "
@@ -78,7 +86,9 @@ def format_summary(s: dict) -> str:
         f"  workflow latency   mean {secs(lat['mean'])}   p50 {secs(lat['p50'])}   p99 {secs(lat['p99'])}",
         f"  agent-call latency mean {secs(call['mean'])}   p50 {secs(call['p50'])}   p99 {secs(call['p99'])}",
         f"  prompt tokens from device {pct(s['gpu_hit_ratio'])}, from host {pct(s['cpu_hit_ratio'])}, "
-        f"cached (usage) {pct(s['cached_ratio'])}",
+        f"cached (usage) {pct(s['cached_ratio'])}"
+        + (f", reused beyond the prefix {pct(s['reused_ratio'])}" if s.get("reused_ratio") else "")
+        + f"; computed {s['recomputed_prompt_tokens']:,}",
         f"  routed to the prefix holder after warm-up: {pct(s['affinity_ratio_after_warmup'])}   router decisions "
         + ", ".join(f"{k} {v}" for k, v in s["router_decisions"].items())
         + "   prefetches " + ", ".join(f"{k} {v}" for k, v in s["prefetch"].items()),
@@ -105,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         workflow = Workflow.from_yaml(args.workflow)
         if min(args.clients, args.iterations, args.max_tokens, args.applications) < 1:
             raise ValueError("--clients, --iterations, --max-tokens and --applications must be at least 1")
+        if args.reuse is not None:
+            parse_reuse(args.reuse)
         # the embedded server is the caller's own: it sends the route headers the report measures affinity with
         config = app_config(args).model_copy(update={"route_headers": True}) if args.url is None else None
     except (SpecError, ValueError, OSError) as exc:
@@ -112,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     metrics_token = args.metrics_token or (config.metrics_token_value() if config is not None else None)
     load = LoadConfig(clients=args.clients, iterations=args.iterations, max_tokens=args.max_tokens, api_key=args.key,
-                      metrics_token=metrics_token, ignore_eos=args.ignore_eos, task=args.task or workflow.spec.task)
+                      metrics_token=metrics_token, ignore_eos=args.ignore_eos, task=args.task or workflow.spec.task,
+                      reads=args.reads, reuse=args.reuse)
     workflows = ([workflow] if args.applications == 1
                  else application_variants(workflow, args.applications, args.preamble_chars))
     result = _against_server(args, config, lambda url: run_load(workflows, url, load))

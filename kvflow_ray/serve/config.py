@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from kvflow_ray.core.reuse import parse_reuse
 from kvflow_ray.core.routing import DEFAULT_ROUTING
 from kvflow_ray.core.scheduler import POLICIES
 from kvflow_ray.engines.cpu.weights import DEFAULT_MODEL, check_model, resolve_model, served_name
@@ -124,6 +125,11 @@ class AppConfig(BaseModel):
     # how a model's output holds tool calls (engines/tool_calls.py `TOOL_CALL_PARSERS`, as SGLang's
     # --tool-call-parser): the ingress parses every engine's output with it when a request has tools
     tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER
+    # reuse of earlier agents' outputs beyond the prefix (docs/design.md §12), per tenant: the method of
+    # its workflow calls that name none (neither in `kvflow.reuse` nor in their workflow); absent: exact.
+    # Approximate: never on unless asked for. cpu: kept outputs are bounded by segment_kv_tokens per replica
+    tenant_reuse: dict[str, str] = Field(default_factory=dict)
+    segment_kv_tokens: int = Field(16_384, ge=0)
 
     # keys and the metrics token from the environment are resolved wherever the config is built
     # (ingress, replicas) and kept out of the fields, so to_dict() never copies them into Ray's
@@ -177,6 +183,12 @@ class AppConfig(BaseModel):
                              f"serving on the {self.engine} engine does not give; choose a routing policy that "
                              f"does not (e.g. workflow)")
         get_parser(self.tool_call_parser)  # names the known parsers when it is wrong
+        for tenant, method in self.tenant_reuse.items():
+            _check_tenant("tenant_reuse", tenant)
+            try:
+                parse_reuse(method)
+            except ValueError as exc:
+                raise ValueError(f"tenant_reuse.{tenant}: {exc}") from None
         if self.request_router not in REQUEST_ROUTERS:
             raise ValueError(f"request_router must be one of {tuple(REQUEST_ROUTERS)}, "
                              f"got {_short(self.request_router)}")

