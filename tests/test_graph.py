@@ -283,7 +283,7 @@ def test_error_top_level_not_mapping() -> None:
 
 def test_error_unknown_top_level_key() -> None:
     data = valid_data() | {"version": 2}
-    expect_error(data, "version", "unknown key 'version' (allowed: name, entry, agents, description, task)")
+    expect_error(data, "version", "unknown key 'version' (allowed: name, entry, agents, description, task, reuse)")
 
 
 def test_error_name_missing() -> None:

@@ -87,8 +87,8 @@ def format_summary(s: dict) -> str:
         f"  agent-call latency mean {secs(call['mean'])}   p50 {secs(call['p50'])}   p99 {secs(call['p99'])}",
         f"  prompt tokens from device {pct(s['gpu_hit_ratio'])}, from host {pct(s['cpu_hit_ratio'])}, "
         f"cached (usage) {pct(s['cached_ratio'])}"
-        + (f", reused beyond the prefix {pct(s['reused_ratio'])}" if s.get("reused_ratio") else "")
-        + f"; computed {s['recomputed_prompt_tokens']:,}",
+        + (f", reused beyond the prefix {pct(s['reused_ratio'])} (computed {s['recomputed_prompt_tokens']:,} "
+           "prompt tokens)" if s.get("reused_ratio") else ""),
         f"  routed to the prefix holder after warm-up: {pct(s['affinity_ratio_after_warmup'])}   router decisions "
         + ", ".join(f"{k} {v}" for k, v in s["router_decisions"].items())
         + "   prefetches " + ", ".join(f"{k} {v}" for k, v in s["prefetch"].items()),

@@ -95,8 +95,11 @@ def from_spec(spec: WorkflowSpec, clients: int = 1, fixed: int = 1024, dynamic: 
     prompts = {name: tuple(a.prompt.encode()) if a.prompt else tokens.fresh(fixed) for name, a in spec.agents.items()}
     plans = [ClientPlan(key=f"{spec.name}/{c}", spec=spec, prompts=prompts, dynamic=dynamic, output=output,
                         iterations=warmup + iterations, warmup=warmup, reuse=reuse) for c in range(clients)]
-    return Scenario(spec.name, plans, dict(clients=clients, fixed=fixed, dynamic=dynamic, output=output,
-                                           iterations=iterations, warmup=warmup, reuse=reuse))
+    params: dict[str, object] = dict(clients=clients, fixed=fixed, dynamic=dynamic, output=output,
+                                     iterations=iterations, warmup=warmup)
+    if reuse is not None:
+        params["reuse"] = reuse
+    return Scenario(spec.name, plans, params)
 
 
 # ---------------------------------------------------------------------------------------------- dynamic
