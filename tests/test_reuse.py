@@ -186,9 +186,9 @@ def _request(tokens: list[int], max_tokens: int = 8, **fields: Any) -> GenerateR
 
 def test_an_output_is_kept_only_when_its_request_asks_for_reuse(engine: CpuEngine) -> None:
     engine.generate(_request(_tokens(1, 50), max_tokens=40, workflow="w", agent="a"))
-    assert engine.stats()["segments"] == 0
+    assert engine.stats()["reuse"]["segments"] == 0
     engine.generate(_request(_tokens(2, 50), max_tokens=40, workflow="w", agent="b", reuse="position"))
-    assert engine.stats()["segments"] == 1
+    assert engine.stats()["reuse"]["segments"] == 1
 
 
 def test_with_reuse_off_outputs_are_token_identical(engine: CpuEngine) -> None:
@@ -222,7 +222,7 @@ def test_a_finished_workflow_takes_its_outputs_with_it(engine: CpuEngine) -> Non
     engine.generate(_request(_tokens(2, 50), max_tokens=40, workflow="w", agent="b", reuse="position"))
     engine.apply_hints(Hints(retire=["w"]))
     engine.step()
-    assert engine.stats()["segments"] == 0 and engine.stats()["segment_kv_bytes"] == 0
+    assert engine.stats()["reuse"]["segments"] == 0 and engine.stats()["reuse"]["segment_kv_bytes"] == 0
 
 
 def test_engines_without_reuse_refuse_an_approximate_method() -> None:
@@ -231,3 +231,16 @@ def test_engines_without_reuse_refuse_an_approximate_method() -> None:
                        max_context=100, device_tokens=100)
     with pytest.raises(ValueError, match="unknown reuse method"):
         CpuEngine(CpuEngineConfig(model=ModelConfig())).submit(_request([1, 2, 3], reuse="nofix"))
+
+
+def test_a_marked_document_is_computed_alone_once_and_reused_by_later_prompts(engine: CpuEngine) -> None:
+    document = _tokens(7, 80)
+    first = engine.generate(_request([*_tokens(1, 30), *document, 5, 6], reuse="position", documents=[document]))
+    assert first.reused_tokens == len(document) and engine.stats()["reuse"]["segments"] == 1
+    # another prompt holding it, in the same namespace: placed again, not computed again
+    later = engine.generate(_request([*_tokens(2, 50), *document, 7], reuse="position", documents=[document]))
+    assert later.reused_tokens == len(document) and engine.stats()["reuse"]["segments"] == 1
+    other = engine.generate(_request([*_tokens(2, 50), *document, 7], reuse="position", cache_salt="tenant:b"))
+    assert other.reused_tokens == 0  # kept in its own namespace only
+    with pytest.raises(ValueError, match="no longer than the prompt"):
+        engine.submit(_request([1, 2, 3], reuse="position", documents=[document]))

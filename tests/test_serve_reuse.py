@@ -95,3 +95,27 @@ def test_a_bad_reuse_method_is_a_400_naming_it(server: Any, reuse: str, named: s
     status, answer = post(server.url, body, "key-a")
     assert status == 400 and named in answer["error"]["message"], answer
     assert "kvflow.reuse" in (answer["error"]["param"] or ""), answer
+
+
+def test_a_marked_document_is_reused_by_the_next_prompt_holding_it(server: Any) -> None:
+    document = ("Clause 7. The supplier delivers the parts within thirty days of the order, and a late "
+                "delivery costs the supplier two percent of the order's value for every week of delay.")
+
+    from kvflow_ray.client import Workflow
+
+    spec = Workflow.from_yaml(ROOT / "workflows" / "research_team.yaml").spec.to_dict()
+
+    def ask(client: str, question: str, documents: list[str]) -> tuple[int, dict[str, Any]]:
+        body = {"model": "default", "max_tokens": 2, "temperature": 0,
+                "messages": [{"role": "user", "content": f"{question}\n\n{document}"}],
+                "kvflow": {"client_id": client, "agent": "writer", "workflow_spec": spec,
+                           "reuse": "position", "documents": documents}}
+        return post(server.url, body, "key-a")
+
+    status, first = ask("doc-1", "Summarise this contract clause.", [document])
+    assert status == 200, first
+    status, second = ask("doc-2", "What does a late delivery cost?", [document])
+    assert status == 200, second
+    assert second["usage"]["prompt_tokens_details"].get("reused_tokens", 0) >= 16, second["usage"]
+    status, bad = ask("doc-3", "Anything?", ["a sentence that is not in the prompt"])
+    assert status == 400 and bad["error"]["param"] == "kvflow.documents[0]", bad

@@ -168,6 +168,7 @@ def parse_reuse(spec: str, *, served: bool = True) -> ReuseMethod:
 ANCHOR = 8  # tokens: a prompt is searched for segments by their first tokens
 ANCHOR_OFFSETS = 3  # a segment's text re-tokenized may differ in its first tokens: anchors at 0..2
 MIN_PLACED = 16  # a shorter match is not worth placing
+MAX_DOCUMENTS = 16  # documents one request may mark
 
 
 @dataclass(eq=False)
@@ -208,7 +209,12 @@ class SegmentBook:
     segments: dict[int, Segment] = field(default_factory=dict)
     used: int = 0
     _anchors: dict[tuple[str, tuple[int, ...]], list[tuple[Segment, int]]] = field(default_factory=dict)
+    _documents: dict[tuple[str, tuple[int, ...]], Segment] = field(default_factory=dict)
     _next_id: int = 0
+
+    def document(self, tokens: Sequence[int], namespace: str) -> Segment | None:
+        """The kept document with exactly these tokens in `namespace`, if any."""
+        return self._documents.get((namespace, tuple(tokens)))
 
     def add(self, tokens: Sequence[int], base: int, namespace: str, workflow: str | None = None,
             agent: str | None = None, name: str = "", now: float = 0.0) -> tuple[Segment | None, list[Segment]]:
@@ -226,6 +232,8 @@ class SegmentBook:
         self._next_id += 1
         self.segments[segment.id] = segment
         self.used += len(tokens)
+        if workflow is None:
+            self._documents[(namespace, tokens)] = segment
         for offset in range(min(ANCHOR_OFFSETS, len(tokens) - ANCHOR + 1)):
             key = (namespace, tokens[offset:offset + ANCHOR])
             self._anchors.setdefault(key, []).append((segment, offset))
@@ -235,6 +243,8 @@ class SegmentBook:
         if self.segments.pop(segment.id, None) is None:
             return
         self.used -= len(segment.tokens)
+        if segment.workflow is None:
+            self._documents.pop((segment.namespace, segment.tokens), None)
         for offset in range(min(ANCHOR_OFFSETS, len(segment.tokens) - ANCHOR + 1)):
             key = (segment.namespace, segment.tokens[offset:offset + ANCHOR])
             entries = [e for e in self._anchors.get(key, []) if e[0] is not segment]

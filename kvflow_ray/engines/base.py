@@ -77,6 +77,9 @@ class GenerateRequest:
     # cached prefix (docs/design.md §12; `core.reuse`): "exact" (none, the default), "position",
     # "epic:k=16", "blend:r=0.15". Approximate: only engines that implement it accept another method
     reuse: str = "exact"
+    # documents the client marks in its prompt (retrieved chunks), as token ids: under an approximate
+    # `reuse`, each is computed alone once (positions 0..) and kept as a segment of its namespace
+    documents: Sequence[Sequence[int]] = ()
 
 
 @dataclass

@@ -444,8 +444,18 @@ class Ingress:
         reuse = meta.reuse or (spec.reuse if spec is not None else None) or self.config.tenant_reuse.get(tenant)
         if reuse is not None:
             engine_request["reuse"] = reuse
+        if meta.documents:
+            engine_request["documents"] = self._documents(meta.documents, text)
         return _Call(tenant, meta.client_id, meta.agent, workflow, route.replica, route.outcome,
                      fixed_hash, boundary, salt, tokens, parsed.max_tokens)
+
+    def _documents(self, documents: list[str], text: str) -> list[list[int]]:
+        """`kvflow.documents` as token ids; each must appear verbatim in the prompt's text."""
+        for i, document in enumerate(documents):
+            if not document or document not in text:
+                raise ApiError(400, f"'kvflow.documents[{i}]' does not appear verbatim in the prompt",
+                               f"kvflow.documents[{i}]", code="invalid_value")
+        return [self.tokenizer.encode(document) for document in documents]
 
     async def _start_session(self, tenant: str, parsed: ParsedRequest, tokens: list[int],
                              engine_request: dict[str, Any]) -> _Call:

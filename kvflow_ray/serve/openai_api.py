@@ -37,7 +37,7 @@ from pydantic import (
 )
 
 from kvflow_ray.core.graph import KEY_PART_RE, is_name
-from kvflow_ray.core.reuse import parse_reuse
+from kvflow_ray.core.reuse import MAX_DOCUMENTS, parse_reuse
 from kvflow_ray.engines.base import MAX_STOP_STRINGS, META_FIELDS, GenerateResult, meta_problem
 from kvflow_ray.engines.tool_calls import ToolCall
 
@@ -124,6 +124,8 @@ class KvflowMeta(_Strict):
     expected_pause_s: StrictFloat | None = Field(None, gt=0, le=MAX_PAUSE_S)
     # how this call reuses earlier agents' outputs found in its prompt (`core.reuse.parse_reuse`)
     reuse: StrictStr | None = Field(None, max_length=64)
+    # documents (retrieved chunks) the prompt holds verbatim, kept as segments under an approximate reuse
+    documents: list[StrictStr] | None = Field(None, max_length=MAX_DOCUMENTS)
 
     @field_validator("reuse")
     @classmethod
@@ -150,7 +152,8 @@ class KvflowMeta(_Strict):
 
     @model_validator(mode="after")
     def _workflow_fields(self) -> KvflowMeta:
-        named = [f for f in ("client_id", "agent", "workflow", "fixed_prefix_tokens", "workflow_spec", "reuse")
+        named = [f for f in ("client_id", "agent", "workflow", "fixed_prefix_tokens", "workflow_spec", "reuse",
+                             "documents")
                  if getattr(self, f) is not None]
         if named:
             for required in ("client_id", "agent"):

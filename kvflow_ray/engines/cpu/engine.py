@@ -29,7 +29,7 @@ import torch
 
 from kvflow_ray.core.policies import StepBook
 from kvflow_ray.core.radix import RadixNode
-from kvflow_ray.core.reuse import Placement, ReuseMethod, SegmentBook, parse_reuse
+from kvflow_ray.core.reuse import MAX_DOCUMENTS, MIN_PLACED, Placement, ReuseMethod, SegmentBook, parse_reuse
 from kvflow_ray.core.scheduler import CacheRequest, build_replica, resolve_policy
 from kvflow_ray.engines.base import (
     BackgroundEngine,
@@ -63,6 +63,7 @@ class CpuRequest(CacheRequest):
     generator: torch.Generator | None = None
     reuse: ReuseMethod | None = None  # how kept segments in its prompt are reused (None: exact, not at all)
     reused: int = 0  # prompt tokens placed from segments and not recomputed
+    documents: tuple[tuple[int, ...], ...] = ()  # client-marked documents to keep as segments (under reuse)
     on_done: Callable[[CpuRequest], None] | None = None
     out: list[int] = field(default_factory=list)
     ctx: torch.Tensor | None = None  # device slot of the KV at each position (prompt, then output)
@@ -261,6 +262,8 @@ class CpuEngine(BackgroundEngine):
                                 vocab_size=self.model.vocab_size, max_context=self.model.max_context,
                                 device_tokens=self.cache.gpu_capacity, constrained=True, reuses=True)
         reuse = parse_reuse(request.reuse)
+        if len(request.documents) > MAX_DOCUMENTS or sum(len(d) for d in request.documents) > len(tokens):
+            raise ValueError(f"documents: at most {MAX_DOCUMENTS}, together no longer than the prompt")
         if reuse.exact:
             reuse = None
         elif self.cannot_reuse:
@@ -282,7 +285,8 @@ class CpuEngine(BackgroundEngine):
                           temperature=request.temperature, top_p=request.top_p,
                           stops=StopTokens(request.stop, self.tokenizer.decode, on_token),
                           ignore_eos=request.ignore_eos, constraint=constraint, generator=generator,
-                          session=session_turn(request), reuse=reuse, submitted_at=time.perf_counter())
+                          session=session_turn(request), reuse=reuse, submitted_at=time.perf_counter(),
+                          documents=tuple(tuple(int(t) for t in doc) for doc in request.documents))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -377,7 +381,20 @@ class CpuEngine(BackgroundEngine):
         """Kept segments in the prompt past its cached prefix (none unless the request asks for reuse)."""
         if req.reuse is None or self.segments is None:
             return []
+        for document in req.documents:
+            self._keep_document(document, req.cache_salt)
         return self.segments.book.find(req.tokens, req.prefill_pos, req.cache_salt, time.perf_counter())
+
+    def _keep_document(self, tokens: tuple[int, ...], namespace: str) -> None:
+        """A client's document, computed alone (positions 0..) in a scratch pool once, kept as a segment."""
+        assert self.segments is not None
+        book = self.segments.book
+        if not MIN_PLACED <= len(tokens) <= book.capacity or book.document(tokens, namespace) is not None:
+            return
+        scratch = self.model.pool("document", len(tokens))
+        slots = torch.arange(len(tokens))
+        self.model.prefill(scratch, tokens, slots)
+        self.segments.keep(scratch, slots, tokens, 0, namespace, now=time.perf_counter())
 
     def _prefill_reusing(self, req: CpuRequest, placements: list[Placement]) -> None:
         """The rest of the prompt in one pass, its segments' KV placed by the request's method. KV from
