@@ -49,6 +49,32 @@ def test_blend_picks_the_top_r_share_of_reused_tokens_by_deviation() -> None:
     assert Blend(r=1.0).select([0.2, 0.1]) == [0, 1]
 
 
+def test_the_share_of_a_reused_token_that_is_computed() -> None:
+    """The simulator's compute model: none for position, k of n for EPIC, layer 0 plus r of the rest for blend."""
+    assert parse_reuse("exact").recomputed_share(32, 128) == 1.0
+    assert parse_reuse("position").recomputed_share(32, 128) == 0.0
+    assert parse_reuse("epic:k=16").recomputed_share(32, 128) == 16 / 128
+    assert parse_reuse("blend:r=0.15").recomputed_share(32, 128) == pytest.approx((1 + 0.15 * 31) / 32)
+
+
+def test_the_simulator_charges_reused_reports_their_share_and_keeps_them_out_of_the_tree() -> None:
+    from pathlib import Path
+
+    from kvflow_ray.core.graph import load_spec
+    from kvflow_ray.engines.sim import workload
+    from kvflow_ray.engines.sim.profile import load_profile
+    from kvflow_ray.engines.sim.runner import simulate
+
+    spec = load_spec(Path(__file__).resolve().parents[1] / "workflows" / "research_team.yaml")
+    profile = load_profile("a10g-llama3.1-8b")
+    latency = {}
+    for reuse in ("exact", "position", "blend:r=0.15"):
+        scenario = workload.from_spec(spec, clients=8, dynamic=64, output=512, iterations=1, reuse=reuse)
+        result, _sim = simulate(scenario, profile, "kvflow")
+        latency[reuse] = result["latency_s"]
+    assert latency["position"] < latency["blend:r=0.15"] < latency["exact"]
+
+
 # ---------------------------------------------------------------------------------------------- the book
 def _tokens(seed: int, n: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)

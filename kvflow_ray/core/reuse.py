@@ -59,13 +59,14 @@ class ReuseMethod:
     def spec(self) -> str:
         return self.name
 
-    def recomputed_share(self, n_layers: int) -> float:
-        """The share of a reused token's layers that are computed (the simulator's compute model; the
-        CPU engine counts what it actually computed)."""
+    def recomputed_share(self, n_layers: int, segment_tokens: int) -> float:
+        """The share of a reused token's (token, layer) pairs that are computed, for segments of
+        `segment_tokens` tokens (the simulator's compute model; the CPU engine counts what it computed)."""
         if self.exact:
             return 1.0
+        head = min(self.fresh_head(segment_tokens), segment_tokens) / max(1, segment_tokens)
         if self.check_layer is None:
-            return self.full_layers / n_layers
+            return head + (1 - head) * self.full_layers / n_layers
         after = max(0, n_layers - self.check_layer)
         return (self.check_layer + getattr(self, "ratio", 0.0) * after) / n_layers
 
@@ -104,9 +105,6 @@ class Epic(ReuseMethod):
 
     def spec(self) -> str:
         return f"epic:k={self.k}"
-
-    def recomputed_share(self, n_layers: int) -> float:  # per token of a typical 256-token segment
-        return min(self.k, 256) / 256
 
 
 class Blend(ReuseMethod):

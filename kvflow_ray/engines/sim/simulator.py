@@ -238,7 +238,7 @@ class Simulation:
             reads = tuple(t for pred in plan.spec.agents[agent].after for t in client.outputs.get(pred, ()))
             client.outputs[agent] = output  # what its successors read (a successor starts after it ends)
             method = parse_reuse(plan.reuse)
-            share = method.recomputed_share(self.profile.n_layers)
+            share = method.recomputed_share(self.profile.n_layers, max(plan.output, 1))
         return SimRequest(
             rid=self._rid, workflow=plan.key, agent=agent,
             tokens=head + reads, fixed_len=len(prompt), max_new=len(output),
