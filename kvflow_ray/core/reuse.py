@@ -47,6 +47,7 @@ class ReuseMethod:
     rotate: ClassVar[bool] = True
     full_layers: ClassVar[int] = 0
     check_layer: ClassVar[int | None] = None
+    ratio: float = 0.0  # the share of reused tokens `select` picks (blend's r)
 
     def fresh_head(self, length: int) -> int:
         """How many of a segment's first tokens are computed in every layer."""
@@ -68,7 +69,7 @@ class ReuseMethod:
         if self.check_layer is None:
             return head + (1 - head) * self.full_layers / n_layers
         after = max(0, n_layers - self.check_layer)
-        return (self.check_layer + getattr(self, "ratio", 0.0) * after) / n_layers
+        return (self.check_layer + self.ratio * after) / n_layers
 
 
 def _plain(cls: type[ReuseMethod]) -> Callable[..., ReuseMethod]:
@@ -177,9 +178,8 @@ class Segment:
     tokens: tuple[int, ...]
     base: int
     namespace: str  # the cache salt of the requests that may reuse it
-    workflow: str | None  # the producing workflow instance (None: a registered document)
+    workflow: str | None  # the producing workflow instance (None: a client's document)
     agent: str | None
-    name: str = ""  # a client's name for a document
     last_used: float = 0.0
 
 
@@ -215,7 +215,7 @@ class SegmentBook:
         return self._documents.get((namespace, tuple(tokens)))
 
     def add(self, tokens: Sequence[int], base: int, namespace: str, workflow: str | None = None,
-            agent: str | None = None, name: str = "", now: float = 0.0) -> tuple[Segment | None, list[Segment]]:
+            agent: str | None = None, now: float = 0.0) -> tuple[Segment | None, list[Segment]]:
         """Keep a segment; returns it (None: too short or too large to keep) and the segments dropped
         to make room (the engine frees their KV)."""
         tokens = tuple(tokens)
@@ -226,7 +226,7 @@ class SegmentBook:
             victim = max(self.segments.values(), key=self._drop_rank)
             self.remove(victim)
             dropped.append(victim)
-        segment = Segment(self._next_id, tokens, base, namespace, workflow, agent, name, now)
+        segment = Segment(self._next_id, tokens, base, namespace, workflow, agent, now)
         self._next_id += 1
         self.segments[segment.id] = segment
         self.used += len(tokens)

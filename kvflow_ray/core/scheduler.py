@@ -156,6 +156,10 @@ class CacheRequest:
     def prefilling(self) -> bool:
         return self.prefill_pos < len(self.tokens)
 
+    def exact(self, sequence: tuple[int, ...]) -> tuple[int, ...]:
+        """The part of `sequence` (its prompt, or prompt and output) whose KV is exact (`exact_len`)."""
+        return sequence if self.exact_len < 0 else sequence[:self.exact_len]
+
 
 SAMPLES = 100_000
 
@@ -650,10 +654,10 @@ class ReplicaScheduler:
         req.first_token_at = self.clock()
         matched = min(req.matched, len(req.tokens) - 1)
         computed = len(req.tokens) - matched
-        exact = len(req.tokens) if req.exact_len < 0 else req.exact_len
+        exact = req.exact(req.tokens)
         if adopted is None and self.events is not None:
             adopted = []
-        path = self.cache.commit(req.tokens[:exact], max(0, exact - matched), gpu_value, adopted,
+        path = self.cache.commit(exact, max(0, len(exact) - matched), gpu_value, adopted,
                                  keep_uncovered=True, namespace=req.cache_salt)
         req.committed = sum(len(node.key) for node in path)
         req.private -= computed - min(computed, len(req.tokens) - req.committed)
@@ -681,8 +685,7 @@ class ReplicaScheduler:
         engine has not freed yet."""
         self._changes += 1
         self._decode_batch = None
-        exact = len(sequence) if req.exact_len < 0 else req.exact_len
-        self.cache.commit(sequence[:exact], req.private, gpu_value, adopted, namespace=req.cache_salt)
+        self.cache.commit(req.exact(sequence), req.private, gpu_value, adopted, namespace=req.cache_salt)
         req.private = 0
         self.cache.tree.unlock(req.locked)
         req.locked = None

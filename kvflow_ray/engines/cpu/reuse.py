@@ -70,8 +70,8 @@ def rerotate(model: CpuModel, k: Tensor, old: Tensor, new: Tensor) -> Tensor:
 @dataclass
 class ReuseCounts:
     """What one reuse prefill did: prompt tokens placed from segments, how many of those were
-    recomputed beyond layer 0 (the method's picks), and (token, layer) pairs computed against a
-    dense prefill of the region."""
+    computed in every layer all the same (EPIC's heads, CacheBlend's picks), and (token, layer) pairs
+    computed against a dense prefill of the region."""
 
     reused: int = 0
     recomputed: int = 0
@@ -97,13 +97,12 @@ class SegmentStore:
         return sum(k.nbytes + v.nbytes for k, v in self.kv.values())
 
     def keep(self, pool: KVPool, slots: Tensor, tokens: Sequence[int], base: int, namespace: str,
-             workflow: str | None = None, agent: str | None = None, name: str = "", now: float = 0.0
-             ) -> Segment | None:
+             workflow: str | None = None, agent: str | None = None, now: float = 0.0) -> Segment | None:
         """Keep `tokens`, whose KV lies in `slots` of `pool`, computed at positions `base`.."""
-        segment, dropped = self.book.add(tokens, base, namespace, workflow, agent, name, now)
+        segment, dropped = self.book.add(tokens, base, namespace, workflow, agent, now)
         self._drop(dropped)
         if segment is not None:
-            self.kv[segment.id] = (pool.k[:, :, slots].clone(), pool.v[:, :, slots].clone())
+            self.kv[segment.id] = pool.gather(slots)  # a copy: the slots go back to the pool
         return segment
 
     def retire(self, workflows: Sequence[str]) -> None:
@@ -149,11 +148,12 @@ def prefill_reusing(model: CpuModel, pool: KVPool, tokens: Sequence[int], slots:
     rotary, apply = _rotary(model)
     ids = torch.as_tensor(list(tokens[start:]), dtype=torch.long)
     positions = torch.arange(start, total)
-    context = slots[:total]
     # the tokens whose KV this layer computes (every one up to `full_layers`, then the fresh ones and
     # the method's picks), and their hidden states
     active = torch.arange(n) if method.full_layers > 0 else torch.nonzero(~reused).flatten()
     hidden = hf.model.embed_tokens(ids[active])[None]
+    # causal by position, [queries, context]: changes only where the queries shrink (`keep`)
+    mask = torch.arange(total)[None, :] <= positions[active][:, None]
     for index, layer in enumerate(hf.model.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
@@ -178,11 +178,9 @@ def prefill_reusing(model: CpuModel, pool: KVPool, tokens: Sequence[int], slots:
         pool.v[index].index_copy_(1, region[active], v[0].to(pool.v.dtype))
         counts.layer_tokens += len(active)
         if keep is not None:
-            q, hidden, active = q[:, :, keep], hidden[:, keep], active[keep]
-        query_pos = positions[active]
-        mask = torch.arange(total)[None, :] <= query_pos[:, None]  # causal by position: [t, context]
-        keys = pool.k[index][:, context][None].to(q.dtype)
-        values = pool.v[index][:, context][None].to(q.dtype)
+            q, hidden, active, mask = q[:, :, keep], hidden[:, keep], active[keep], mask[keep]
+        keys = pool.k[index][:, slots][None].to(q.dtype)
+        values = pool.v[index][:, slots][None].to(q.dtype)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
         hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, len(active), -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))

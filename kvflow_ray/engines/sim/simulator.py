@@ -11,6 +11,7 @@ replicas x workflows) and let unrelated workflows' pace drive a replica's write-
 
 from __future__ import annotations
 
+import functools
 import heapq
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -237,8 +238,7 @@ class Simulation:
         if plan.reuse is not None:
             reads = tuple(t for pred in plan.spec.agents[agent].after for t in client.outputs.get(pred, ()))
             client.outputs[agent] = output  # what its successors read (a successor starts after it ends)
-            method = parse_reuse(plan.reuse)
-            share = method.recomputed_share(self.profile.n_layers, max(plan.output, 1))
+            share = _reuse_share(plan.reuse, self.profile.n_layers, max(plan.output, 1))
         return SimRequest(
             rid=self._rid, workflow=plan.key, agent=agent,
             tokens=head + reads, fixed_len=len(prompt), max_new=len(output),
@@ -249,6 +249,12 @@ class Simulation:
             exact_len=len(head) if reads and share < 1.0 else -1, reused=len(reads) if share < 1.0 else 0,
             reuse_share=share,
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _reuse_share(reuse: str, n_layers: int, output: int) -> float:
+    """A reused token's compute share under method `reuse` (parsed once per method, not per call)."""
+    return parse_reuse(reuse).recomputed_share(n_layers, output)
 
 
 class ClientHost(Protocol):
