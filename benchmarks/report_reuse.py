@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_file
 
 from kvflow_ray.core.reuse import Placement, ReuseMethod, parse_reuse
+from kvflow_ray.core.stats import paired_bootstrap
 
 METHODS = ("nofix", "position", "epic:k=16", "blend:r=0.15")
 FACTS = ("lead", "city", "partner", "budget")
@@ -313,18 +314,11 @@ def pgr(scores: dict[str, list[float]], method: str, idx: Sequence[int]) -> floa
     return (sum(scores[method][i] for i in idx) - none) / gap if gap else float("nan")
 
 
-def bootstrap(n: int, stat: Callable[[Sequence[int]], float], rng: random.Random, resamples: int
-              ) -> tuple[float, float, float]:
-    """The statistic on all queries and its paired-bootstrap 95% interval (queries resampled together)."""
-    point = stat(range(n))
-    draws = sorted(stat([rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
-    return point, draws[int(0.025 * resamples)], draws[int(0.975 * resamples) - 1]
-
-
 def summarise(kind: str, s: Scores, methods: Sequence[str], rng: random.Random, resamples: int) -> dict[str, Any]:
     n = len(s.dense_layer_tokens)
     lp = s.logprob
-    margin = bootstrap(n, lambda idx: statistics.fmean(lp["full"][i] - lp["none"][i] for i in idx), rng, resamples)
+    margin = paired_bootstrap(n, lambda idx: statistics.fmean(lp["full"][i] - lp["none"][i] for i in idx), rng,
+                              resamples)
     out: dict[str, Any] = {
         "queries": n,
         "mean_logprob": {m: statistics.fmean(v) for m, v in lp.items()},
@@ -335,9 +329,9 @@ def summarise(kind: str, s: Scores, methods: Sequence[str], rng: random.Random, 
         "compute_saved": {m: 1 - sum(s.layer_tokens[m]) / sum(s.dense_layer_tokens) for m in ("full", *methods)},
     }
     if out["usable"]:
-        out["pgr"] = {m: bootstrap(n, lambda idx, m=m: pgr(lp, m, idx), rng, resamples) for m in methods}
+        out["pgr"] = {m: paired_bootstrap(n, lambda idx, m=m: pgr(lp, m, idx), rng, resamples) for m in methods}
         if "blend:r=0.15" in methods and "position" in methods:
-            out["blend_minus_position"] = bootstrap(
+            out["blend_minus_position"] = paired_bootstrap(
                 n, lambda idx: pgr(lp, "blend:r=0.15", idx) - pgr(lp, "position", idx), rng, resamples)
     return out
 
@@ -444,7 +438,7 @@ def workflow_section(h: Harness, rng: random.Random, topics: int, max_tokens: in
             scores[name].append(h.score(prompt, gold, method)[0])
     n = len(texts)
     out["gold_logprob"] = {m: statistics.fmean(v) for m, v in scores.items()}
-    out["pgr"] = {m: bootstrap(n, lambda idx, m=m: pgr(scores, m, idx), rng, resamples) for m in methods}
+    out["pgr"] = {m: paired_bootstrap(n, lambda idx, m=m: pgr(scores, m, idx), rng, resamples) for m in methods}
     return out
 
 

@@ -12,6 +12,7 @@ takes, read from its signature, so they are declared once.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -90,6 +91,31 @@ class Registry(Generic[T]):
         chosen = {k: v for k, v in (settings or {}).items() if k in entry.options}
         chosen.update(options)
         return entry.factory(context or PolicyContext(), **chosen)
+
+    def parse(self, spec: object, *, allowed: tuple[str, ...] | None = None, example: str = "") -> T:
+        """Build from a short spec, `name` or `name:option=value,...` (numbers, typed as the option's
+        default), as requests and configs name a policy. Raises ValueError naming what is wrong."""
+        if not isinstance(spec, str) or len(spec) > 64:
+            raise ValueError(f"{self.kind} must be a short string such as {example or repr(next(iter(self._entries)))}")
+        name, _, params = spec.strip().partition(":")
+        allowed = allowed if allowed is not None else self.names()
+        if name not in allowed:
+            raise ValueError(f"unknown {self.kind} {name!r}; choose one of {', '.join(allowed)}")
+        defaults = self.get(name).options  # option -> default, whose type the value takes
+        options: dict[str, Any] = {}
+        for item in filter(None, params.split(",")):
+            key, eq, value = (part.strip() for part in item.partition("="))
+            if not eq or key not in defaults:
+                takes = ", ".join(f"{k}=" for k in defaults) or "no parameters"
+                raise ValueError(f"{self.kind} {name!r} takes {takes}, got {item!r}")
+            try:
+                number = type(defaults[key])(value)
+            except ValueError:
+                raise ValueError(f"{self.kind} parameter {key!r} must be a number, got {value!r}") from None
+            if isinstance(number, float) and not math.isfinite(number):
+                raise ValueError(f"{self.kind} parameter {key!r} must be finite")
+            options[key] = number
+        return self.create(name, **options)
 
 
 __all__ = ["PolicyContext", "Registered", "Registry"]

@@ -140,27 +140,8 @@ SERVED = (EXACT, "position", "epic", "blend")
 def parse_reuse(spec: str, *, served: bool = True) -> ReuseMethod:
     """`exact`, `position`, `blend`, `blend:r=0.15`, `epic:k=16` (and `nofix` where not `served`).
     Raises ValueError naming what is wrong."""
-    if not isinstance(spec, str) or len(spec) > 64:
-        raise ValueError("reuse must be a short string such as 'exact', 'position', 'blend:r=0.15' or 'epic:k=16'")
-    name, _, params = spec.strip().partition(":")
-    allowed = SERVED if served else tuple(REUSE.names())
-    if name not in allowed:
-        raise ValueError(f"unknown reuse method {name!r}; choose one of {', '.join(allowed)}")
-    kwargs: dict[str, float | int] = {}
-    defaults = REUSE.get(name).options  # option -> default, whose type the value takes
-    for item in filter(None, params.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or key.strip() not in defaults:
-            raise ValueError(f"reuse method {name!r} takes {', '.join(f'{k}=' for k in defaults) or 'no parameters'}, "
-                             f"got {item!r}")
-        try:
-            number = type(defaults[key.strip()])(value.strip())
-        except ValueError:
-            raise ValueError(f"reuse parameter {key.strip()!r} must be a number, got {value.strip()!r}") from None
-        if isinstance(number, float) and not math.isfinite(number):
-            raise ValueError(f"reuse parameter {key.strip()!r} must be finite")
-        kwargs[key.strip()] = number
-    return REUSE.create(name, **kwargs)
+    return REUSE.parse(spec, allowed=SERVED if served else None,
+                       example="'exact', 'position', 'blend:r=0.15' or 'epic:k=16'")
 
 
 # ---------------------------------------------------------------------- segments
