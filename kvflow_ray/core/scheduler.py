@@ -19,6 +19,7 @@ from typing import Protocol
 import kvflow_ray.core.session_policies  # noqa: F401  (registers the session baselines)
 from kvflow_ray.core.admission import ADMISSION, AdmissionPolicy
 from kvflow_ray.core.cache import TieredCache
+from kvflow_ray.core.kv_budget import KvBudget
 from kvflow_ray.core.policies import EVICTION, FutureAccesses, StepBook
 from kvflow_ray.core.predict import PREDICTION
 from kvflow_ray.core.prefetch import (
@@ -142,6 +143,9 @@ class CacheRequest:
     # from a reused segment (docs/design.md §12): everything after attended to approximate KV, so
     # only this prefix joins the tree, and the request keeps the rest private until it ends
     exact_len: int = -1
+    # a cap on its private KV (docs/design.md §13): it reserves `KvBudget.reserve` device slots instead
+    # of its uncached prompt and whole output, and compacts (`compacted`) to stay inside them
+    kv_budget: KvBudget | None = None
     decoded: int = 0  # output tokens produced
     # outcome
     gpu_hit: int = 0
@@ -155,6 +159,16 @@ class CacheRequest:
     @property
     def prefilling(self) -> bool:
         return self.prefill_pos < len(self.tokens)
+
+    def private_need(self, cached: int) -> int:
+        """Device slots it reserves outside the tree when the first `cached` prompt tokens are cached
+        (a fully cached prompt still computes its last token, for the next-token logits)."""
+        cached = min(cached, len(self.tokens) - 1)
+        uncached = len(self.tokens) - cached
+        if self.kv_budget is None:
+            return uncached + self.max_new
+        # past its agent's fixed prompt (which joins the tree when the prompt is done) its KV stays private
+        return self.kv_budget.reserve(uncached, self.max_new, shared=max(0, self.fixed_len - cached))
 
     def exact(self, sequence: tuple[int, ...]) -> tuple[int, ...]:
         """The part of `sequence` (its prompt, or prompt and output) whose KV is exact (`exact_len`)."""
@@ -293,7 +307,7 @@ class ReplicaScheduler:
     # ------------------------------------------------------------------ arrival
     def check(self, req: CacheRequest) -> None:
         """Reject a request that can never run here (raises ValueError; nothing changes)."""
-        need = len(req.tokens) + req.max_new
+        need = req.private_need(0)
         if need > self.cache.gpu_capacity:
             raise ValueError(f"a call of agent {req.agent!r} needs {need} device KV tokens (prompt + output) "
                              f"but the device pool holds {self.cache.gpu_capacity}: shorten the prompt, "
@@ -468,11 +482,12 @@ class ReplicaScheduler:
 
     @staticmethod
     def _queued_need(req: CacheRequest) -> int:
-        return queued_need(((len(req.tokens), req.ready_at_arrival, req.max_new),))
+        uncached = max(len(req.tokens) - req.ready_at_arrival, 0)
+        output = req.max_new if req.kv_budget is None else req.private_need(req.ready_at_arrival) - uncached
+        return queued_need(((len(req.tokens), req.ready_at_arrival, output),))
 
     def _private_need(self, req: CacheRequest, matched: int) -> int:
-        # a fully cached prompt still recomputes its last token to get the next-token logits
-        return len(req.tokens) - min(matched, len(req.tokens) - 1) + req.max_new
+        return req.private_need(matched)
 
     def _start_queued_loads(self) -> None:
         """Admission policies that load while queued (status-aware) start the host->device load of
@@ -636,6 +651,8 @@ class ReplicaScheduler:
         for req, _n in prefill:
             if not req.started:
                 req.started = True
+                if req.kv_budget is not None:  # past its agent's fixed prompt, its prompt stays private
+                    req.exact_len = max(req.prefill_pos, req.fixed_len)  # (compactable) until it ends
                 kv_ready = max((n.loaded_at for n in req.pending_nodes), default=req.arrival)
                 req.stall = max(0.0, kv_ready - req.arrival)
         return Batch(prefill, decode)
@@ -670,6 +687,16 @@ class ReplicaScheduler:
         if self.events is not None:
             self.events.committed(req.locked, req.committed, adopted or [])
         return self.decoded(req)
+
+    def compacted(self, req: CacheRequest, held: int) -> None:
+        """A budgeted request compacted its private KV and now holds `held` device slots outside the
+        tree; the engine has freed the rest already (prefetch planned now may take them)."""
+        if not 0 <= held <= req.private:
+            raise ValueError(f"a compacted request holds {held} slots, it had {req.private}")
+        self._changes += 1
+        self.cache.release(req.private - held)
+        req.private = held
+        self.plan_prefetch()
 
     def decoded(self, req: CacheRequest, eos: bool = False) -> bool:
         """One more output token; True when the request is finished (budget used up or `eos`)."""

@@ -40,6 +40,9 @@ class EngineSnapshot:
     # prefill's (layer_tokens / dense_layer_tokens); segments kept and their KV bytes (gauges)
     reuse: dict[str, int] = field(default_factory=lambda: {
         "reused_tokens": 0, "layer_tokens": 0, "dense_layer_tokens": 0, "segments": 0, "segment_kv_bytes": 0})
+    # per-request KV budgets (docs/design.md §13): compactions, private tokens they dropped, seconds spent
+    kv_budget: dict[str, float] = field(default_factory=lambda: {
+        "compactions": 0, "dropped_tokens": 0, "compaction_s": 0.0})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from kvflow_ray.core.kv_budget import KvBudget
 from kvflow_ray.core.radix import Namespace
 from kvflow_ray.core.reuse import EXACT
 from kvflow_ray.core.sessions import SESSION_AGENT, SessionTurn
@@ -80,6 +81,10 @@ class GenerateRequest:
     # documents the client marks in its prompt (retrieved chunks), as token ids: under an approximate
     # `reuse`, each is computed alone once (positions 0..) and kept as a segment of its namespace
     documents: Sequence[Sequence[int]] = ()
+    # a cap on the request's private KV in tokens (docs/design.md §13; `core.kv_budget`): None takes
+    # the engine's default (off unless configured); `kv_scorer` names how its keys are scored
+    kv_budget: int | None = None
+    kv_scorer: str | None = None
 
 
 @dataclass
@@ -132,18 +137,22 @@ class CacheEvent:
 
 def request_tokens(request: GenerateRequest, *, model_name: str, encode: Callable[[str], list[int]],
                    vocab_size: int, max_context: int, device_tokens: int, constrained: bool = False,
-                   reuses: bool = False) -> tuple[int, ...]:
+                   reuses: bool = False, kv_budget: KvBudget | None = None,
+                   budgets: bool = False) -> tuple[int, ...]:
     """The prompt's token ids after every check an engine makes before queueing a request; raises
     ValueError naming what is wrong (the request can never run), so nothing is queued. `constrained`:
     the engine honours `request.constraint` (checks it itself); an engine that does not refuses one,
     since ignoring it would return an unconstrained output as if it were one. `reuses`: the engine
     honours `request.reuse` (an engine that does not refuses an approximate method rather than serve
-    exact KV as if it were reused)."""
+    exact KV as if it were reused). `kv_budget`: the budget the request runs under (its device need is
+    then the budget's reservation); `budgets`: the engine honours a request's `kv_budget`."""
     if request.constraint is not None and not constrained:
         raise ValueError("this engine does not support constrained decoding (forced tool choice)")
     if request.reuse != EXACT and not reuses:
         raise ValueError(f"reuse {request.reuse!r}: this engine reuses no KV beyond the prefix (only 'exact'); "
                          "the CPU engine does")
+    if (request.kv_budget is not None or request.kv_scorer is not None) and not budgets:
+        raise ValueError("kv_budget: this engine keeps every token's KV; the CPU engine compacts under a budget")
     if request.model is not None and request.model != model_name:
         raise ValueError(f"unknown model {request.model!r}: this engine serves {model_name!r}")
     if (request.prompt is None) == (request.tokens is None):
@@ -171,7 +180,12 @@ def request_tokens(request: GenerateRequest, *, model_name: str, encode: Callabl
     if need > max_context:
         raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) = {need} exceeds "
                          f"the model's context of {max_context} tokens")
-    if need > device_tokens:
+    if kv_budget is not None:
+        need = kv_budget.reserve(len(tokens), request.max_tokens)
+        if need > device_tokens:
+            raise ValueError(f"the prompt ({len(tokens)} tokens) under kv_budget {kv_budget.tokens} needs {need} "
+                             f"device KV tokens, more than the pool's {device_tokens}")
+    elif need > device_tokens:
         raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({request.max_tokens}) = {need} exceeds "
                          f"the device KV pool of {device_tokens} tokens")
     # `workflow` follows the client-id rule: it is the client id, tenant-scoped

@@ -119,11 +119,22 @@ SEGMENT_KV_BYTES = MetricDef(
     "kvflow_segment_kv_bytes", "KV bytes of the agent outputs kept for reuse", "gauge",
     read=lambda s: {(): float(s.reuse.get("segment_kv_bytes", 0))}, multiprocess_mode="livemax")
 
+# Per-request KV budgets (docs/design.md §13); an engine without them reports zeros.
+KV_COMPACTIONS = MetricDef(
+    "kvflow_kv_compactions", "Compactions of budgeted requests' private KV (each keeps B tokens of B + Δ)",
+    "counter", read=lambda s: {(): float(s.kv_budget.get("compactions", 0))})
+KV_DROPPED_TOKENS = MetricDef(
+    "kvflow_kv_dropped_tokens", "Private KV tokens budgeted requests dropped at compactions (slots back to the "
+    "pool)", "counter", read=lambda s: {(): float(s.kv_budget.get("dropped_tokens", 0))})
+KV_COMPACTION_SECONDS = MetricDef(
+    "kvflow_kv_compaction_seconds", "Engine time spent scoring and compacting budgeted requests' KV", "counter",
+    read=lambda s: {(): float(s.kv_budget.get("compaction_s", 0.0))})
+
 # Every engine metric, in exposition order.
 ENGINE_METRICS: tuple[MetricDef, ...] = (PROMPT_TOKENS, PREFETCH, PREFETCH_STALL, EVICTED_TOKENS, CACHE_TOKENS,
                                          QUEUE_LENGTH, SESSION_PAUSES, SESSION_PAUSE_ERROR, SESSION_PREFETCH,
                                          REUSED_TOKENS, REUSE_LAYER_TOKENS, SEGMENT_KV_BYTES,
-                                         SESSION_RETAINED)
+                                         SESSION_RETAINED, KV_COMPACTIONS, KV_DROPPED_TOKENS, KV_COMPACTION_SECONDS)
 
 
 def make_metric(definition: MetricDef, extra_labels: tuple[str, ...] = (), registry: Any = None) -> Any:

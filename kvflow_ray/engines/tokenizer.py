@@ -60,6 +60,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def piece(self, token: int) -> str: ...
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             tools: Sequence[dict[str, Any]] | None = None) -> str: ...
 
@@ -79,6 +80,10 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         # A generated stream may stop mid-character, so broken UTF-8 becomes U+FFFD instead of raising.
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def piece(self, token: int) -> str:
+        """One token's text, specials included (a byte of a longer character is not text: empty)."""
+        return bytes([token]).decode("utf-8", errors="ignore") if 0 <= token < 256 else ""
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             tools: Sequence[dict[str, Any]] | None = None) -> str:
@@ -127,6 +132,15 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def piece(self, token: int) -> str:
+        """One token's text, specials included (a chat template's role markers are specials)."""
+        return str(self.tok.decode([token], skip_special_tokens=False))
+
+    @property
+    def chat_template(self) -> str | None:
+        template = self.tok.chat_template
+        return template.get("default") if isinstance(template, dict) else template
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             tools: Sequence[dict[str, Any]] | None = None) -> str:

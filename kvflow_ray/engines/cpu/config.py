@@ -55,3 +55,11 @@ class CpuEngineConfig:
     # tokens of KV, held outside the pools (a request asking for reuse opts its output in)
     segment_kv_tokens: int = 16_384
     session_retain_tokens: int | None = None  # per tenant: paused session history ranked as needed (None: unbounded)
+    # KV budgets (docs/design.md §13): each request's private KV capped at this many tokens (None: off;
+    # a request's `kv_budget` sets its own), compacted every `kv_interval` tokens past it, the first
+    # `kv_sinks` positions always kept, keys scored by `kv_scorer` (`core.kv_budget.KV_SCORERS`)
+    kv_budget: int | None = None
+    kv_interval: int = 128
+    kv_sinks: int = 32
+    kv_scorer: str = "agentkv"
+    kv_phase_markers: dict[str, str] | None = None  # marker -> phase, added to the template's (think/act/tool/other)

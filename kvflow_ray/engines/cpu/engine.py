@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvflow_ray.core.kv_budget import KvBudget, PhaseMarkers, PhaseTracker, parse_scorer
 from kvflow_ray.core.policies import StepBook
 from kvflow_ray.core.radix import RadixNode
 from kvflow_ray.core.reuse import MAX_DOCUMENTS, MIN_PLACED, Placement, ReuseMethod, SegmentBook, parse_reuse
@@ -43,8 +44,9 @@ from kvflow_ray.engines.base import (
 )
 from kvflow_ray.engines.constrained import CANDIDATES, TokenConstraint, TokenTexts, check_constraint
 from kvflow_ray.engines.cpu.config import CpuEngineConfig
+from kvflow_ray.engines.cpu.kv_budget import BudgetedKV, KeyScores, compact
 from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream
-from kvflow_ray.engines.cpu.model import GREEDY_TEMPERATURE, CpuModel, sample
+from kvflow_ray.engines.cpu.model import GREEDY_TEMPERATURE, CpuModel, QueryCapture, sample
 from kvflow_ray.engines.cpu.reuse import ReuseCounts, SegmentStore, check_reusable, prefill_reusing
 from kvflow_ray.engines.cpu.weights import RANDOM_MODEL_NAME
 from kvflow_ray.engines.events import CacheEventLog
@@ -64,6 +66,7 @@ class CpuRequest(CacheRequest):
     reuse: ReuseMethod | None = None  # how kept segments in its prompt are reused (None: exact, not at all)
     reused: int = 0  # prompt tokens placed from segments and not recomputed
     documents: tuple[tuple[int, ...], ...] = ()  # client-marked documents to keep as segments (under reuse)
+    kv: BudgetedKV | None = None  # its private KV under a budget (docs/design.md §13)
     on_done: Callable[[CpuRequest], None] | None = None
     out: list[int] = field(default_factory=list)
     ctx: torch.Tensor | None = None  # device slot of the KV at each position (prompt, then output)
@@ -109,6 +112,12 @@ class CpuEngine(BackgroundEngine):
         self.segments = None if self.cannot_reuse else SegmentStore(
             config.segment_kv_tokens, SegmentBook(config.segment_kv_tokens, self.book))
         self.reuse_counts = ReuseCounts()
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.phase_markers = PhaseMarkers.for_template(template, config.kv_phase_markers)
+        parse_scorer(config.kv_scorer)  # a bad default fails at start, not at the first request
+        self.compactions = 0
+        self.dropped_tokens = 0
+        self.compaction_s = 0.0
         self._copies: queue.Queue[CopyJob] = queue.Queue()
         self._copies_inflight = 0
         self.h2d = CopyStream("h2d", config.link_gbps, self._copies)
@@ -174,6 +183,8 @@ class CpuEngine(BackgroundEngine):
                       "dense_layer_tokens": self.reuse_counts.dense_layer_tokens,
                       "segments": len(self.segments.kv) if self.segments else 0,
                       "segment_kv_bytes": self.segments.nbytes if self.segments else 0},
+            "kv_budget": {"compactions": self.compactions, "dropped_tokens": self.dropped_tokens,
+                          "compaction_s": self.compaction_s},
             "pool_bytes": self.device.nbytes + (self.host.nbytes if self.host else 0),
             "compute_s": self.compute_s,
             "forward_steps": self.forward_steps,
@@ -260,7 +271,8 @@ class CpuEngine(BackgroundEngine):
                       ) -> CpuRequest:
         tokens = request_tokens(request, model_name=self.model_name, encode=self.tokenizer.encode,
                                 vocab_size=self.model.vocab_size, max_context=self.model.max_context,
-                                device_tokens=self.cache.gpu_capacity, constrained=True, reuses=True)
+                                device_tokens=self.cache.gpu_capacity, constrained=True, reuses=True,
+                                kv_budget=self._kv_budget(request), budgets=True)
         reuse = parse_reuse(request.reuse)
         if len(request.documents) > MAX_DOCUMENTS or sum(len(d) for d in request.documents) > len(tokens):
             raise ValueError(f"documents: at most {MAX_DOCUMENTS}, together no longer than the prompt")
@@ -275,6 +287,9 @@ class CpuEngine(BackgroundEngine):
             if self._token_texts is None:  # once per engine (~0.15 s for a 49k vocabulary)
                 self._token_texts = TokenTexts(self.tokenizer.decode, self.model.vocab_size, self.tokenizer.encode)
             constraint = TokenConstraint(grammar, self._token_texts)
+        kv = self._budgeted(request)
+        if kv is not None and reuse is not None:
+            raise ValueError("kv_budget and reuse cannot be combined: a compacted request keeps no segment")
         fixed = request.fixed_prefix_tokens
         generator = None
         if request.temperature > 0:
@@ -286,7 +301,24 @@ class CpuEngine(BackgroundEngine):
                           stops=StopTokens(request.stop, self.tokenizer.decode, on_token),
                           ignore_eos=request.ignore_eos, constraint=constraint, generator=generator,
                           session=session_turn(request), reuse=reuse, submitted_at=time.perf_counter(),
-                          documents=tuple(tuple(int(t) for t in doc) for doc in request.documents))
+                          documents=tuple(tuple(int(t) for t in doc) for doc in request.documents),
+                          kv=kv, kv_budget=kv.budget if kv is not None else None)
+
+    def _kv_budget(self, request: GenerateRequest) -> KvBudget | None:
+        """The request's KV budget (its own, else the engine's default; None: unbudgeted)."""
+        tokens = request.kv_budget if request.kv_budget is not None else self.config.kv_budget
+        if tokens is None:
+            return None
+        return KvBudget(tokens, self.config.kv_interval, self.config.kv_sinks)
+
+    def _budgeted(self, request: GenerateRequest) -> BudgetedKV | None:
+        budget = self._kv_budget(request)
+        if budget is None:
+            if request.kv_scorer is not None:
+                raise ValueError("kv_scorer goes with a kv_budget (the call's, its tenant's or the engine's)")
+            return None
+        scorer = parse_scorer(request.kv_scorer or self.config.kv_scorer)
+        return BudgetedKV(budget, KeyScores(scorer, self.model.attn_scale), PhaseTracker(self.phase_markers))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -371,7 +403,11 @@ class CpuEngine(BackgroundEngine):
                 self._prefill_reusing(req, placements)
                 return
         start = req.prefill_pos
-        logits = self.model.prefill(self.device, req.tokens[start:start + n], req.ctx[:start + n])
+        capture = QueryCapture() if req.kv is not None and req.kv.scores.wants_queries else None
+        logits = self.model.prefill(self.device, req.tokens[start:start + n], req.ctx[:start + n], capture=capture)
+        if req.kv is not None:
+            queries, lses = capture.stacked() if capture is not None else (None, None)
+            self._observe(req, queries, lses, 0, range(start, start + n), req.tokens[start:start + n])
         if start + n < len(req.tokens):
             self.scheduler.prefill_done(req, n)
             return
@@ -422,19 +458,61 @@ class CpuEngine(BackgroundEngine):
         covered = req.committed
         self._free_unadopted(req.own[:covered - req.base], req.base, adopted)
         req.ctx = torch.cat([self._path_slots(req.locked), req.own[covered - req.base:]])
-        assert len(req.ctx) == prompt_len + req.max_new, (len(req.ctx), prompt_len, req.max_new)
+        if req.kv is not None:  # what stays private: own[i] holds private entry i from now on
+            req.own = req.own[covered - req.base:]
+            req.kv.positions = [p for p in req.kv.positions if p >= covered]
+        else:
+            assert len(req.ctx) == prompt_len + req.max_new, (len(req.ctx), prompt_len, req.max_new)
         if self._emit(req, token) or finished:
             self._finish(req)
 
     def _decode(self, reqs: list[CpuRequest]) -> None:
+        for req in reqs:
+            if req.kv is not None and req.kv.budget.due(len(req.kv.positions)):
+                self._compact(req)
         positions = [len(r.tokens) + len(r.out) - 1 for r in reqs]  # of the token fed now
-        contexts = [r.ctx[:pos + 1] for r, pos in zip(reqs, positions, strict=True)]  # type: ignore[index]
-        logits = self.model.decode(self.device, [r.out[-1] for r in reqs], contexts)
+        # its KV entries so far (a compacted request's are fewer than its positions), then the new token's
+        written = [pos if r.kv is None else r.committed + len(r.kv.positions) for r, pos in zip(reqs, positions,
+                                                                                                 strict=True)]
+        contexts = [r.ctx[:n + 1] for r, n in zip(reqs, written, strict=True)]  # type: ignore[index]
+        budgeted = [r.kv is not None and r.kv.scores.wants_queries for r in reqs]
+        capture = QueryCapture() if any(budgeted) else None
+        logits = self.model.decode(self.device, [r.out[-1] for r in reqs], contexts, positions=positions,
+                                   capture=capture)
+        queries, lses = capture.stacked() if capture is not None else (None, None)
+        for i, (req, pos) in enumerate(zip(reqs, positions, strict=True)):
+            if req.kv is not None:
+                self._observe(req, queries, lses, i, [pos], [req.out[-1]])
         for i, req in enumerate(reqs):
             token = self._sample(req, logits[i])
             eos = self._emit(req, token)
             if self.scheduler.decoded(req, eos):
                 self._finish(req)
+
+    def _observe(self, req: CpuRequest, queries: torch.Tensor | None, lses: torch.Tensor | None, row: int,
+                 positions: range | list[int], tokens: tuple[int, ...] | list[int]) -> None:
+        """A budgeted request computed `tokens` at `positions` (row `row` of the captured queries and
+        log-sum-exps, `QueryCapture.stacked`): they are private KV entries now, and their queries go
+        to its scorer."""
+        assert req.kv is not None
+        req.kv.positions.extend(positions)
+        req.kv.observe(None if queries is None else queries[row], None if lses is None else lses[row],
+                       list(positions), [self.tokenizer.piece(t) for t in tokens])
+
+    def _compact(self, req: CpuRequest) -> None:
+        """Keep B of its private entries (docs/design.md §13); the slots past B + Δ go back to the pool."""
+        assert req.kv is not None and req.own is not None and req.ctx is not None
+        started = time.perf_counter()
+        before = len(req.kv.positions)
+        held, freed = compact(self.device, req.own, req.kv)
+        if len(freed):
+            self.device.free(freed)
+        req.own = held
+        req.ctx = torch.cat([req.ctx[:req.committed], held])
+        self.scheduler.compacted(req, len(held))
+        self.compactions += 1
+        self.dropped_tokens += before - len(req.kv.positions)
+        self.compaction_s += time.perf_counter() - started
 
     def _sample(self, req: CpuRequest, logits: torch.Tensor) -> int:
         constraint = req.constraint
@@ -483,9 +561,15 @@ class CpuEngine(BackgroundEngine):
             # its output, as decoded, for the agents after it that read it (until the workflow ends)
             self.segments.keep(self.device, req.ctx[prompt_len:len(sequence)], sequence[prompt_len:], prompt_len,
                                req.cache_salt, req.workflow, req.agent, now=time.perf_counter())
-        self.scheduler.finish(req, sequence, req.ctx[:len(sequence)], adopted,
-                              free_slots=lambda: self._free_unadopted(own[req.committed - req.base:], req.committed,
-                                                                      adopted))
+        if req.kv is not None:  # the sequence before its first dropped position is exact (all, if none was)
+            req.exact_len = req.kv.first_dropped
+            value = req.ctx[:len(req.exact(sequence))]
+            self.scheduler.finish(req, sequence, value, adopted,
+                                  free_slots=lambda: self._free_unadopted_slots(own, value, adopted))
+        else:
+            self.scheduler.finish(req, sequence, req.ctx[:len(sequence)], adopted,
+                                  free_slots=lambda: self._free_unadopted(own[req.committed - req.base:],
+                                                                          req.committed, adopted))
         req.ctx = req.own = None
         assert req.stops is not None
         req.stops.finish()  # streams what was held back in case it started a stop string
@@ -509,6 +593,14 @@ class CpuEngine(BackgroundEngine):
         if not bool(keep.all()):
             self.device.free(slots[~keep])
 
+    def _free_unadopted_slots(self, own: torch.Tensor, value: torch.Tensor, adopted: list[tuple[int, int]]) -> None:
+        """`own` slots the tree did not take: `value` holds the committed sequence's slots by position."""
+        taken = [value[lo:hi] for lo, hi in adopted]
+        if taken:
+            own = own[~torch.isin(own, torch.cat(taken))]
+        if len(own):
+            self.device.free(own)
+
     # ------------------------------------------------------------------ failures
     def _guard(self, req: CpuRequest, fn: Callable[[], None]) -> None:
         self._guard_all([req], fn)
@@ -526,7 +618,8 @@ class CpuEngine(BackgroundEngine):
     def _release(self, req: CpuRequest) -> None:
         if req.own is not None and req in self.scheduler.running:
             # before its prompt was committed every own slot is private; after, only the output's
-            self.device.free(req.own if req.prefilling else req.own[req.committed - req.base:])
+            private = req.own if req.prefilling or req.kv is not None else req.own[req.committed - req.base:]
+            self.device.free(private)
         self.scheduler.cancel(req)
         req.ctx = req.own = None
 

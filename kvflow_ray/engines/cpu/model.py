@@ -49,6 +49,24 @@ class _Pages:
     new_slots: Tensor  # slots of the new tokens, sequence by sequence ([B * T])
     runs: list[list[tuple[int, int]]]  # per sequence: its context (new tokens included) as slot runs, in position order
     past: int  # a prefill's cached context before its new tokens (0 for decodes)
+    capture: QueryCapture | None = None  # where each layer's queries and their log-sum-exps go (KV budgets)
+
+
+@dataclass
+class QueryCapture:
+    """Each layer's queries (after RoPE, `[B, Hq, T, D]`) and the log-sum-exp of their scaled scores over
+    the context they attended to (`[B, Hq, T]`), in layer order: what a KV budget's scorer reads
+    (`engines/cpu/kv_budget.py`). Capturing costs no extra attention pass."""
+
+    queries: list[Tensor]
+    lses: list[Tensor]
+
+    def __init__(self) -> None:
+        self.queries, self.lses = [], []
+
+    def stacked(self) -> tuple[Tensor, Tensor]:
+        """`[B, T, L, Hq, D]` queries and `[B, T, L, Hq]` log-sum-exps."""
+        return torch.stack(self.queries).permute(1, 3, 0, 2, 4), torch.stack(self.lses).permute(1, 3, 0, 2)
 
 
 class _PoolCache:
@@ -78,31 +96,43 @@ def _pool_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
     k, v = pages.k[module.layer_idx], pages.v[module.layer_idx]  # [H, S, D]
     batch, heads, t, dim = query.shape
     out = query.new_empty(batch, t, heads, dim)
+    capture = pages.capture
+    lses = query.new_empty(batch, heads, t, dtype=torch.float32) if capture is not None else None
     for i, runs in enumerate(pages.runs):
         q = query[i]
         if t > 1:  # a prefill chunk
-            out[i] = _prefill_attention(q, k, v, runs, pages.past, scaling)
-        elif len(runs) == 1:
+            o, lse = _prefill_attention(q, k, v, runs, pages.past, scaling, with_lse=capture is not None)
+            out[i] = o
+        elif len(runs) == 1 and capture is None:
             lo, hi = runs[0]
             o = F.scaled_dot_product_attention(q[None], k[None, :, lo:hi], v[None, :, lo:hi], scale=scaling,
                                                enable_gqa=True)
             out[i] = o[0].transpose(0, 1)
+            lse = None
         else:
-            out[i, 0] = _runs_attention(q[:, 0], k, v, runs, scaling)
+            out[i, 0], lse = _runs_attention(q[:, 0], k, v, runs, scaling)
+            lse = lse[:, None]
+        if lses is not None and lse is not None:
+            lses[i] = lse
+    if capture is not None:
+        assert lses is not None
+        capture.queries.append(query.detach())
+        capture.lses.append(lses)
     return out, None
 
 
 def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, int]], past: int,
-                       scaling: float | None) -> Tensor:
+                       scaling: float | None, with_lse: bool = False) -> tuple[Tensor, Tensor | None]:
     """A chunk's queries ([Hq, T, D]) over its context: the cached past, every key visible, run by run as views;
     then the chunk itself, causal. The parts are merged by their log-sum-exps, so no [T, context] mask is built
-    and the past is not copied (the same work as one causal pass over the whole prompt)."""
+    and the past is not copied (the same work as one causal pass over the whole prompt). `with_lse`: also
+    each query's log-sum-exp over its context ([Hq, T])."""
     past_runs, new_runs = _split_runs(runs, past)
     new_k, new_v = _joined(k, new_runs), _joined(v, new_runs)
-    if not past_runs:
+    if not past_runs and not with_lse:
         o = F.scaled_dot_product_attention(q[None], new_k[None], new_v[None], is_causal=True, scale=scaling,
                                            enable_gqa=True)
-        return o[0].transpose(0, 1)
+        return o[0].transpose(0, 1), None
     heads, t, dim = q.shape
     kv_heads = k.shape[0]
     group = heads // kv_heads
@@ -118,9 +148,13 @@ def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, in
     outs.append(o[0])
     lses.append(lse[0])
     lse_all = torch.stack(lses)
-    weights = torch.exp(lse_all - lse_all.amax(0))  # [parts, Hq, T]
-    merged = (torch.stack(outs).float() * weights[..., None]).sum(0) / weights.sum(0)[..., None]
-    return merged.to(q.dtype).transpose(0, 1)
+    if len(outs) == 1:
+        return outs[0].transpose(0, 1), lse_all[0].float()
+    top = lse_all.amax(0)
+    weights = torch.exp(lse_all - top)  # [parts, Hq, T]
+    total = weights.sum(0)
+    merged = (torch.stack(outs).float() * weights[..., None]).sum(0) / total[..., None]
+    return merged.to(q.dtype).transpose(0, 1), (top + torch.log(total)).float() if with_lse else None
 
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns the log-sum-exp with the output
@@ -146,19 +180,23 @@ def _split_runs(runs: list[tuple[int, int]], at: int) -> tuple[list[tuple[int, i
     return before, after
 
 
-def _runs_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, int]], scaling: float | None) -> Tensor:
-    """One query per head ([Hq, D]) over several runs, one softmax across them all, no copy of the keys."""
+def _runs_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, int]],
+                    scaling: float | None) -> tuple[Tensor, Tensor]:
+    """One query per head ([Hq, D]) over several runs, one softmax across them all, no copy of the keys.
+    Returns the output and each head's log-sum-exp ([Hq])."""
     kv_heads, dim = k.shape[0], k.shape[2]
     qg = q.reshape(kv_heads, -1, dim)  # grouped-query: each KV head's query heads together
     scores = torch.cat([torch.matmul(qg, k[:, lo:hi].transpose(1, 2)) for lo, hi in runs], dim=-1)
-    probs = torch.softmax(scores.float() * (scaling if scaling is not None else dim ** -0.5), dim=-1).to(v.dtype)
+    scaled = scores.float() * (scaling if scaling is not None else dim ** -0.5)
+    lse = torch.logsumexp(scaled, dim=-1)
+    probs = torch.exp(scaled - lse[..., None]).to(v.dtype)
     out, start = None, 0
     for lo, hi in runs:
         part = torch.matmul(probs[..., start:start + hi - lo], v[:, lo:hi])
         out = part if out is None else out + part
         start += hi - lo
     assert out is not None
-    return out.reshape(q.shape)
+    return out.reshape(q.shape), lse.reshape(-1)
 
 
 AttentionInterface.register(ATTENTION, _pool_attention)
@@ -224,6 +262,9 @@ class CpuModel:
         self.hidden_size: int = text.hidden_size
         self.n_params: int = sum(p.numel() for p in hf.parameters())
         self.weight_bytes: int = sum(p.numel() * p.element_size() for p in hf.parameters())
+        # the softmax scale of its attention (what captured log-sum-exps were computed with)
+        attention = next((m for m in hf.modules() if hasattr(m, "scaling") and hasattr(m, "layer_idx")), None)
+        self.attn_scale: float = float(getattr(attention, "scaling", None) or self.head_dim ** -0.5)
 
         # sliding-window/hybrid/linear-attention layers keep other state than one K and V per token
         probe = DynamicCache(config=hf.config)
@@ -261,27 +302,34 @@ class CpuModel:
         return out.logits.float() if every else out.logits[:, -1].float()
 
     @torch.inference_mode()
-    def prefill(self, pool: KVPool, tokens: Sequence[int], slots: Tensor, every: bool = False) -> Tensor:
+    def prefill(self, pool: KVPool, tokens: Sequence[int], slots: Tensor, every: bool = False, *,
+                start: int | None = None, capture: QueryCapture | None = None) -> Tensor:
         """Run the new `tokens` of one sequence whose context (cached past, then these tokens) lies in `slots`:
-        the first `len(slots) - len(tokens)` hold the past's KV, the rest receive the new tokens'.
-        Returns the logits of the last token `[vocab]` float32 (`every`: of each token, `[T, vocab]`)."""
+        the first `len(slots) - len(tokens)` hold the past's KV, the rest receive the new tokens'. The new
+        tokens sit at positions `start`.. (default: right after the past; a compacted past is shorter than
+        the positions it covers). Returns the logits of the last token `[vocab]` float32 (`every`: of each
+        token, `[T, vocab]`); `capture` receives each layer's queries."""
         self._check_pool(pool)
         n_past, n_new = len(slots) - len(tokens), len(tokens)
+        start = n_past if start is None else start
         if n_new == 0:
             raise ValueError("prefill needs at least one new token")
-        if n_past < 0:
-            raise ValueError(f"{n_new} new tokens need as many slots at least, got {len(slots)}")
-        if n_past + n_new > self.max_context:
-            raise ValueError(f"sequence of {n_past + n_new} tokens exceeds max_context={self.max_context}")
+        if n_past < 0 or start < n_past:
+            raise ValueError(f"{n_new} new tokens at position {start} need {n_past} past slots at most before them")
+        if start + n_new > self.max_context:
+            raise ValueError(f"sequence of {start + n_new} tokens exceeds max_context={self.max_context}")
         ids = self._input_ids(tokens, (1, n_new))
-        positions = torch.arange(n_past, n_past + n_new).view(1, n_new)
-        pages = _Pages(pool.k, pool.v, slots[n_past:], [slot_runs(slots)], n_past)
+        positions = torch.arange(start, start + n_new).view(1, n_new)
+        pages = _Pages(pool.k, pool.v, slots[n_past:], [slot_runs(slots)], n_past, capture)
         return self._forward(ids, positions, pages, every)[0]
 
     @torch.inference_mode()
-    def decode(self, pool: KVPool, tokens: Sequence[int], slots: Sequence[Tensor]) -> Tensor:
+    def decode(self, pool: KVPool, tokens: Sequence[int], slots: Sequence[Tensor], *,
+               positions: Sequence[int] | None = None, capture: QueryCapture | None = None) -> Tensor:
         """One new token for each of B sequences; `slots[i]` holds sequence i's context, its new token's slot last
-        (the lengths may differ). Returns logits `[B, vocab]` float32."""
+        (the lengths may differ). The new tokens sit at `positions` (default: each context's length - 1; a
+        compacted context is shorter). Returns logits `[B, vocab]` float32; `capture` receives each layer's
+        queries."""
         self._check_pool(pool)
         batch = len(tokens)
         if batch == 0 or len(slots) != batch:
@@ -289,13 +337,15 @@ class CpuModel:
         lengths = [len(s) for s in slots]
         if min(lengths) < 1:
             raise ValueError("every sequence needs a slot for its new token")
-        if max(lengths) > self.max_context:
-            raise ValueError(f"sequence of {max(lengths)} tokens exceeds max_context={self.max_context}")
+        at = [n - 1 for n in lengths] if positions is None else list(positions)
+        if len(at) != batch or any(p < n - 1 for p, n in zip(at, lengths, strict=True)):
+            raise ValueError("decode needs one position per sequence, none before its context's end")
+        if max(at) >= self.max_context:
+            raise ValueError(f"sequence of {max(at) + 1} tokens exceeds max_context={self.max_context}")
         ids = self._input_ids(tokens, (batch, 1))
         # each sequence's own position: RoPE must see what a batch-1 call would
-        positions = torch.tensor([n - 1 for n in lengths], dtype=torch.long).view(batch, 1)
-        pages = _Pages(pool.k, pool.v, torch.stack([s[-1] for s in slots]), [slot_runs(s) for s in slots], 0)
-        return self._forward(ids, positions, pages)
+        pages = _Pages(pool.k, pool.v, torch.stack([s[-1] for s in slots]), [slot_runs(s) for s in slots], 0, capture)
+        return self._forward(ids, torch.tensor(at, dtype=torch.long).view(batch, 1), pages)
 
 
 # Temperatures below this are greedy. Dividing float32 logits by a temperature near zero overflows
