@@ -38,6 +38,7 @@ import json
 import sys
 
 from kvflow_ray.core.graph import SpecError, load_spec
+from kvflow_ray.core.kv_budget import DEFAULT_SCORER, KV_SCORERS, KvBudget, parse_scorer
 from kvflow_ray.core.reuse import parse_reuse
 from kvflow_ray.core.scheduler import POLICIES
 from kvflow_ray.engines.sim import agentic, workload
@@ -140,6 +141,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--workflow: each call carries its predecessors' outputs, reused beyond the prefix by "
                              "METHOD (exact, position, epic:k=16, blend:r=0.15; default: the spec's `reuse`, else "
                              "no outputs carried); docs/design.md §12")
+    parser.add_argument("--kv-budgets", default=None, metavar="LIST",
+                        help="compare per-request KV budgets side by side, e.g. off,1024: each call's private KV "
+                             "capped at B tokens, compacted every 128 (docs/design.md §13)")
+    parser.add_argument("--kv-scorer", default=DEFAULT_SCORER, metavar="NAME",
+                        help=f"with --kv-budgets: how keys are scored, of {', '.join(KV_SCORERS.names())} "
+                             "(its buffered queries set the re-score cost)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -220,12 +227,14 @@ def run(args: argparse.Namespace) -> int:
             overrides[key.strip()] = value.strip()
         profile = load_profile(args.profile, overrides)
         scenario = build_scenario(args, args.replicas * (args.gpu_kv_tokens or profile.gpu_kv_tokens))
+        kv_budgets = parse_kv_budgets(getattr(args, "kv_budgets", None))
+        parse_scorer(args.kv_scorer)
     except (ValueError, SpecError) as exc:
         print(f"kvflow-ray sim: error: {exc}", file=sys.stderr)
         return 2
     from kvflow_ray.progress import progress as progress_bar
 
-    bar = progress_bar(len(policies) * len(routings or [None]), f"sim {scenario.name}", "run")
+    bar = progress_bar(len(policies) * len(routings or [None]) * len(kv_budgets), f"sim {scenario.name}", "run")
 
     started = False
 
@@ -239,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = run_policies(scenario, profile, policies, replicas=args.replicas, horizon=args.horizon,
                            max_inflight=args.max_inflight, gpu_capacity=args.gpu_kv_tokens, progress=progress,
-                           routings=routings, seed=args.seed)
+                           routings=routings, seed=args.seed, kv_budgets=kv_budgets, kv_scorer=args.kv_scorer)
     except ValueError as exc:
         bar.close()
         print(f"kvflow-ray sim: error: {exc}", file=sys.stderr)
@@ -251,6 +260,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(out))
     return 0
+
+
+def parse_kv_budgets(text: str | None) -> list[KvBudget | None]:
+    """`off,1024,2048` -> [None, KvBudget(1024), KvBudget(2048)]; None -> [None] (no budget)."""
+    if text is None:
+        return [None]
+    budgets: list[KvBudget | None] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        if item == "off":
+            budgets.append(None)
+            continue
+        try:
+            budgets.append(KvBudget(int(item)))
+        except ValueError:
+            raise ValueError(f"--kv-budgets: {item!r} is neither 'off' nor a budget of at least 64 tokens") from None
+    if not budgets:
+        raise ValueError("--kv-budgets: give at least one of off or a token count")
+    return budgets
 
 
 def format_table(out: dict) -> str:

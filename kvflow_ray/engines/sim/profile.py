@@ -81,6 +81,15 @@ class Profile:
         memory = bytes_moved / (self.hbm_bytes_per_s * self.decode_mbu)
         return max(compute, memory) + self.iteration_overhead_s
 
+    def compaction_time(self, queries: int, keys: int, kept: int) -> float:
+        """A KV budget's re-score and compaction (docs/design.md §13): `queries` buffered queries over
+        `keys` private keys (QK^T, every layer and head), reading those keys, and moving `kept` tokens'
+        KV to the front of the request's slots (read and write)."""
+        scoring = 2.0 * self.n_layers * self.hidden_size * queries * keys
+        compute = scoring / (self.peak_flops * (self.attention_mfu or self.prefill_mfu))
+        moved = (keys / 2 + 2 * kept) * self.kv_bytes_per_token
+        return max(compute, moved / (self.hbm_bytes_per_s * self.decode_mbu))
+
     def h2d_time(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / self.h2d_bytes_per_s
 

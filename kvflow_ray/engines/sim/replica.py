@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvflow_ray.core.kv_budget import KvBudget
 from kvflow_ray.core.policies import FutureAccesses, StepBook
 from kvflow_ray.core.radix import RadixNode
 from kvflow_ray.core.scheduler import Batch, CacheRequest, PolicyConfig, ReplicaStats, build_replica
@@ -42,6 +43,8 @@ class SimRequest(CacheRequest):
     # of a computed token's compute (`ReuseMethod.recomputed_share`)
     reused: int = 0
     reuse_share: float = 1.0
+    private_kv: int = 0  # under a KV budget: private tokens whose KV it holds (its compacted context)
+    compactions: int = 0
 
     def computed_tokens(self, n: int) -> int:
         """The compute of its next `n` prompt tokens, in computed tokens (reused ones cost their share)."""
@@ -56,8 +59,14 @@ class SimReplica:
                  book: StepBook | None = None, *, future: FutureAccesses | None = None, horizon: int = 1,
                  max_inflight: int = 4, gpu_capacity: int | None = None, events: CacheEventLog | None = None,
                  serving_on: str | None = None, pauses: PauseModel | None = None,
-                 session_retain_tokens: int | None = None) -> None:
+                 session_retain_tokens: int | None = None, kv_budget: KvBudget | None = None,
+                 kv_queries: int = 0) -> None:
         self.sim = sim
+        # a KV budget for every request that brings none, and its scorer's buffered queries (the
+        # compaction cost); docs/design.md §13
+        self.kv_budget = kv_budget
+        self.kv_queries = kv_queries
+        self.compactions = 0
         self.events = events  # serving: what the router learns of this replica's cache (offline: None)
         self.index = index
         self.profile = profile
@@ -104,6 +113,8 @@ class SimReplica:
 
     # ------------------------------------------------------------------ entry points
     def submit(self, req: SimRequest) -> None:
+        if req.kv_budget is None:
+            req.kv_budget = self.kv_budget
         self.scheduler.submit(req)
         self.kick()
 
@@ -166,12 +177,27 @@ class SimReplica:
         else:
             self._end_run()
             duration = self.profile.step_time([(_computed(r, n), r.prefill_pos) for r, n in batch.prefill],
-                                              [len(r.tokens) + r.decoded for r in batch.decode])
-            if not batch.prefill and self.decode_runs:
+                                              [_context(r) for r in batch.decode])
+            duration += sum(self._compact(r) for r in batch.decode if r.kv_budget is not None)
+            # a run's context grows by one token per request and step: not a compacting request's
+            if not batch.prefill and self.decode_runs and not any(r.kv_budget for r in batch.decode):
                 self._start_run(batch)
         self.busy = True
         self.busy_s += duration
         self.sim.at(self.sim.now + duration, lambda: self._step_done(batch))
+
+    def _compact(self, req: CacheRequest) -> float:
+        """Before its next token: compact when its budget says so (the engine's rule); the time it takes."""
+        assert isinstance(req, SimRequest) and req.kv_budget is not None
+        budget = req.kv_budget
+        if not budget.due(req.private_kv):
+            return 0.0
+        keys = req.private_kv
+        req.private_kv = budget.tokens
+        req.compactions += 1
+        self.compactions += 1
+        self.scheduler.compacted(req, budget.ceiling)
+        return self.profile.compaction_time(self.kv_queries, keys, budget.tokens)
 
     def _start_run(self, batch: Batch) -> None:
         self.run, self.run_lag = batch, 0
@@ -204,11 +230,14 @@ class SimReplica:
             finished = self.scheduler.prefill_done(req, n)
             if not req.prefilling:
                 assert isinstance(req, SimRequest)
+                req.private_kv = len(req.tokens) - req.committed
                 if req.on_prefilled is not None:
                     req.on_prefilled(req)
             if finished or self._output_done(req, 0):
                 self._finish(req)
         for req in batch.decode:
+            assert isinstance(req, SimRequest)
+            req.private_kv += 1
             if self.scheduler.decoded(req, eos=self._output_done(req, 1)):
                 self._finish(req)
         self.kick()
@@ -224,6 +253,8 @@ class SimReplica:
         assert isinstance(req, SimRequest)
         if req.measured:
             self.output_tokens += len(req.output_tokens)
+        if req.kv_budget is not None:  # a compacted sequence is exact up to its first dropped token,
+            req.exact_len = req.committed if req.compactions else -1  # modelled as its cached prefix
         self.scheduler.finish(req, req.tokens + req.output_tokens)  # simulated memory: no slots to hand back
         if req.session is not None:
             self._arm_wake()
@@ -246,6 +277,14 @@ class SimReplica:
         self.scheduler.tick()
         self._arm_wake()
         self.kick()
+
+
+def _context(req: CacheRequest) -> int:
+    """The KV a decoding request attends over: its whole sequence, or under a budget its prefix and
+    the private KV it holds."""
+    if isinstance(req, SimRequest) and req.kv_budget is not None:
+        return req.committed + req.private_kv
+    return len(req.tokens) + req.decoded
 
 
 def _computed(req: CacheRequest, n: int) -> int:

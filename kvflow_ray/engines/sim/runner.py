@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvflow_ray.core.kv_budget import DEFAULT_SCORER, KvBudget
 from kvflow_ray.core.radix import Tag
 from kvflow_ray.core.routing import parse_routing
 from kvflow_ray.core.scheduler import POLICIES, ReplicaStats, resolve_policy
@@ -43,9 +45,11 @@ def parse_routings(text: str) -> list[str]:
 def simulate(scenario: Scenario, profile: Profile, policy: str, *, replicas: int = 1, horizon: int = 1,
              max_inflight: int = 4, future: list[Tag] | None = None,
              gpu_capacity: int | None = None, routing: str | None = None,
-             seed: int = 0) -> tuple[dict[str, Any], Simulation]:
+             seed: int = 0, kv_budget: KvBudget | None = None,
+             kv_scorer: str = DEFAULT_SCORER) -> tuple[dict[str, Any], Simulation]:
     sim = Simulation(profile, resolve_policy(policy), replicas=replicas, horizon=horizon, max_inflight=max_inflight,
-                     future=future, gpu_capacity=gpu_capacity, routing=routing, seed=seed)
+                     future=future, gpu_capacity=gpu_capacity, routing=routing, seed=seed, kv_budget=kv_budget,
+                     kv_scorer=kv_scorer)
     for plan in scenario.plans:
         sim.add_client(plan)
     for session in scenario.sessions:
@@ -144,9 +148,11 @@ def summarise_run(iterations: Sequence[IterationRecord], stats: Sequence[Replica
 def run_policies(scenario: Scenario, profile: Profile, policies: list[str], *, replicas: int = 1,
                  horizon: int = 1, max_inflight: int = 4, gpu_capacity: int | None = None,
                  progress: Callable[[str], None] | None = None, routings: list[str] | None = None,
-                 seed: int = 0) -> dict[str, Any]:
+                 seed: int = 0, kv_budgets: Sequence[KvBudget | None] = (None,),
+                 kv_scorer: str = DEFAULT_SCORER) -> dict[str, Any]:
     """Every policy on the same scenario (under every routing policy, when given: results keyed
-    `"<policy>@<routing>"`). `belady` needs the future: it replays the arrival order of a reference
+    `"<policy>@<routing>"`; under each KV budget, when given: `"<policy>+kv<B>"`).
+    `belady` needs the future: it replays the arrival order of a reference
     run under the same routing (exact for sequential workflows, an approximation under concurrency)."""
     results: dict[str, Any] = {}
     params = dict(scenario.params)
@@ -154,22 +160,25 @@ def run_policies(scenario: Scenario, profile: Profile, policies: list[str], *, r
         gpu_capacity, live = pressure_capacity(scenario, profile, replicas)
         params.update(live_history_tokens=round(live), device_kv_tokens=gpu_capacity,
                       measured_pressure=live / (gpu_capacity * replicas))
-    for routing in routings or [None]:
+    for routing, budget in itertools.product(routings or [None], kv_budgets):
         trace: list[Tag] | None = None
         for policy in policies:
-            name = policy if routing is None else f"{policy}@{routing}"
+            name = (policy if routing is None else f"{policy}@{routing}") + (f"+kv{budget.tokens}" if budget else "")
             if progress:
                 progress(name)
             future = None
             if POLICIES[policy].oracle:
                 if trace is None:
-                    _, ref = simulate(scenario, profile, "infinite", replicas=replicas, routing=routing, seed=seed)
+                    _, ref = simulate(scenario, profile, "infinite", replicas=replicas, routing=routing, seed=seed,
+                                      kv_budget=budget, kv_scorer=kv_scorer)
                     trace = ref.trace
                 future = trace
             result, sim = simulate(scenario, profile, policy, replicas=replicas, horizon=horizon,
                                    max_inflight=max_inflight, future=future, gpu_capacity=gpu_capacity,
-                                   routing=routing, seed=seed)
+                                   routing=routing, seed=seed, kv_budget=budget, kv_scorer=kv_scorer)
             if POLICIES[policy].infinite:
                 trace = sim.trace
+            if budget is not None:
+                result["compactions"] = sum(r.compactions for r in sim.replicas)
             results[name] = result
     return {"scenario": scenario.name, "profile": profile.name, "params": params, "results": results}

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow_ray.core.kv_budget import KvBudget, parse_scorer
 from kvflow_ray.engines.base import (
     BackgroundEngine,
     CacheEvent,
@@ -132,9 +133,12 @@ class SimEngine(BackgroundEngine):
                on_done: Callable[[ServedRequest], None] | None = None) -> ServedRequest:
         """Queue a request (any thread); ValueError, changing nothing, for one that can never run."""
         try:
+            kv_budget = None if request.kv_budget is None else KvBudget(request.kv_budget)
+            if request.kv_scorer is not None:
+                parse_scorer(request.kv_scorer)
             tokens = request_tokens(request, model_name=self.model_name, encode=self.tokenizer.encode,
                                     vocab_size=self.tokenizer.vocab_size, max_context=MAX_CONTEXT,
-                                    device_tokens=self.cache.gpu_capacity)
+                                    device_tokens=self.cache.gpu_capacity, kv_budget=kv_budget, budgets=True)
             session = session_turn(request)
         except ValueError:
             self.requests_rejected += 1
@@ -172,7 +176,7 @@ class SimEngine(BackgroundEngine):
 
         req = ServedRequest(workflow=request.workflow, agent=request.agent, tokens=tokens,
                             fixed_len=fixed if fixed is not None else -1, max_new=request.max_tokens,
-                            cache_salt=request.cache_salt, output_tokens=output, on_done=done,
+                            cache_salt=request.cache_salt, output_tokens=output, on_done=done, kv_budget=kv_budget,
                             session=None if session is None else ended_turn(session, stops.text))
 
         self.clock.soon(lambda: self.replica.submit(req))

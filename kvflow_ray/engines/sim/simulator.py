@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvflow_ray.core.graph import WorkflowSpec, WorkflowState
+from kvflow_ray.core.kv_budget import DEFAULT_SCORER, KvBudget, parse_scorer
 from kvflow_ray.core.policies import FutureAccesses, StepBook
 from kvflow_ray.core.predict import Forecaster
 from kvflow_ray.core.radix import Tag
@@ -118,10 +119,12 @@ class TokenSource:
 class Simulation:
     def __init__(self, profile: Profile, policy: PolicyConfig, *, replicas: int = 1, horizon: int = 1,
                  max_inflight: int = 4, future: list[Tag] | None = None,
-                 gpu_capacity: int | None = None, routing: str | None = None, seed: int = 0) -> None:
+                 gpu_capacity: int | None = None, routing: str | None = None, seed: int = 0,
+                 kv_budget: KvBudget | None = None, kv_scorer: str = DEFAULT_SCORER) -> None:
         """`routing`: a `core.routing` policy: every call goes through the serving router
         (`routed.SimRouter`). None: each workflow stays on one replica, assigned in turn, and its
-        steps and prompts go to that replica alone (the router's part without the router)."""
+        steps and prompts go to that replica alone (the router's part without the router).
+        `kv_budget`: every call's private KV capped, its keys scored by `kv_scorer` (docs/design.md §13)."""
         if replicas < 1:
             raise ValueError("a simulation needs at least one replica")
         self.profile = profile
@@ -137,7 +140,8 @@ class Simulation:
         self.replicas = [
             SimReplica(self, i, profile, policy, StepBook(near_horizon=max(horizon, 2)), future=self.future,
                        horizon=horizon, max_inflight=max_inflight, gpu_capacity=gpu_capacity,
-                       events=None if routing is None else CacheEventLog(), pauses=self.pauses)
+                       events=None if routing is None else CacheEventLog(), pauses=self.pauses,
+                       kv_budget=kv_budget, kv_queries=parse_scorer(kv_scorer).buffered)
             for i in range(replicas)
         ]
         self.router = None if routing is None else SimRouter(self, routing, seed)
