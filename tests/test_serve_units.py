@@ -50,6 +50,9 @@ def test_app_config_rejects_what_it_cannot_run() -> None:
         AppConfig(state_ttl_s=600, template_idle_ttl_s=60)
     with pytest.raises(ValueError, match="ingress_sync_s"):
         AppConfig(ingress_sync_s=0)  # an ingress syncing without pause would spin the router actor
+    with pytest.raises(ValueError, match=r"tenant_kv_budget\.acme: kv_budget must be"):
+        AppConfig(tenant_kv_budget={"acme": 8})
+    assert AppConfig(tenant_kv_budget={"acme": 1024}).tenant_kv_budget == {"acme": 1024}
     settings = AppConfig(state_ttl_s=600, store_grace_s=5, ingress_sync_s=0.1).router_settings()  # the actor's
     assert settings.state_ttl_s == 600 and settings.store_grace_s == 5 and settings.template_ttl_s >= 600
     assert settings.sync_s == 0.1  # and each ingress's

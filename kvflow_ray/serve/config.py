@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from kvflow_ray.core.kv_budget import KvBudget
 from kvflow_ray.core.reuse import parse_reuse
 from kvflow_ray.core.routing import DEFAULT_ROUTING
 from kvflow_ray.core.scheduler import POLICIES
@@ -130,6 +131,9 @@ class AppConfig(BaseModel):
     # Approximate: never on unless asked for. cpu: kept outputs are bounded by segment_kv_tokens per replica
     tenant_reuse: dict[str, str] = Field(default_factory=dict)
     segment_kv_tokens: int = Field(16_384, ge=0)
+    # per-request KV budgets (docs/design.md §13), per tenant: the cap on the private KV of its calls
+    # that set no `kvflow.kv_budget`; absent: none (every token's KV kept). cpu and sim engines only
+    tenant_kv_budget: dict[str, int] = Field(default_factory=dict)
 
     # keys and the metrics token from the environment are resolved wherever the config is built
     # (ingress, replicas) and kept out of the fields, so to_dict() never copies them into Ray's
@@ -183,6 +187,15 @@ class AppConfig(BaseModel):
                              f"serving on the {self.engine} engine does not give; choose a routing policy that "
                              f"does not (e.g. workflow)")
         get_parser(self.tool_call_parser)  # names the known parsers when it is wrong
+        if self.tenant_kv_budget and self.engine == "sglang":
+            raise ValueError("tenant_kv_budget: the SGLang engine keeps every token's KV (docs/sglang.md); "
+                             "KV budgets run on the cpu and sim engines")
+        for tenant, budget in self.tenant_kv_budget.items():
+            _check_tenant("tenant_kv_budget", tenant)
+            try:
+                KvBudget(budget)
+            except ValueError as exc:
+                raise ValueError(f"tenant_kv_budget.{tenant}: {exc}") from None
         for tenant, method in self.tenant_reuse.items():
             _check_tenant("tenant_reuse", tenant)
             try:

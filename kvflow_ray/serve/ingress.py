@@ -35,6 +35,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 
 from kvflow_ray.core.graph import SpecError, SpecLimitError, UnknownAgentError, WorkflowSpec, parse_spec
+from kvflow_ray.core.reuse import EXACT
 from kvflow_ray.core.sessions import SESSION_AGENT
 from kvflow_ray.engines.base import GenerateResult, prefix_hash
 from kvflow_ray.engines.constrained import Grammar
@@ -347,7 +348,16 @@ class Ingress:
         constraint = self._forced_call(parsed)
         if constraint is not None:
             engine_request["constraint"] = constraint
+        if parsed.kv_budget is not None:
+            engine_request["kv_budget"] = parsed.kv_budget
+        if parsed.kv_scorer is not None:
+            engine_request["kv_scorer"] = parsed.kv_scorer
         call = await self._start_call(tenant, parsed, tokens, text, engine_request)
+        default_budget = self.config.tenant_kv_budget.get(tenant)
+        # the tenant's default budget: for calls that set none and reuse nothing (the two do not combine)
+        if (default_budget is not None and "kv_budget" not in engine_request
+                and engine_request.get("reuse", EXACT) == EXACT):
+            engine_request["kv_budget"] = default_budget
         if parsed.stream:
             # the generator ends the call when it stops; the background task when the client hung up
             # before the generator ever started (both act once)

@@ -37,6 +37,7 @@ from pydantic import (
 )
 
 from kvflow_ray.core.graph import KEY_PART_RE, is_name
+from kvflow_ray.core.kv_budget import MAX_KV_BUDGET, MIN_BUDGET, parse_scorer
 from kvflow_ray.core.reuse import MAX_DOCUMENTS, parse_reuse
 from kvflow_ray.engines.base import MAX_STOP_STRINGS, META_FIELDS, GenerateResult, meta_problem
 from kvflow_ray.engines.tool_calls import ToolCall
@@ -126,6 +127,17 @@ class KvflowMeta(_Strict):
     reuse: StrictStr | None = Field(None, max_length=64)
     # documents (retrieved chunks) the prompt holds verbatim, kept as segments under an approximate reuse
     documents: list[StrictStr] | None = Field(None, max_length=MAX_DOCUMENTS)
+    # this call's private KV capped at this many tokens, its keys scored by `kv_scorer` (docs/design.md
+    # §13; `core.kv_budget`): for any request, plain, workflow or session
+    kv_budget: StrictInt | None = Field(None, ge=MIN_BUDGET, le=MAX_KV_BUDGET)
+    kv_scorer: StrictStr | None = Field(None, max_length=64)
+
+    @field_validator("kv_scorer")
+    @classmethod
+    def _scorer_rule(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_scorer(value)  # its ValueError names what is wrong
+        return value
 
     @field_validator("reuse")
     @classmethod
@@ -403,6 +415,8 @@ class ParsedRequest:
         # workflow metadata: the request is an agent call (routed by its workflow); session fields alone
         # leave it a plain request
         self.meta: KvflowMeta | None = kvflow if kvflow is not None and kvflow.workflow_call else None
+        self.kv_budget = kvflow.kv_budget if kvflow is not None else None
+        self.kv_scorer = kvflow.kv_scorer if kvflow is not None else None
         self.session = _session_meta(kvflow, "custom_params.kvflow" if body.custom_params and not body.kvflow
                                      else "kvflow", headers or {},
                                      body.messages if isinstance(body, ChatCompletionRequest) else [])
