@@ -464,13 +464,23 @@ def workflows() -> dict[str, Any]:
                                         sum_by((), rate(layer_tokens, REPLICA, 'kind="dense"'))), label=None),
                           "computed share"), width=12, min=0, soft_max=1),
     ]
+    budgets = [
+        timeseries("KV dropped by budgets", "Private KV tokens per second that budgeted requests dropped at their "
+                   "compactions (kvflow.kv_budget or tenant_kv_budget, docs/design.md §13): slots the pool got back "
+                   "for other requests; 0 while no request runs under a budget.", "short",
+                   Target(or_zero(sum_by((), rate("kvflow_kv_dropped_tokens_total", REPLICA))), "dropped"), width=12),
+        timeseries("Compaction time share", "Engine seconds spent scoring and compacting budgeted requests' KV, per "
+                   "second of wall time (the budget's overhead; its gain is more requests running at once).",
+                   "percentunit", Target(or_zero(sum_by((), rate("kvflow_kv_compaction_seconds_total", REPLICA))),
+                                         "compacting"), width=12, min=0),
+    ]
     return dashboard(
         "kvflow-workflows", "kvflow workflows",
         "Per-tenant workflow view: live workflows and step-graph deviations by tenant (the router's tenant-labelled "
         "metrics), with the fleet's routing outcomes, device hit ratio and latency alongside (no tenant label).",
         [datasource_variable(), label_variable("replica", "Replica", "kvflow_queue_length"),
          label_variable("tenant", "Tenant", "kvflow_workflows_active")],
-        [headline, tenants, routing, latency, prediction, sessions, reuse],
+        [headline, tenants, routing, latency, prediction, sessions, reuse, budgets],
     )
 
 

@@ -36,6 +36,7 @@ KNOWN_SERIES = frozenset({
     "kvflow_prediction_accuracy", "kvflow_predictions", "kvflow_session_pauses_total",
     "kvflow_session_pause_error_seconds_total", "kvflow_session_prefetch_total", "kvflow_session_retained_tokens",
     "kvflow_reused_tokens_total", "kvflow_reuse_layer_tokens_total", "kvflow_segment_kv_bytes",
+    "kvflow_kv_compactions_total", "kvflow_kv_dropped_tokens_total", "kvflow_kv_compaction_seconds_total",
     *(h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")),
 })
 METRIC = re.compile(r"kvflow_[a-z_]+")
