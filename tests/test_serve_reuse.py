@@ -2,7 +2,9 @@
 through a real local Ray Serve deployment of the default model (SmolLM2) on one CPU-engine replica,
 driven as `kvflow-ray run` drives it. The writer and the reviewer find their predecessors' reports in
 their prompts and reuse their KV (blend); usage keeps exact hits (cached_tokens) and reused tokens
-apart; another tenant's identical prompt reuses nothing; a bad method is a 400 naming the field."""
+apart; another tenant's identical prompt reuses nothing; a bad method is a 400 naming the field.
+On the same deployment, a call under a KV budget (§13) compacts its KV, and a bad budget or scorer is
+a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -119,3 +121,21 @@ def test_a_marked_document_is_reused_by_the_next_prompt_holding_it(server: Any) 
     assert second["usage"]["prompt_tokens_details"].get("reused_tokens", 0) >= 16, second["usage"]
     status, bad = ask("doc-3", "Anything?", ["a sentence that is not in the prompt"])
     assert status == 400 and bad["error"]["param"] == "kvflow.documents[0]", bad
+
+
+def test_a_call_under_a_kv_budget_compacts_and_a_bad_budget_is_a_400(server: Any) -> None:
+    before = metric(server.url, "kvflow_kv_compactions_total")
+    body = {"model": "default", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Think step by step about how bread rises."}],
+            "kvflow": {"kv_budget": 64, "kv_scorer": "agentkv"}}
+    status, answer = post(server.url, body, "key-a")
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] == 240
+    assert metric(server.url, "kvflow_kv_compactions_total") >= before + 1
+    assert metric(server.url, "kvflow_kv_dropped_tokens_total") > 0
+    for kvflow, field, named in (({"kv_budget": 8}, "kvflow.kv_budget", "greater than or equal to 64"),
+                                 ({"kv_budget": 64, "kv_scorer": "snapkv"}, "kvflow.kv_scorer", "unknown kv scorer"),
+                                 ({"kv_budget": "64"}, "kvflow.kv_budget", "integer")):
+        status, answer = post(server.url, {**body, "max_tokens": 2, "kvflow": kvflow}, "key-a")
+        assert status == 400 and named in answer["error"]["message"], answer
+        assert field in (answer["error"]["param"] or ""), answer
