@@ -133,9 +133,9 @@ def test_a_call_under_a_kv_budget_compacts_and_a_bad_budget_is_a_400(server: Any
     assert answer["usage"]["completion_tokens"] == 240
     assert metric(server.url, "kvflow_kv_compactions_total") >= before + 1
     assert metric(server.url, "kvflow_kv_dropped_tokens_total") > 0
-    for kvflow, field, named in (({"kv_budget": 8}, "kvflow.kv_budget", "greater than or equal to 64"),
+    for kvflow, field, named in (({"kv_budget": 8}, "kvflow.kv_budget", "must be >= 64"),
                                  ({"kv_budget": 64, "kv_scorer": "snapkv"}, "kvflow.kv_scorer", "unknown kv scorer"),
-                                 ({"kv_budget": "64"}, "kvflow.kv_budget", "integer")):
+                                 ({"kv_budget": "64"}, "kvflow.kv_budget", "'kvflow.kv_budget'")):
         status, answer = post(server.url, {**body, "max_tokens": 2, "kvflow": kvflow}, "key-a")
         assert status == 400 and named in answer["error"]["message"], answer
         assert field in (answer["error"]["param"] or ""), answer
