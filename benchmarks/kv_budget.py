@@ -134,7 +134,7 @@ class Run:
         if budget is not None:
             assert scorer is not None
             self.kv = BudgetedKV(budget, KeyScores(parse_scorer(scorer), model.attn_scale), PhaseTracker(markers))
-        self.capture = capture or (self.kv is not None and self.kv.scores.wants_queries)
+        self.capture = capture or (self.kv is not None and self.kv.wants_queries)
         self.captures: list[tuple[torch.Tensor, torch.Tensor]] = []  # per chunk (the full run keeps them)
         self.compact_s = 0.0
 
@@ -165,7 +165,6 @@ class Run:
         positions = list(range(self.pos, self.pos + len(tokens)))
         self.pos += len(tokens)
         if self.kv is not None:
-            self.kv.positions.extend(positions)
             self.kv.observe(queries, lses, positions, [self.piece(t) for t in tokens])
 
     def replay(self, full: Run, chunks: Sequence[Sequence[int]]) -> int:

@@ -119,43 +119,42 @@ class AgentKV(KeyScorer):
         return f"agentkv:per_phase={self.per_phase}"
 
 
-class Recent(KeyScorer):
-    name = "recent"
+class _LastQueries(KeyScorer):
+    """The last `size` queries, whatever their phase, in one FIFO (`option`: what the spec calls `size`)."""
 
-    def __init__(self, context: PolicyContext | None = None, *, queries: int = 32) -> None:
-        if not 1 <= queries <= 1024:
-            raise ValueError(f"recent's queries must be in [1, 1024], got {queries}")
-        self.queries = queries
+    option: ClassVar[str]
+
+    def __init__(self, size: int, most: int) -> None:
+        if not 1 <= size <= most:
+            raise ValueError(f"{self.name}'s {self.option} must be in [1, {most}], got {size}")
+        self.size = size
 
     def buffer(self, phase: str) -> tuple[str, int] | None:
-        return "all", self.queries
+        return "all", self.size
 
     @property
     def buffered(self) -> int:
-        return self.queries
+        return self.size
 
     def spec(self) -> str:
-        return f"recent:queries={self.queries}"
+        return f"{self.name}:{self.option}={self.size}"
 
 
-class H2O(KeyScorer):
+class Recent(_LastQueries):
+    name = "recent"
+    option = "queries"
+
+    def __init__(self, context: PolicyContext | None = None, *, queries: int = 32) -> None:
+        super().__init__(queries, 1024)
+
+
+class H2O(_LastQueries):
     name = "h2o"
+    option = "window"
     accumulates = True
 
     def __init__(self, context: PolicyContext | None = None, *, window: int = 128) -> None:
-        if not 1 <= window <= MAX_INTERVAL:
-            raise ValueError(f"h2o's window must be in [1, {MAX_INTERVAL}], got {window}")
-        self.window = window
-
-    def buffer(self, phase: str) -> tuple[str, int] | None:
-        return "all", self.window
-
-    @property
-    def buffered(self) -> int:
-        return self.window
-
-    def spec(self) -> str:
-        return f"h2o:window={self.window}"
+        super().__init__(window, MAX_INTERVAL)
 
 
 class Streaming(KeyScorer):

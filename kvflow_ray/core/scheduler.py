@@ -486,9 +486,6 @@ class ReplicaScheduler:
         output = req.max_new if req.kv_budget is None else req.private_need(req.ready_at_arrival) - uncached
         return queued_need(((len(req.tokens), req.ready_at_arrival, output),))
 
-    def _private_need(self, req: CacheRequest, matched: int) -> int:
-        return req.private_need(matched)
-
     def _start_queued_loads(self) -> None:
         """Admission policies that load while queued (status-aware) start the host->device load of
         queued requests right away and run ready work meanwhile (others load only once a request
@@ -515,7 +512,7 @@ class ReplicaScheduler:
         _ready_len, _loading, host = match.split_by_tier()
         if not host:
             return False
-        private = self._private_need(req, match.length)
+        private = req.private_need(match.length)
         self.cache.tree.lock(match.last)
         ok, writebacks = self.cache.make_room(sum(len(n.key) for n in host) + private + self.queued_reserved)
         self.copier.write_back(writebacks)
@@ -575,7 +572,7 @@ class ReplicaScheduler:
                 break
             match = self.cache.match(req.tokens, req.cache_salt)
             _ready, loading, host = match.split_by_tier()
-            private = self._private_need(req, match.length)
+            private = req.private_need(match.length)
             need = private + sum(len(n.key) for n in host)
             self.cache.tree.lock(match.last)  # before evicting: never evict the prefix we matched
             ok, writebacks = self.cache.make_room(need)

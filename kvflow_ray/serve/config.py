@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -190,18 +191,8 @@ class AppConfig(BaseModel):
         if self.tenant_kv_budget and self.engine == "sglang":
             raise ValueError("tenant_kv_budget: the SGLang engine keeps every token's KV (docs/sglang.md); "
                              "KV budgets run on the cpu and sim engines")
-        for tenant, budget in self.tenant_kv_budget.items():
-            _check_tenant("tenant_kv_budget", tenant)
-            try:
-                KvBudget(budget)
-            except ValueError as exc:
-                raise ValueError(f"tenant_kv_budget.{tenant}: {exc}") from None
-        for tenant, method in self.tenant_reuse.items():
-            _check_tenant("tenant_reuse", tenant)
-            try:
-                parse_reuse(method)
-            except ValueError as exc:
-                raise ValueError(f"tenant_reuse.{tenant}: {exc}") from None
+        _check_tenant_defaults("tenant_kv_budget", self.tenant_kv_budget, KvBudget)
+        _check_tenant_defaults("tenant_reuse", self.tenant_reuse, parse_reuse)
         if self.request_router not in REQUEST_ROUTERS:
             raise ValueError(f"request_router must be one of {tuple(REQUEST_ROUTERS)}, "
                              f"got {_short(self.request_router)}")
@@ -340,6 +331,17 @@ def _check_tenant(where: str, name: object) -> None:
 
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ValueError(f"{where}: tenant name {_short(name)} is not valid (1-128 of A-Z a-z 0-9 _ . @ -)")
+
+
+def _check_tenant_defaults(where: str, defaults: dict[str, Any], check: Callable[[Any], object]) -> None:
+    """Per-tenant defaults: each key a valid tenant name, each value one `check` accepts (its
+    ValueError, prefixed with the field and tenant, names what is wrong)."""
+    for tenant, value in defaults.items():
+        _check_tenant(where, tenant)
+        try:
+            check(value)
+        except ValueError as exc:
+            raise ValueError(f"{where}.{tenant}: {exc}") from None
 
 
 def config_error(exc: ValidationError) -> str:

@@ -132,18 +132,11 @@ class KvflowMeta(_Strict):
     kv_budget: StrictInt | None = Field(None, ge=MIN_BUDGET, le=MAX_KV_BUDGET)
     kv_scorer: StrictStr | None = Field(None, max_length=64)
 
-    @field_validator("kv_scorer")
+    @field_validator("reuse", "kv_scorer")
     @classmethod
-    def _scorer_rule(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_scorer(value)  # its ValueError names what is wrong
-        return value
-
-    @field_validator("reuse")
-    @classmethod
-    def _reuse_rule(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_reuse(value)  # its ValueError names what is wrong
+    def _policy_rule(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None:  # a registry's parser: its ValueError names what is wrong
+            {"reuse": parse_reuse, "kv_scorer": parse_scorer}[str(info.field_name)](value)
         return value
 
     @field_validator(*META_FIELDS)

@@ -70,7 +70,8 @@ class CpuRequest(CacheRequest):
     on_done: Callable[[CpuRequest], None] | None = None
     out: list[int] = field(default_factory=list)
     ctx: torch.Tensor | None = None  # device slot of the KV at each position (prompt, then output)
-    own: torch.Tensor | None = None  # its private slots (uncached prompt part + output budget)
+    # its private slots: all it reserved while its prompt is computed, then those past the committed prefix
+    own: torch.Tensor | None = None
     base: int = 0  # first position computed by this request (own[i] holds position base + i)
     submitted_at: float = 0.0
     result: GenerateResult | None = None
@@ -269,10 +270,11 @@ class CpuEngine(BackgroundEngine):
     # ------------------------------------------------------------------ inbox
     def _make_request(self, request: GenerateRequest, on_token: Callable[[int], None] | None = None
                       ) -> CpuRequest:
+        budget = self._kv_budget(request)
         tokens = request_tokens(request, model_name=self.model_name, encode=self.tokenizer.encode,
                                 vocab_size=self.model.vocab_size, max_context=self.model.max_context,
                                 device_tokens=self.cache.gpu_capacity, constrained=True, reuses=True,
-                                kv_budget=self._kv_budget(request), budgets=True)
+                                kv_budget=budget, budgets=True)
         reuse = parse_reuse(request.reuse)
         if len(request.documents) > MAX_DOCUMENTS or sum(len(d) for d in request.documents) > len(tokens):
             raise ValueError(f"documents: at most {MAX_DOCUMENTS}, together no longer than the prompt")
@@ -287,7 +289,7 @@ class CpuEngine(BackgroundEngine):
             if self._token_texts is None:  # once per engine (~0.15 s for a 49k vocabulary)
                 self._token_texts = TokenTexts(self.tokenizer.decode, self.model.vocab_size, self.tokenizer.encode)
             constraint = TokenConstraint(grammar, self._token_texts)
-        kv = self._budgeted(request)
+        kv = self._budgeted(request, budget)
         if kv is not None and reuse is not None:
             raise ValueError("kv_budget and reuse cannot be combined: a compacted request keeps no segment")
         fixed = request.fixed_prefix_tokens
@@ -311,8 +313,7 @@ class CpuEngine(BackgroundEngine):
             return None
         return KvBudget(tokens, self.config.kv_interval, self.config.kv_sinks)
 
-    def _budgeted(self, request: GenerateRequest) -> BudgetedKV | None:
-        budget = self._kv_budget(request)
+    def _budgeted(self, request: GenerateRequest, budget: KvBudget | None) -> BudgetedKV | None:
         if budget is None:
             if request.kv_scorer is not None:
                 raise ValueError("kv_scorer goes with a kv_budget (the call's, its tenant's or the engine's)")
@@ -403,7 +404,7 @@ class CpuEngine(BackgroundEngine):
                 self._prefill_reusing(req, placements)
                 return
         start = req.prefill_pos
-        capture = QueryCapture() if req.kv is not None and req.kv.scores.wants_queries else None
+        capture = QueryCapture() if req.kv is not None and req.kv.wants_queries else None
         logits = self.model.prefill(self.device, req.tokens[start:start + n], req.ctx[:start + n], capture=capture)
         if req.kv is not None:
             queries, lses = capture.stacked() if capture is not None else (None, None)
@@ -454,12 +455,12 @@ class CpuEngine(BackgroundEngine):
         finished = self.scheduler.prefill_done(req, n, req.ctx[:prompt_len], adopted)
         assert req.own is not None
         # positions the tree now covers: freed where it already had them; the rest (an uncovered tail,
-        # see TieredCache.commit) stays in the request's own slots until it finishes
+        # see TieredCache.commit) stays in the request's own slots, private, until it finishes
         covered = req.committed
-        self._free_unadopted(req.own[:covered - req.base], req.base, adopted)
-        req.ctx = torch.cat([self._path_slots(req.locked), req.own[covered - req.base:]])
-        if req.kv is not None:  # what stays private: own[i] holds private entry i from now on
-            req.own = req.own[covered - req.base:]
+        head, req.own = req.own[:covered - req.base], req.own[covered - req.base:]
+        self._free_unadopted(head, req.base, adopted)
+        req.ctx = torch.cat([self._path_slots(req.locked), req.own])
+        if req.kv is not None:
             req.kv.positions = [p for p in req.kv.positions if p >= covered]
         else:
             assert len(req.ctx) == prompt_len + req.max_new, (len(req.ctx), prompt_len, req.max_new)
@@ -475,8 +476,7 @@ class CpuEngine(BackgroundEngine):
         written = [pos if r.kv is None else r.committed + len(r.kv.positions) for r, pos in zip(reqs, positions,
                                                                                                  strict=True)]
         contexts = [r.ctx[:n + 1] for r, n in zip(reqs, written, strict=True)]  # type: ignore[index]
-        budgeted = [r.kv is not None and r.kv.scores.wants_queries for r in reqs]
-        capture = QueryCapture() if any(budgeted) else None
+        capture = QueryCapture() if any(r.kv is not None and r.kv.wants_queries for r in reqs) else None
         logits = self.model.decode(self.device, [r.out[-1] for r in reqs], contexts, positions=positions,
                                    capture=capture)
         queries, lses = capture.stacked() if capture is not None else (None, None)
@@ -495,7 +495,6 @@ class CpuEngine(BackgroundEngine):
         log-sum-exps, `QueryCapture.stacked`): they are private KV entries now, and their queries go
         to its scorer."""
         assert req.kv is not None
-        req.kv.positions.extend(positions)
         req.kv.observe(None if queries is None else queries[row], None if lses is None else lses[row],
                        list(positions), [self.tokenizer.piece(t) for t in tokens])
 
@@ -563,13 +562,9 @@ class CpuEngine(BackgroundEngine):
                                req.cache_salt, req.workflow, req.agent, now=time.perf_counter())
         if req.kv is not None:  # the sequence before its first dropped position is exact (all, if none was)
             req.exact_len = req.kv.first_dropped
-            value = req.ctx[:len(req.exact(sequence))]
-            self.scheduler.finish(req, sequence, value, adopted,
-                                  free_slots=lambda: self._free_unadopted_slots(own, value, adopted))
-        else:
-            self.scheduler.finish(req, sequence, req.ctx[:len(sequence)], adopted,
-                                  free_slots=lambda: self._free_unadopted(own[req.committed - req.base:],
-                                                                          req.committed, adopted))
+        # own[i] holds position committed + i up to the first dropped one: all the tree can adopt
+        self.scheduler.finish(req, sequence, req.ctx[:len(req.exact(sequence))], adopted,
+                              free_slots=lambda: self._free_unadopted(own, req.committed, adopted))
         req.ctx = req.own = None
         assert req.stops is not None
         req.stops.finish()  # streams what was held back in case it started a stop string
@@ -593,14 +588,6 @@ class CpuEngine(BackgroundEngine):
         if not bool(keep.all()):
             self.device.free(slots[~keep])
 
-    def _free_unadopted_slots(self, own: torch.Tensor, value: torch.Tensor, adopted: list[tuple[int, int]]) -> None:
-        """`own` slots the tree did not take: `value` holds the committed sequence's slots by position."""
-        taken = [value[lo:hi] for lo, hi in adopted]
-        if taken:
-            own = own[~torch.isin(own, torch.cat(taken))]
-        if len(own):
-            self.device.free(own)
-
     # ------------------------------------------------------------------ failures
     def _guard(self, req: CpuRequest, fn: Callable[[], None]) -> None:
         self._guard_all([req], fn)
@@ -617,9 +604,7 @@ class CpuEngine(BackgroundEngine):
 
     def _release(self, req: CpuRequest) -> None:
         if req.own is not None and req in self.scheduler.running:
-            # before its prompt was committed every own slot is private; after, only the output's
-            private = req.own if req.prefilling or req.kv is not None else req.own[req.committed - req.base:]
-            self.device.free(private)
+            self.device.free(req.own)  # every own slot is private (see CpuRequest.own)
         self.scheduler.cancel(req)
         req.ctx = req.own = None
 

@@ -56,11 +56,9 @@ class KeyScores:
         if self.scorer.by_recency:
             return positions.float()
         queries = [q for buffer in self.buffers.values() for q in buffer]
-        fresh = torch.zeros(len(slots))
-        if queries:
-            fresh = self._attention(pool, slots, positions, queries)
-        if not self.scorer.accumulates:
-            return fresh if queries else positions.float()
+        if not self.scorer.accumulates:  # no query yet: the latest keys win
+            return self._attention(pool, slots, positions, queries) if queries else positions.float()
+        fresh = self._attention(pool, slots, positions, queries) if queries else torch.zeros(len(slots))
         self.buffers.clear()  # H2O: each query's attention counts once
         before = self.accumulated if self.accumulated is not None else torch.zeros(0)
         self.accumulated = fresh + torch.cat([before, torch.zeros(len(slots) - len(before))])
@@ -98,11 +96,16 @@ class BudgetedKV:
     phases: PhaseTracker
     positions: list[int] = field(default_factory=list)
     first_dropped: int = -1  # the lowest position dropped (-1: none): the sequence before it is exact
-    compactions: int = 0
-    dropped: int = 0
+
+    @property
+    def wants_queries(self) -> bool:
+        return self.scores.wants_queries
 
     def observe(self, queries: Tensor | None, lses: Tensor | None, positions: Sequence[int],
                 texts: Sequence[str]) -> None:
+        """Tokens whose texts are `texts` were computed at `positions`: private entries now; their
+        queries `[T, L, Hq, D]` and log-sum-exps `[T, L, Hq]` (None: not captured) go to the scorer."""
+        self.positions.extend(positions)
         phases = self.phases.extend(texts)
         if queries is not None and lses is not None:
             self.scores.observe(queries, lses, positions, phases)
@@ -132,7 +135,5 @@ def compact(pool: KVPool, own: Tensor, kv: BudgetedKV) -> tuple[Tensor, Tensor]:
         pool.v.index_copy_(2, dst, v)
     kv.positions = [kv.positions[i] for i in keep_list]
     kv.scores.kept(keep)
-    kv.compactions += 1
-    kv.dropped += n - len(keep_list)
     held = own[:budget.ceiling]
     return held, own[budget.ceiling:]
