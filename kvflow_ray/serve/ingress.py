@@ -231,7 +231,7 @@ class Ingress:
             # the CPU engine's random model has no files (no tokenizer path); a real model's own limit is
             # the engine's to check
             random = self.config.engine == "cpu" and tokenizer_path is None
-            self.max_context = ModelConfig().max_context if random else 1 << 30
+            self.max_context = ModelConfig.named(self.config.model).max_context if random else 1 << 30
         # (tenant, body hash) -> the spec it registered, while that is still the tenant's current template
         self._registered: FreshCache[tuple[str, bytes], WorkflowSpec] = FreshCache(REGISTERED_CACHE_S)
 

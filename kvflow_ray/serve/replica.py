@@ -48,7 +48,8 @@ def make_engine(config: AppConfig) -> Any:
 
         sizes = {} if config.device_kv_tokens is None else {"device_kv_tokens": config.device_kv_tokens}
         engine_config = CpuEngineConfig(
-            model=ModelConfig(path=config.cpu_model_dir(), name=config.model_name(), seed=config.seed),
+            model=ModelConfig.named(config.model, path=config.cpu_model_dir(), name=config.model_name(),
+                                    seed=config.seed),
             policy=config.policy,
             host_kv_tokens=config.host_kv_tokens, link_gbps=config.link_gbps, max_running=config.max_running,
             horizon=config.horizon, threads=config.engine_threads(), session_retain_tokens=config.session_retain_tokens,

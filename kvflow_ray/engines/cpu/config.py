@@ -6,6 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16")
+DEVICES = "auto, cpu, cuda or cuda:N"
+DEFAULT_PROFILE = "cpu-reference"  # the simulator profile `bench calibrate` writes unless named otherwise
+
+# The random models by name: architecture fields over ModelConfig's defaults. `random-8b` is shaped like
+# Llama-3.1-8B (32 layers, hidden 4,096, 32 query and 8 KV heads, MLP 14,336, bfloat16), so that compute,
+# KV bytes per token (128 KiB) and the host link keep the paper's proportions on a GPU; its vocabulary
+# stays the byte tokenizer's (only the last position goes through lm_head). No weights are downloaded.
+RANDOM_SHAPES: dict[str, dict[str, int | str]] = {
+    "random": {},
+    "random-8b": dict(n_layers=32, hidden_size=4096, n_heads=32, n_kv_heads=8, intermediate_size=14336,
+                      max_context=16384, dtype="bfloat16"),
+}
 
 
 @dataclass(frozen=True)
@@ -23,14 +35,32 @@ class ModelConfig:
     seed: int = 0
     path: str | None = None  # local HF model directory; None = random weights built from the fields above
     name: str | None = None  # what requests call it (default: the path, or the random model's name)
+    # where the model and the device KV pool live: "auto" is cuda when torch sees a GPU, else cpu
+    # (the host pool is RAM either way, pinned on a GPU; docs/gpu.md)
+    device: str = "auto"
+
+    @classmethod
+    def named(cls, model: str, **fields: object) -> ModelConfig:
+        """The config of model `model` (a random model's shape, `RANDOM_SHAPES`, else the defaults)
+        with `fields` over it (a None dtype keeps the model's own)."""
+        given = {key: value for key, value in fields.items() if not (key == "dtype" and value is None)}
+        return cls(**{**RANDOM_SHAPES.get(model, {}), **given})  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
+        check_device(self.device)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.n_heads % self.n_kv_heads or self.hidden_size % self.n_heads:
             raise ValueError("hidden_size must divide by n_heads, and n_heads by n_kv_heads")
         if self.max_context < 1:
             raise ValueError(f"max_context must be positive, got {self.max_context}")
+
+
+def check_device(device: str) -> None:
+    """A ValueError unless `device` names a device kind the engine runs on (checked without torch)."""
+    kind, _, index = device.partition(":")
+    if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise ValueError(f"device must be {DEVICES}, got {device[:32]!r}")
 
 
 @dataclass
@@ -44,7 +74,8 @@ class CpuEngineConfig:
     host_kv_tokens: int = 65_536  # host tier: ~5x the device pool
     # Copies between the pools are paced to this bandwidth (None: as fast as memcpy). See
     # docs/cpu-engine.md: the default keeps the cost of reloading a prompt relative to recomputing it
-    # close to the paper's A10G testbed, where that ratio decides what each policy gains.
+    # close to the paper's A10G testbed, where that ratio decides what each policy gains. Never paced
+    # on a GPU: the link is the real one there.
     link_gbps: float | None = 0.1
     chunk_tokens: int = 1024  # chunked prefill: at most this many prompt tokens per forward step
     max_running: int = 16  # requests in the running batch

@@ -53,6 +53,9 @@ from kvflow_ray.engines.events import CacheEventLog
 from kvflow_ray.engines.stops import StopTokens
 from kvflow_ray.engines.tokenizer import load_tokenizer
 
+# An unpaced link's rate for the scheduler's load-time estimates: RAM to RAM on a CPU, PCIe on a GPU
+NOMINAL_LINK_GBPS = {"cpu": 5.0, "cuda": 25.0}
+
 
 @dataclass(eq=False)
 class CpuRequest(CacheRequest):
@@ -94,11 +97,13 @@ class CpuEngine(BackgroundEngine):
         self.tokenizer = load_tokenizer(config.model.path)
         m = self.model
         self.device = m.pool("device", config.device_kv_tokens)
-        self.host = m.pool("host", config.host_kv_tokens) if policy.host_tier else None
+        self.host = m.host_pool("host", config.host_kv_tokens) if policy.host_tier else None
         self.events = CacheEventLog()
-        # a history's copy back from the host: its bytes over the paced link (unpaced: memcpy, ~5 GB/s)
+        on_cpu = m.device.type == "cpu"
+        self.link_gbps = config.link_gbps if on_cpu else None  # a GPU's link is real: never paced
+        # a history's copy back from the host: its bytes over the link (unpaced: a nominal rate)
         token_bytes = self.device.nbytes / config.device_kv_tokens
-        link_bytes_per_s = (config.link_gbps or 5.0) * 1e9
+        link_bytes_per_s = (self.link_gbps or NOMINAL_LINK_GBPS[m.device.type]) * 1e9
         self.scheduler = build_replica(policy, self, gpu_capacity=config.device_kv_tokens,
                                        cpu_capacity=config.host_kv_tokens, clock=time.perf_counter, book=book,
                                        horizon=config.horizon, max_inflight=config.max_inflight,
@@ -109,7 +114,7 @@ class CpuEngine(BackgroundEngine):
         self.cache = self.scheduler.cache
         # kept segments (agents' outputs): ranked by the same step book; absent where the model's
         # decoder is not one `prefill_reusing` can run (requests asking for reuse are refused then)
-        self.cannot_reuse = check_reusable(self.model)
+        self.cannot_reuse = check_reusable(self.model) if on_cpu else f"reuse runs on the CPU only, not {m.device}"
         self.segments = None if self.cannot_reuse else SegmentStore(
             config.segment_kv_tokens, SegmentBook(config.segment_kv_tokens, self.book))
         self.reuse_counts = ReuseCounts()
@@ -121,8 +126,8 @@ class CpuEngine(BackgroundEngine):
         self.compaction_s = 0.0
         self._copies: queue.Queue[CopyJob] = queue.Queue()
         self._copies_inflight = 0
-        self.h2d = CopyStream("h2d", config.link_gbps, self._copies)
-        self.d2h = CopyStream("d2h", config.link_gbps, self._copies)
+        self.h2d = CopyStream("h2d", self.link_gbps, self._copies)
+        self.d2h = CopyStream("d2h", self.link_gbps, self._copies)
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._loop: threading.Thread | None = None
         self._stop = threading.Event()
@@ -175,6 +180,7 @@ class CpuEngine(BackgroundEngine):
     def stats(self) -> dict[str, Any]:
         return {
             "policy": self.config.policy,
+            "device": str(self.model.device),
             "requests_done": self.requests_done,
             "requests_failed": self.requests_failed,
             "requests_rejected": self.requests_rejected,
@@ -311,6 +317,8 @@ class CpuEngine(BackgroundEngine):
         tokens = request.kv_budget if request.kv_budget is not None else self.config.kv_budget
         if tokens is None:
             return None
+        if self.model.device.type != "cpu":
+            raise ValueError(f"kv_budget: KV budgets run on the CPU only, not {self.model.device}")
         return KvBudget(tokens, self.config.kv_interval, self.config.kv_sinks)
 
     def _budgeted(self, request: GenerateRequest, budget: KvBudget | None) -> BudgetedKV | None:

@@ -3,8 +3,11 @@
 A pool is one K and one V tensor of shape [layers, kv_heads, slots, head_dim]; a token's KV lives in
 one slot, and a radix node's payload is the int64 tensor of its slots (the tree slices it on splits).
 The device pool is what the model reads; the host pool is the second tier. Copies between them run
-on one thread per direction, as a GPU has one copy engine each way, optionally paced to `link_gbps`
-to emulate a PCIe link.
+on one thread per direction, as a GPU has one copy engine each way. On a CPU the two pools are both in
+RAM and a copy can be paced to `link_gbps` to emulate a PCIe link; on a CUDA device the host pool is
+pinned and each thread issues its copies on its own CUDA stream (docs/gpu.md): a copy waits for the
+compute queued before it was submitted (an event), and is reported done only once its own event has
+completed, so a request never reads KV before its copy lands.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 class KVPool:
     def __init__(self, name: str, slots: int, n_layers: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", pinned: bool = False) -> None:
         if slots <= 0:
             raise ValueError(f"the {name} KV pool needs a positive capacity, got {slots} tokens")
         self.name = name
@@ -30,12 +33,15 @@ class KVPool:
         # head-major: one head's keys of a run of slots are one contiguous block, which attention reads
         # fastest (measured: a decode step's attention over 8 contexts took 1.6x as long token-major)
         shape = (n_layers, n_kv_heads, slots, head_dim)
-        # zeros, not empty: the pages are touched now, so RSS shows the pool from the start
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
-        # numpy views of the same memory, for the copy threads (see `copy_slots`)
-        self._np_k = _numpy_view(self.k)
-        self._np_v = _numpy_view(self.v)
+        self.device = torch.device(device)
+        # zeros, not empty: the pages are touched now, so RSS shows the pool from the start; a host pool
+        # that a GPU copies to and from is pinned (page-locked), so its copies are asynchronous DMA
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pinned)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pinned)
+        # numpy views of a RAM pool's memory, for the copy threads (see `copy_slots`)
+        on_cpu = self.device.type == "cpu"
+        self._np_k = _numpy_view(self.k) if on_cpu else None
+        self._np_v = _numpy_view(self.v) if on_cpu else None
         self._free = FreeRuns(slots)
         self._lock = threading.Lock()  # copy threads allocate too
 
@@ -66,8 +72,9 @@ class KVPool:
                 self._free.give(lo, hi)
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """KV of `slots`, each [layers, kv_heads, len(slots), head_dim]."""
-        return self.k.index_select(2, slots), self.v.index_select(2, slots)
+        """KV of `slots` (host-side int64, as the cache keeps them), each [layers, kv_heads, len(slots), head_dim]."""
+        index = slots.to(self.device)
+        return self.k.index_select(2, index), self.v.index_select(2, index)
 
 
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]]:
@@ -136,16 +143,48 @@ def _numpy_view(t: torch.Tensor) -> np.ndarray:
 
 
 def copy_slots(src: KVPool, src_slots: torch.Tensor, dst: KVPool, dst_slots: torch.Tensor) -> int:
-    """Copy KV between pools on the calling thread; returns the bytes copied.
+    """Copy KV between two RAM pools on the calling thread; returns the bytes copied.
 
     numpy, not torch: a torch indexing op on a second thread starts a second OpenMP team, whose
     spinning threads compete with the engine's forward pass for the same cores (measured: paced
     copies overlapping compute made every forward step ~25% slower on 2 cores). numpy copies on
     this thread alone."""
+    assert src._np_k is not None and src._np_v is not None and dst._np_k is not None and dst._np_v is not None
     si, di = src_slots.numpy(), dst_slots.numpy()
     dst._np_k[:, :, di] = src._np_k[:, :, si]
     dst._np_v[:, :, di] = src._np_v[:, :, si]
     return 2 * len(si) * src._np_k[:, :, :1].nbytes
+
+
+def copy_slots_cuda(src: KVPool, src_slots: torch.Tensor, dst: KVPool, dst_slots: torch.Tensor,
+                    stream: torch.cuda.Stream, after: torch.cuda.Event | None) -> int:
+    """Copy KV between a CUDA pool and a pinned host pool on `stream`, once the compute queued before
+    `after` was recorded is done (it may still read or write those device slots); returns the bytes
+    copied, when the copy has landed. The host side goes through a pinned staging buffer (a token's
+    KV is not contiguous in a head-major pool), so each of K and V crosses the link as one
+    asynchronous DMA; the calling (copy) thread waits on the copy's event, never the compute stream."""
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host pool, pinned copy of the device KV)
+    with torch.cuda.stream(stream):
+        if after is not None:
+            stream.wait_event(after)
+        for s_pool, d_pool in ((src.k, dst.k), (src.v, dst.v)):
+            if src.device.type == "cuda":  # device -> host: gather on the GPU, DMA into pinned staging
+                gathered = s_pool.index_select(2, src_slots.to(src.device))
+                host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+                host.copy_(gathered, non_blocking=True)
+                staged.append((d_pool, host))
+            else:  # host -> device: gather into pinned staging here, DMA, scatter on the GPU
+                host = torch.empty((s_pool.shape[0], s_pool.shape[1], len(src_slots), s_pool.shape[3]),
+                                   dtype=s_pool.dtype, pin_memory=True)
+                torch.index_select(s_pool, 2, src_slots, out=host)
+                moved = host.to(dst.device, non_blocking=True)
+                d_pool.index_copy_(2, dst_slots.to(dst.device), moved)
+        landed = torch.cuda.Event()
+        landed.record(stream)
+    landed.synchronize()  # releases the GIL: compute goes on meanwhile
+    for d_pool, host in staged:
+        d_pool.index_copy_(2, dst_slots, host)
+    return 2 * len(src_slots) * src.k[:, :, :1].nbytes
 
 
 @dataclass
@@ -158,13 +197,21 @@ class CopyJob:
     speculative: bool = False  # a prefetch: every queued demand copy goes first
     started: float = 0.0
     finished: float = 0.0
+    after: torch.cuda.Event | None = None  # CUDA: recorded on the compute stream when submitted
+
+    @property
+    def cuda_device(self) -> torch.device | None:
+        """The CUDA device this copy touches (None: both pools are in RAM)."""
+        return next((pool.device for pool in (self.src, self.dst) if pool.device.type == "cuda"), None)
 
 
 class CopyStream:
     """A background thread that copies slots between pools, demand copies before speculative ones
     (prefetches), each kind in submission order; a copy under way always ends. With `link_gbps`,
     each copy takes at least bytes / bandwidth (the thread sleeps out the rest), like a DMA engine
-    on a link of that speed. Completions are handed back through `completed()`, so the cache's
+    on a link of that speed. Copies that touch a CUDA pool run on the thread's own CUDA stream
+    (`cuda_stream`, made at the first such copy), after the compute submitted before them
+    (`copy_slots_cuda`). Completions are handed back through the `done` queue, so the cache's
     bookkeeping stays on the engine's thread."""
 
     def __init__(self, name: str, link_gbps: float | None, done: queue.Queue[CopyJob]) -> None:
@@ -178,10 +225,15 @@ class CopyStream:
         self._done = done
         self.busy_s = 0.0
         self.bytes_copied = 0
+        self.cuda_stream: torch.cuda.Stream | None = None
         self._thread = threading.Thread(target=self._run, name=f"kvflow-copy-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, job: CopyJob) -> None:
+        device = job.cuda_device
+        if device is not None:  # the copy must not overtake the kernels already queued on those slots
+            job.after = torch.cuda.Event()
+            job.after.record(torch.cuda.current_stream(device))
         self._jobs.put((int(job.speculative), next(self._submitted), job))
 
     def close(self) -> None:
@@ -194,7 +246,13 @@ class CopyStream:
             if job is None:
                 return
             job.started = time.perf_counter()
-            nbytes = copy_slots(job.src, job.src_slots, job.dst, job.dst_slots)
+            device = job.cuda_device
+            if device is not None:
+                if self.cuda_stream is None:
+                    self.cuda_stream = torch.cuda.Stream(device)
+                nbytes = copy_slots_cuda(job.src, job.src_slots, job.dst, job.dst_slots, self.cuda_stream, job.after)
+            else:
+                nbytes = copy_slots(job.src, job.src_slots, job.dst, job.dst_slots)
             if self.bytes_per_s is not None:
                 remaining = job.started + nbytes / self.bytes_per_s - time.perf_counter()
                 if remaining > 0:

@@ -8,6 +8,12 @@ computes it (`_PoolCache.update`), and each layer attends over the sequence's sl
 is a view of the pool, so the past is never copied. A prefill chunk attends over its cached past run by run and
 over itself causally, and merges the parts by their log-sum-exps. transformers runs everything else (embeddings, RoPE,
 MLPs, norms): any full-attention model whose attention goes through `ALL_ATTENTION_FUNCTIONS` works.
+
+The model and the device pool live on one torch device (`ModelConfig.device`): the CPU by default, or a
+CUDA GPU (docs/gpu.md). Slot indices stay host-side int64 tensors, as the cache keeps them; a forward
+moves what it needs. On a GPU a prefill chunk with a cached past gathers the past's runs and attends
+once with a bottom-right causal mask (`_gathered_prefill_attention`): one fused kernel, where the CPU
+path avoids the copy instead.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 from transformers import (
     AttentionInterface,
     AutoModelForCausalLM,
@@ -127,6 +134,8 @@ def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, in
     then the chunk itself, causal. The parts are merged by their log-sum-exps, so no [T, context] mask is built
     and the past is not copied (the same work as one causal pass over the whole prompt). `with_lse`: also
     each query's log-sum-exp over its context ([Hq, T])."""
+    if q.device.type != "cpu":
+        return _gathered_prefill_attention(q, k, v, runs, scaling, with_lse)
     past_runs, new_runs = _split_runs(runs, past)
     new_k, new_v = _joined(k, new_runs), _joined(v, new_runs)
     if not past_runs and not with_lse:
@@ -158,6 +167,32 @@ def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, in
 
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns the log-sum-exp with the output
+
+
+def _gathered_prefill_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, int]], scaling: float | None,
+                                with_lse: bool = False) -> tuple[Tensor, Tensor | None]:
+    """A chunk's queries ([Hq, T, D]) over its whole context gathered into one [H, n, D] K and V (the
+    past, then the chunk), causal aligned at the bottom right: query i sees keys up to n - T + i. Any
+    device; what a GPU runs (SDPA picks a fused kernel). `with_lse`: also each query's log-sum-exp,
+    computed explicitly (the scores are [Hq, T, n]: KV budgets' capture, not the hot path)."""
+    keys, values = _joined(k, runs), _joined(v, runs)
+    heads, t, dim = q.shape
+    n = keys.shape[1]
+    group = heads // keys.shape[0]
+    if not with_lse:
+        # KV heads repeated for the query heads: the fused kernels a bottom-right causal mask dispatches to
+        # take no grouped-query flag (a copy of this layer's context only)
+        o = F.scaled_dot_product_attention(q[None], keys.repeat_interleave(group, 0)[None],
+                                           values.repeat_interleave(group, 0)[None],
+                                           attn_mask=causal_lower_right(t, n), scale=scaling)
+        return o[0].transpose(0, 1), None
+    scores = torch.matmul(q.float(), keys.float().repeat_interleave(group, 0).transpose(1, 2))
+    scores = scores * (scaling if scaling is not None else dim ** -0.5)
+    visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - t, n, device=q.device)[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), values.float().repeat_interleave(group, 0))
+    return out.to(q.dtype).transpose(0, 1), lse
 
 
 def _joined(pool_layer: Tensor, runs: list[tuple[int, int]]) -> Tensor:
@@ -202,7 +237,7 @@ def _runs_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, int]]
 AttentionInterface.register(ATTENTION, _pool_attention)
 
 
-def _random_llama(config: ModelConfig, dtype: torch.dtype) -> PreTrainedModel:
+def _random_llama(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     hf_config = LlamaConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -217,9 +252,24 @@ def _random_llama(config: ModelConfig, dtype: torch.dtype) -> PreTrainedModel:
         pad_token_id=258,
         attn_implementation="sdpa",
     )
-    # Seed, then build in float32 and cast: the bfloat16 model is the rounded float32 one, not a different draw.
     torch.manual_seed(config.seed)
-    return LlamaForCausalLM(hf_config).to(dtype)
+    if device.type == "cpu":
+        # built in float32 and cast: the bfloat16 model is the rounded float32 one, not a different draw
+        return LlamaForCausalLM(hf_config).to(dtype)
+    # on a GPU, drawn there in its own dtype (an 8B-sized float32 draw on the host takes minutes and 32 GB)
+    torch.cuda.manual_seed(config.seed)
+    with torch.device(device):
+        return LlamaForCausalLM._from_config(hf_config, dtype=dtype)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`ModelConfig.device` as a torch device: "auto" is the first CUDA GPU torch sees, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: this torch build sees no CUDA GPU (torch {torch.__version__})")
+    return device
 
 
 def _pretrained(path: str, dtype: torch.dtype) -> PreTrainedModel:
@@ -245,10 +295,11 @@ class CpuModel:
             torch.set_num_threads(threads)  # process-wide: torch has a single intra-op pool
         self.config = config
         self.torch_dtype: torch.dtype = _DTYPES[config.dtype]
+        self.device = resolve_device(config.device)
         if config.path is None:
-            hf = _random_llama(config, self.torch_dtype)
+            hf = _random_llama(config, self.torch_dtype, self.device)
         else:
-            hf = _pretrained(config.path, self.torch_dtype)
+            hf = _pretrained(config.path, self.torch_dtype).to(self.device)
         self.hf: PreTrainedModel = hf.eval().requires_grad_(False)
 
         text = hf.config.get_text_config(decoder=True)
@@ -272,10 +323,17 @@ class CpuModel:
             raise ValueError(f"only full-attention models are supported; {type(hf).__name__} has other cache layers")
 
     def pool(self, name: str, slots: int) -> KVPool:
-        """A KV pool shaped for this model."""
-        return KVPool(name, slots, self.n_layers, self.n_kv_heads, self.head_dim, self.torch_dtype)
+        """A KV pool shaped for this model, on its device (what it attends over)."""
+        return KVPool(name, slots, self.n_layers, self.n_kv_heads, self.head_dim, self.torch_dtype, self.device)
+
+    def host_pool(self, name: str, slots: int) -> KVPool:
+        """A KV pool in RAM for the host tier, pinned when the model is on a GPU (asynchronous copies)."""
+        return KVPool(name, slots, self.n_layers, self.n_kv_heads, self.head_dim, self.torch_dtype,
+                      pinned=self.device.type == "cuda")
 
     def _check_pool(self, pool: KVPool) -> None:
+        if pool.device != self.device and not (pool.device.type == self.device.type == "cuda"):
+            raise ValueError(f"the KV pool is on {pool.device}, the model on {self.device}")
         want = (self.n_layers, self.n_kv_heads, self.head_dim)
         if (pool.k.shape[0], pool.k.shape[1], pool.k.shape[3]) != want:
             raise ValueError(f"the KV pool must be [n_layers, n_kv_heads, slots, head_dim] = [{want[0]}, {want[1]}, *, "
@@ -286,20 +344,22 @@ class CpuModel:
         # A clear error here instead of an IndexError from deep inside the embedding.
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
-        return ids
+        return ids.to(self.device)
 
     def _forward(self, ids: Tensor, positions: Tensor, pages: _Pages, every: bool = False) -> Tensor:
         """Run `ids` [B, T] at `positions`; their KV lands in the pool. Returns the last logits [B, vocab]
-        float32 (`every`: every position's, [B, T, vocab])."""
+        float32 on the host (`every`: every position's, [B, T, vocab])."""
+        if pages.new_slots.device != self.device:
+            pages.new_slots = pages.new_slots.to(self.device)
         config = self.hf.config
         before, config._attn_implementation = config._attn_implementation, ATTENTION
         try:
             # logits_to_keep=1: only the last position goes through lm_head (saves a [T, vocab] matmul in prefill)
-            out = self.hf(input_ids=ids, position_ids=positions, cache=_PoolCache(pages), use_cache=True,
-                          logits_to_keep=0 if every else 1, kvflow_pages=pages)
+            out = self.hf(input_ids=ids, position_ids=positions.to(self.device), cache=_PoolCache(pages),
+                          use_cache=True, logits_to_keep=0 if every else 1, kvflow_pages=pages)
         finally:
             config._attn_implementation = before
-        return out.logits.float() if every else out.logits[:, -1].float()
+        return (out.logits if every else out.logits[:, -1]).float().cpu()
 
     @torch.inference_mode()
     def prefill(self, pool: KVPool, tokens: Sequence[int], slots: Tensor, every: bool = False, *,

