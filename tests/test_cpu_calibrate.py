@@ -84,3 +84,15 @@ def test_fidelity_report_is_simulated_over_measured() -> None:
     assert report["results"]["lru"]["ratio"] == pytest.approx(1.1)
     assert report["results"]["kvflow"]["ratio"] == pytest.approx(0.8)
     assert report["results"]["kvflow"]["simulated_gpu_hit_ratio"] == 0.8
+
+
+def test_flop_rates_fall_back_to_one_rate_where_gemm_and_attention_cannot_be_told_apart() -> None:
+    """On a GPU a short chunk's time is mostly launch overhead: where the two-rate fit has no positive
+    solution, every FLOP gets the one rate that fits (attention at the GEMM rate), never a failed run."""
+    from kvflow_ray.engines.cpu.calibrate import _flop_rates
+
+    two = _flop_rates([(1.0, 0.1, 2.0), (2.0, 0.1, 4.0), (3.0, 0.2, 6.1)])
+    assert two is not None and two[0] == pytest.approx(2.0) and two[1] > 0
+    assert _flop_rates([(1.0, 1.0, 2.0), (2.0, 2.0, 4.0)]) == pytest.approx((1.0, 1.0))  # collinear
+    assert _flop_rates([(1.0, 0.5, 1.0), (1.0, 0.4, 1.2)]) is not None  # a negative attention rate fits best
+    assert _flop_rates([(1.0, 0.0, -1.0)]) is None

@@ -2,15 +2,16 @@
 
   bench cpu        run a scenario on the CPU engine (real transformer compute, real KV tensors),
                    policies side by side, same JSON as `kvflow-ray sim`
-  bench calibrate  measure the CPU engine on this machine and write the `cpu-reference` simulator
-                   profile (used by `kvflow-ray sim --profile cpu-reference`)
-  bench fidelity   run one scenario on the CPU engine and on the simulator with `cpu-reference`, and
+  bench calibrate  measure the engine on this machine and write a simulator profile (`cpu-reference`
+                   by default, used by `kvflow-ray sim --profile cpu-reference`; `--name` for others)
+  bench fidelity   run one scenario on the engine and on the simulator with that profile, and
                    print simulated / measured latency per policy
 
-The CPU engine runs SmolLM2-135M-Instruct by default (`--model random`: a 4-layer Llama-style model
-with seeded random weights, for fast runs and calibration; `--model-path DIR` / `--gguf FILE`: others).
-Its device KV pool (12,288 tokens) is smaller than the fixed prompts of the default 10-agent workflow,
-so policies matter.
+The engine runs SmolLM2-135M-Instruct by default (`--model random`: a 4-layer Llama-style model
+with seeded random weights, for fast runs and calibration; `--model random-8b`: random weights shaped
+like Llama-3.1-8B, for GPUs; `--model-path DIR` / `--gguf FILE`: others). It runs on a CUDA GPU when
+torch sees one (`--device`, docs/gpu.md), else on the CPU. Its device KV pool (12,288 tokens) is
+smaller than the fixed prompts of the default 10-agent workflow, so policies matter.
 
 Examples:
   kvflow-ray bench cpu --scenario single --agents 10 --fixed 2048 --dynamic 32 --output 8 \\
@@ -28,6 +29,7 @@ from typing import Any
 
 from kvflow_ray.commands.sim import add_scenario_arguments, build_scenario, format_table
 from kvflow_ray.core.graph import SpecError
+from kvflow_ray.engines.cpu.config import DEFAULT_PROFILE
 
 DEFAULT_POLICIES = "lru,hicache,kvflow"
 CPU_ITERATIONS = 3  # measured passes of `single` by default: each pass is real compute
@@ -45,9 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cpu.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     cpu.set_defaults(_bench=_run_cpu)
 
-    cal = sub.add_parser("calibrate", help="measure the CPU engine and write the cpu-reference profile")
+    cal = sub.add_parser("calibrate", help="measure the engine and write a simulator profile (cpu-reference)")
     _engine_arguments(cal)
-    cal.add_argument("--out", default=None, help="profile path (default: the user profile directory, "
+    cal.add_argument("--name", default=DEFAULT_PROFILE,
+                     help=f"the profile's name, what `sim --profile` takes (default {DEFAULT_PROFILE})")
+    cal.add_argument("--out", default=None, help="profile path (default: NAME.yaml in the user profile directory, "
                                                  "~/.cache/kvflow-ray/profiles or $KVFLOW_RAY_PROFILES)")
     cal.set_defaults(_bench=_run_calibrate)
 
@@ -55,46 +59,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_scenario_arguments(fid, single_iterations=CPU_ITERATIONS)
     fid.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
     _engine_arguments(fid)
+    fid.add_argument("--profile", default=DEFAULT_PROFILE,
+                     help="the measured profile to simulate with, calibrated first when missing "
+                          f"(default {DEFAULT_PROFILE})")
     fid.add_argument("--recalibrate", action="store_true", help="calibrate first even if a profile exists")
     fid.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     fid.set_defaults(_bench=_run_fidelity)
 
 
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig
+    from kvflow_ray.engines.cpu.config import DEVICES, CpuEngineConfig, ModelConfig
     from kvflow_ray.engines.cpu.weights import DEFAULT_MODEL, MODEL_NAMES, RANDOM
 
     e, m = CpuEngineConfig(), ModelConfig()
-    g = parser.add_argument_group("CPU engine")
+    g = parser.add_argument_group("engine")
+    g.add_argument("--device", default=m.device,
+                   help=f"where the model and device KV pool live: {DEVICES} (default {m.device}: cuda when "
+                        "torch sees a GPU)")
     g.add_argument("--device-kv-tokens", type=int, default=e.device_kv_tokens,
                    help=f"device KV pool capacity in tokens (default {e.device_kv_tokens})")
     g.add_argument("--host-kv-tokens", type=int, default=e.host_kv_tokens,
                    help=f"host KV pool capacity in tokens (default {e.host_kv_tokens})")
     g.add_argument("--link-gbps", type=float, default=e.link_gbps,
-                   help=f"pace device<->host copies to this many GB/s; 0 = unpaced (default {e.link_gbps})")
+                   help=f"pace device<->host copies to this many GB/s; 0 = unpaced (default {e.link_gbps}; "
+                        "never paced on a GPU)")
     g.add_argument("--chunk-tokens", type=int, default=e.chunk_tokens, help="chunked prefill size")
     g.add_argument("--max-running", type=int, default=e.max_running, help="requests in the running batch")
     g.add_argument("--horizon", type=int, default=e.horizon, help="prefetch agents at most this many steps ahead")
     g.add_argument("--max-inflight", type=int, default=e.max_inflight, help="concurrent prefetch loads")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.add_argument("--model", default=DEFAULT_MODEL, choices=MODEL_NAMES,
-                   help=f"the model by name (default {DEFAULT_MODEL}; {RANDOM}: a seeded random Llama-style model)")
+                   help=f"the model by name (default {DEFAULT_MODEL}; {RANDOM}: a seeded random Llama-style model; "
+                        "random-8b: random weights shaped like Llama-3.1-8B, bfloat16)")
     g.add_argument("--model-path", default=None, metavar="DIR", help="a local Hugging Face model directory instead")
     g.add_argument("--gguf", default=None, metavar="FILE", help="a GGUF model file instead (dequantized once)")
     g.add_argument("--model-cache", default=None, metavar="DIR",
                    help="where dequantized models are kept (default $KVFLOW_MODEL_CACHE or ~/.cache/kvflow-ray/models)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default=m.dtype, help="model and KV dtype")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help=f"model and KV dtype (default: the model's own; {m.dtype} but for random-8b)")
     g.add_argument("--seed", type=int, default=m.seed, help="seed of the random model weights")
 
 
 def _engine_config(args: argparse.Namespace) -> Any:
-    from dataclasses import replace
-
     from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig
     from kvflow_ray.engines.cpu.weights import resolve_model
 
     path = resolve_model(args.model, model_path=args.model_path, gguf=args.gguf, cache=args.model_cache)
-    model = replace(ModelConfig(), dtype=args.dtype, seed=args.seed, path=path)
+    model = ModelConfig.named(args.model, dtype=args.dtype, seed=args.seed, path=path, device=args.device)
     return CpuEngineConfig(model=model, device_kv_tokens=args.device_kv_tokens, host_kv_tokens=args.host_kv_tokens,
                            link_gbps=args.link_gbps or None, chunk_tokens=args.chunk_tokens,
                            max_running=args.max_running, horizon=args.horizon, max_inflight=args.max_inflight,
@@ -131,7 +142,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     from kvflow_ray.engines.cpu.calibrate import calibrate, write_profile
 
     config = _engine_config(args)
-    profile = calibrate(config, log=lambda msg: print(msg, file=sys.stderr))
+    profile = calibrate(config, log=lambda msg: print(msg, file=sys.stderr), name=args.name)
     path = write_profile(profile, args.out)
     print(f"wrote {path}", file=sys.stderr)
     print(json.dumps(profile["values"]))
@@ -147,9 +158,9 @@ def _run_fidelity(args: argparse.Namespace) -> int:
     policies = _policies(args.policies)
     scenario = build_scenario(args)
     config = _engine_config(args)
-    if args.recalibrate or not profile_path().exists():
-        write_profile(calibrate(config, log=lambda msg: print(msg, file=sys.stderr)))
-    profile = load_profile("cpu-reference")
+    if args.recalibrate or not profile_path(name=args.profile).exists():
+        write_profile(calibrate(config, log=lambda msg: print(msg, file=sys.stderr), name=args.profile))
+    profile = load_profile(args.profile)
     with policy_progress(f"cpu {scenario.name}") as progress:
         measured = run_cpu_policies(scenario, config, policies, progress=progress)
     simulated = run_policies(scenario, profile, policies, horizon=config.horizon,
@@ -158,7 +169,7 @@ def _run_fidelity(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"scenario {out['scenario']} {out['params']}: simulated (cpu-reference) vs measured (CPU engine)")
+        print(f"scenario {out['scenario']} {out['params']}: simulated ({args.profile}) vs measured (engine)")
         print(f"{'policy':<18}{'measured s':>12}{'simulated s':>13}{'sim/measured':>14}")
         for name, r in out["results"].items():
             print(f"{name:<18}{r['measured_latency_s']:>12.3f}{r['simulated_latency_s']:>13.3f}{r['ratio']:>14.3f}")

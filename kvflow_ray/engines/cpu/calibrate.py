@@ -7,7 +7,11 @@ model, scatter the new KV) and fits, with both efficiencies fixed at 1:
 - decode steps at several context lengths: time = a + b * context. The slope is KV bytes per token /
   bandwidth, so hbm_bytes_per_s = kv_bytes_per_token / b; the intercept is weights / bandwidth + overhead;
 - prefill chunks of several sizes and contexts: time - overhead = FLOPs / peak_flops (least squares);
-- the host <-> device copy rate is timed on the engine's copy stream (the `link_gbps` pacing included).
+- the host <-> device copy rate is timed on the engine's copy stream, each way (the `link_gbps` pacing
+  included on a CPU; on a GPU, pinned host memory over the real link).
+
+On a GPU (`--device cuda`) the same steps are timed and the profile is named for it (`--name`, e.g.
+`h200-llama3.1-8b`; docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -23,8 +27,7 @@ from typing import Any
 
 import torch
 
-from kvflow_ray.engines.cpu.config import CpuEngineConfig
-from kvflow_ray.engines.cpu.kv_pool import KVPool
+from kvflow_ray.engines.cpu.config import DEFAULT_PROFILE, CpuEngineConfig
 from kvflow_ray.engines.cpu.model import CpuModel
 from kvflow_ray.engines.sim.profile import Profile, user_profile_dir
 
@@ -34,8 +37,8 @@ PREFILL_GRID = ((1024, 0), (1024, 1024), (32, 0), (256, 2048), (32, 1024), (32, 
 DECODE_CONTEXTS = (64, 1024, 2048, 3072)
 
 
-def profile_path(out: str | None = None) -> Path:
-    return Path(out) if out else user_profile_dir() / "cpu-reference.yaml"
+def profile_path(out: str | None = None, name: str = DEFAULT_PROFILE) -> Path:
+    return Path(out) if out else user_profile_dir() / f"{name}.yaml"
 
 
 class _StepTimer:
@@ -83,8 +86,9 @@ class _StepTimer:
 
 
 def calibrate(config: CpuEngineConfig, *, repeats: int = 3, log: Callable[[str], None] = lambda _m: None,
-              model: CpuModel | None = None) -> dict[str, Any]:
-    """Measure and fit; returns {"values": profile fields, "measurements": raw timings}."""
+              model: CpuModel | None = None, name: str = DEFAULT_PROFILE) -> dict[str, Any]:
+    """Measure and fit; returns {"values": profile fields (the profile called `name`), "measurements":
+    raw timings}."""
     model = model if model is not None else CpuModel(config.model, threads=config.threads)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -100,36 +104,48 @@ def calibrate(config: CpuEngineConfig, *, repeats: int = 3, log: Callable[[str],
 
     peak, attention_mfu, hbm, overhead, streamed = _fit(config, model, decode, prefill)
 
-    # the copy stream, paced as the engine paces it
-    from queue import Queue
-
-    from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream
-
-    src = KVPool("calibration-device", 2048, model.n_layers, model.n_kv_heads, model.head_dim, model.torch_dtype)
-    host = KVPool("calibration-host", 2048, model.n_layers, model.n_kv_heads, model.head_dim, model.torch_dtype)
-    done: Queue[CopyJob] = Queue()
-    stream = CopyStream("calibration", config.link_gbps, done)
-    rates = []
-    slots = src.alloc(2048)
-    for _ in range(3):
-        stream.submit(CopyJob(src, slots, host, host.alloc(2048), lambda: None))
-        job = done.get()
-        host.free(job.dst_slots)
-        rates.append(2048 * model.kv_bytes_per_token / (job.finished - job.started))
-    stream.close()
-    link = statistics.median(rates)
-    log(f"copy: {link / 1e9:.3f} GB/s (link_gbps={config.link_gbps})")
+    h2d, d2h = _copy_rates(config, model, repeats)
+    log(f"copy: host->device {h2d / 1e9:.3f} GB/s, device->host {d2h / 1e9:.3f} GB/s "
+        f"(link_gbps={config.link_gbps if model.device.type == 'cpu' else 'unpaced on a GPU'})")
 
     values = _profile_values(config, model, peak_flops=peak, attention_mfu=attention_mfu, hbm=hbm,
-                             overhead=overhead, h2d=link, d2h=link, streamed=streamed)
+                             overhead=overhead, h2d=h2d, d2h=d2h, streamed=streamed, name=name)
     fitted = Profile(**values)
     errors = [fitted.step_time([(n, ctx)], []) / t - 1 for n, ctx, t in prefill]
     errors += [fitted.step_time([], [ctx]) / t - 1 for ctx, t in decode]
     log(f"fit: GEMM {peak / 1e9:.1f} GFLOP/s, attention {peak * attention_mfu / 1e9:.1f} GFLOP/s, "
         f"bandwidth {hbm / 1e9:.1f} GB/s, overhead {overhead * 1e3:.2f} ms; "
         f"worst step error {max(abs(e) for e in errors):.1%}")
-    return {"values": values, "measurements": {"decode": decode, "prefill": prefill, "copy_bytes_per_s": rates,
-                                               "fit_errors": errors}}
+    return {"values": values, "measurements": {"decode": decode, "prefill": prefill,
+                                               "copy_bytes_per_s": {"h2d": h2d, "d2h": d2h}, "fit_errors": errors}}
+
+
+COPY_TOKENS = 2048
+
+
+def _copy_rates(config: CpuEngineConfig, model: CpuModel, repeats: int) -> tuple[float, float]:
+    """Median bytes/s of 2,048-token copies on the engine's own copy stream, each way, between a device
+    pool and a host pool as the engine makes them (paced on a CPU, pinned on a GPU)."""
+    from queue import Queue
+
+    from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream
+
+    device, host = model.pool("calibration-device", COPY_TOKENS), model.host_pool("calibration-host", COPY_TOKENS)
+    done: Queue[CopyJob] = Queue()
+    stream = CopyStream("calibration", config.link_gbps if model.device.type == "cpu" else None, done)
+    rates: dict[str, list[float]] = {"h2d": [], "d2h": []}
+    try:
+        for _ in range(repeats + 1):  # the first of each pays for staging buffers and the stream
+            for way, (src, dst) in (("d2h", (device, host)), ("h2d", (host, device))):
+                slots = src.alloc(COPY_TOKENS)
+                stream.submit(CopyJob(src, slots, dst, dst.alloc(COPY_TOKENS), lambda: None))
+                job = done.get()
+                src.free(job.src_slots)
+                dst.free(job.dst_slots)
+                rates[way].append(COPY_TOKENS * model.kv_bytes_per_token / (job.finished - job.started))
+    finally:
+        stream.close()
+    return statistics.median(rates["h2d"][1:]), statistics.median(rates["d2h"][1:])
 
 
 def _fit(config: CpuEngineConfig, model: CpuModel, decode: list[tuple[int, float]],
@@ -156,17 +172,10 @@ def _fit(config: CpuEngineConfig, model: CpuModel, decode: list[tuple[int, float
         streamed = (intercept - overhead) * hbm
         # weighted (1/t) least squares of t - overhead = gemm * x1 + attn * x2
         rows = [(g / t, a / t, (t - overhead) / t) for g, a, (_n, _c, t) in zip(gemm, attn, prefill, strict=True)]
-        s11 = sum(g * g for g, _a, _y in rows)
-        s12 = sum(g * a for g, a, _y in rows)
-        s22 = sum(a * a for _g, a, _y in rows)
-        b1 = sum(g * y for g, _a, y in rows)
-        b2 = sum(a * y for _g, a, y in rows)
-        det = s11 * s22 - s12 * s12
-        if det <= 0:
+        rates = _flop_rates(rows)
+        if rates is None:
             continue
-        x1, x2 = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
-        if x1 <= 0 or x2 <= 0:
-            continue
+        x1, x2 = rates
         peak, attention_mfu = 1.0 / x1, x1 / x2
         prof = Profile(**_profile_values(config, model, peak_flops=peak, attention_mfu=attention_mfu, hbm=hbm,
                                          overhead=overhead, h2d=1.0, d2h=1.0, streamed=streamed))
@@ -180,13 +189,33 @@ def _fit(config: CpuEngineConfig, model: CpuModel, decode: list[tuple[int, float
     return best[1]
 
 
+def _flop_rates(rows: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """Seconds per GEMM FLOP and per attention FLOP, (x1, x2), from least squares over rows of
+    (GEMM FLOPs, attention FLOPs, time), each row already weighted; None when no positive pair fits.
+    Where the two cannot be told apart with positive rates (on a GPU a short chunk's time is mostly
+    launch overhead), one rate for every FLOP: attention at the GEMM rate."""
+    s11 = sum(g * g for g, _a, _y in rows)
+    s12 = sum(g * a for g, a, _y in rows)
+    s22 = sum(a * a for _g, a, _y in rows)
+    b1 = sum(g * y for g, _a, y in rows)
+    b2 = sum(a * y for _g, a, y in rows)
+    det = s11 * s22 - s12 * s12
+    if det > 0:
+        x1, x2 = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
+        if x1 > 0 and x2 > 0:
+            return x1, x2
+    flops = s11 + 2 * s12 + s22  # sum of (g + a)^2
+    x = (b1 + b2) / flops if flops > 0 else 0.0
+    return (x, x) if x > 0 else None
+
+
 def _profile_values(config: CpuEngineConfig, model: CpuModel, *, peak_flops: float, attention_mfu: float,
-                    hbm: float, overhead: float, h2d: float, d2h: float, streamed: float) -> dict[str, Any]:
+                    hbm: float, overhead: float, h2d: float, d2h: float, streamed: float,
+                    name: str = DEFAULT_PROFILE) -> dict[str, Any]:
     kv = model.kv_bytes_per_token
     return {
-        "name": "cpu-reference",
-        "description": f"kvflow-ray CPU engine on {platform.processor() or platform.machine()}, "
-                       f"{torch.get_num_threads()} threads, calibrated {dt.date.today().isoformat()}",
+        "name": name,
+        "description": f"kvflow-ray engine on {_device_name(model)}, calibrated {dt.date.today().isoformat()}",
         # the device pool is exactly the engine's: memory = weights + pool, all of it static
         # `weight_bytes` is the fitted bytes streamed per step; memory = that + the pool, all static,
         # so the simulated device pool is exactly the engine's
@@ -213,10 +242,16 @@ def _profile_values(config: CpuEngineConfig, model: CpuModel, *, peak_flops: flo
     }
 
 
+def _device_name(model: CpuModel) -> str:
+    if model.device.type == "cuda":
+        return f"{torch.cuda.get_device_name(model.device)} ({model.config.dtype})"
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
 def write_profile(profile: dict[str, Any], out: str | None = None) -> Path:
     import yaml
 
-    path = profile_path(out)
+    path = profile_path(out, profile["values"]["name"])
     path.parent.mkdir(parents=True, exist_ok=True)
     m = profile["measurements"]
     lines = [
@@ -227,8 +262,8 @@ def write_profile(profile: dict[str, Any], out: str | None = None) -> Path:
         "# engine steps (median times):",
         *(f"#   decode at context {c}: {t * 1e3:.2f} ms" for c, t in m["decode"]),
         *(f"#   prefill of {n} tokens after {c}: {t * 1e3:.1f} ms" for n, c, t in m["prefill"]),
-        "#   copy of 2048 tokens between pools: "
-        + ", ".join(f"{r / 1e9:.3f} GB/s" for r in m["copy_bytes_per_s"]),
+        f"#   copy of {COPY_TOKENS} tokens between pools: "
+        + ", ".join(f"{way} {r / 1e9:.3f} GB/s" for way, r in m["copy_bytes_per_s"].items()),
         "# relative error of the fitted roofline on each measured step: "
         + ", ".join(f"{e:+.1%}" for e in m["fit_errors"]),
         "",
