@@ -3,7 +3,7 @@
 # (10 agents x 8,192 fixed + 32 dynamic tokens, 32 output, device KV capped as on an A10G) and a
 # concurrent-workflows point, lru vs hicache vs kvflow; the engine calibrated into a simulator profile
 # (h200-llama3.1-8b on an H200); the simulator on that profile beside the measured runs. Writes one
-# JSON, gpu_bench.json, and the profile's YAML into --out. About 5 minutes on an H200 (docs/gpu.md).
+# JSON, gpu_bench.json, and the profile's YAML into --out. Sized for 8 minutes on an H200 (docs/gpu.md).
 #
 #   deploy/gpu-bench.sh                          # on a GPU: writes into benchmarks/out
 #   deploy/gpu-bench.sh --out "$OUT"             # anywhere else
