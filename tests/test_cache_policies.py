@@ -717,6 +717,31 @@ def test_new_kv_below_a_pending_node_calls_off_its_eviction() -> None:
     cache.tree.check_invariants()
 
 
+def test_a_write_back_never_drops_a_host_copy_needed_sooner_than_the_node_it_saves() -> None:
+    """Host full with agent b's prompt only there (b runs in 1 step); the device must make room and
+    evicts agent x's prompt (x runs in 8), which has no host copy. Saving x by dropping b would lose
+    the sooner of the two: x goes without a backup instead. When the host copy is needed later than
+    x (c, in 9 steps), it makes way as before."""
+    for host_agent, host_steps, x_saved in (("b", 1, False), ("c", 9, True)):
+        book = StepBook()
+        book.set_steps("w", {host_agent: host_steps, "x": 8, "y": 0})
+        cache = TieredCache(12, KVFlowPolicy(book), cpu_capacity=4, host_tier=True)
+        prompts = {host_agent: (1,) * 4, "x": (2,) * 4, "y": (3,) * 4}
+        for agent, prompt in prompts.items():
+            put(cache, prompt)
+            cache.tree.tag_prefix(prompt, ("w", agent))
+        to_host(cache, prompts[host_agent])
+        ok, writebacks = cache.make_room(8)  # room for y's next call: x goes (y runs now)
+        assert ok is not x_saved  # dropped: free at once; saved: free once its write-back lands
+        for node in writebacks:
+            cache.finish_offload(node, node.gpu_value)
+        kept_host = cache.tree.match_prefix(prompts[host_agent]).length == 4
+        assert (cache.tree.match_prefix(prompts["x"]).length == 4) is x_saved, host_agent
+        assert kept_host is not x_saved, host_agent
+        assert cache.counters.dropped_tokens == 4  # one of the two is lost either way
+        cache.tree.check_invariants()
+
+
 # ---------------------------------------------------------------------- prefetch
 def prefetch_setup(capacity: int, steps: dict[str, float], cpu_capacity: int = 1000,
                    ) -> tuple[TieredCache, StepBook, dict[str, tuple[int, ...]]]:

@@ -207,7 +207,7 @@ class TieredCache:
             above = parent
             while above is not None and above.evict_pending and not above.offloading:
                 above = above.parent
-            if self.host_tier and not node.cpu and self._make_host_room(len(node.key)):
+            if self.host_tier and not node.cpu and self._make_host_room(len(node.key), saving=pri(node)):
                 node.offloading = True
                 node.evict_pending = True
                 self.offloading_tokens += len(node.key)
@@ -319,10 +319,15 @@ class TieredCache:
         return (node.cpu and not node.in_flight and node.lock_ref == 0 and not node.evict_pending
                 and (node.gpu is GpuState.READY or not node.children))
 
-    def _make_host_room(self, n: int) -> bool:
+    def _make_host_room(self, n: int, saving: Rank | None = None) -> bool:
         """Drop host copies until `n` host tokens are free, in policy order. The candidates are the
         copies droppable when the decision first needed host room (within one decision, only
         dropping a child makes another copy droppable: its parent, offered then).
+
+        `saving`: the key of the device node whose write-back needs the room. A host-only copy goes
+        only if the policy ranks it below that node: one needed sooner is worth more than the node
+        it would make room for, which then leaves the device without a backup. Host copies of nodes
+        still on the device may always go (nothing is lost now).
 
         With `host_duplicates_first` (SGLang 0.5.23's HiCache under write_back, `evict_host`), each
         call first reclaims the host copies of nodes still on the device, then drops host-only leaves
@@ -338,6 +343,7 @@ class TieredCache:
             self._end_host_round()
         if self._host_candidates is None:
             self._host_candidates = self._host_order()
+        kept: list[tuple[Rank, int, RadixNode]] = []
         while self._host_free() < n:
             node = next(self._host_candidates, None)
             if node is None:
@@ -346,6 +352,11 @@ class TieredCache:
                 continue  # not droppable (now, or when the decision began)
             if only_host_leaves and node.gpu is not GpuState.NONE:
                 continue  # a duplicate the first pass kept
+            if saving is not None and not only_host_leaves and node.gpu is GpuState.NONE:
+                key = self.eviction.priority(node)
+                if key >= saving:  # kept; later candidates rank higher still: only device duplicates may go
+                    kept.append((key, node.id, node))
+                    continue
             parent = node.parent
             self.counters.evicted_cpu_tokens += len(node.key)
             if node.gpu is GpuState.NONE:
@@ -354,6 +365,8 @@ class TieredCache:
             # a host-only parent left without children may go next, in policy order
             if parent is not self.tree.root and parent.parent is not None and self._host_droppable(parent):
                 heapq.heappush(self._host_heap, (self.eviction.priority(parent), parent.id, parent))
+        for entry in kept:  # offered again to a later write-back of this decision, whose node ranks higher
+            heapq.heappush(self._host_heap, entry)
         return self._host_free() >= n
 
     def _reclaim_duplicates(self, n: int) -> None:
