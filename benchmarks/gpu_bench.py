@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvflow_ray.engines.cpu.calibrate import calibrate, write_profile
     from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig
+    from kvflow_ray.engines.cpu.kv_pool import paced_link
     from kvflow_ray.engines.cpu.model import CpuModel
     from kvflow_ray.engines.sim.workload import concurrent, single
 
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                   "kv_bytes_per_token": model.kv_bytes_per_token},
         "engine": {"device_kv_tokens": config.device_kv_tokens, "host_kv_tokens": config.host_kv_tokens,
                    "chunk_tokens": config.chunk_tokens, "device_pool_as": None if args.quick else PAPER_PROFILE,
-                   "link": "the real one (unpaced)" if device.type == "cuda" else f"paced to {config.link_gbps} GB/s"},
+                   "link_paced_gbps": paced_link(config.link_gbps, device)},  # None: the real link, unpaced
     }
 
     def section(title: str) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kvflow_ray.engines.cpu.config import DEFAULT_PROFILE, CpuEngineConfig
+from kvflow_ray.engines.cpu.kv_pool import paced_link
 from kvflow_ray.engines.cpu.model import CpuModel
 from kvflow_ray.engines.sim.profile import Profile, user_profile_dir
 
@@ -106,7 +107,7 @@ def calibrate(config: CpuEngineConfig, *, repeats: int = 3, log: Callable[[str],
 
     h2d, d2h = _copy_rates(config, model, repeats)
     log(f"copy: host->device {h2d / 1e9:.3f} GB/s, device->host {d2h / 1e9:.3f} GB/s "
-        f"(link_gbps={config.link_gbps if model.device.type == 'cpu' else 'unpaced on a GPU'})")
+        f"(paced to {paced_link(config.link_gbps, model.device)} GB/s)")
 
     values = _profile_values(config, model, peak_flops=peak, attention_mfu=attention_mfu, hbm=hbm,
                              overhead=overhead, h2d=h2d, d2h=d2h, streamed=streamed, name=name)
@@ -132,7 +133,7 @@ def _copy_rates(config: CpuEngineConfig, model: CpuModel, repeats: int) -> tuple
 
     device, host = model.pool("calibration-device", COPY_TOKENS), model.host_pool("calibration-host", COPY_TOKENS)
     done: Queue[CopyJob] = Queue()
-    stream = CopyStream("calibration", config.link_gbps if model.device.type == "cpu" else None, done)
+    stream = CopyStream("calibration", paced_link(config.link_gbps, model.device), done)
     rates: dict[str, list[float]] = {"h2d": [], "d2h": []}
     try:
         for _ in range(repeats + 1):  # the first of each pays for staging buffers and the stream

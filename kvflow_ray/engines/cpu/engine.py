@@ -45,7 +45,7 @@ from kvflow_ray.engines.base import (
 from kvflow_ray.engines.constrained import CANDIDATES, TokenConstraint, TokenTexts, check_constraint
 from kvflow_ray.engines.cpu.config import CpuEngineConfig
 from kvflow_ray.engines.cpu.kv_budget import BudgetedKV, KeyScores, compact
-from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream
+from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream, paced_link
 from kvflow_ray.engines.cpu.model import GREEDY_TEMPERATURE, CpuModel, QueryCapture, sample
 from kvflow_ray.engines.cpu.reuse import ReuseCounts, SegmentStore, check_reusable, prefill_reusing
 from kvflow_ray.engines.cpu.weights import RANDOM_MODEL_NAME
@@ -100,7 +100,7 @@ class CpuEngine(BackgroundEngine):
         self.host = m.host_pool("host", config.host_kv_tokens) if policy.host_tier else None
         self.events = CacheEventLog()
         on_cpu = m.device.type == "cpu"
-        self.link_gbps = config.link_gbps if on_cpu else None  # a GPU's link is real: never paced
+        self.link_gbps = paced_link(config.link_gbps, m.device)
         # a history's copy back from the host: its bytes over the link (unpaced: a nominal rate)
         token_bytes = self.device.nbytes / config.device_kv_tokens
         link_bytes_per_s = (self.link_gbps or NOMINAL_LINK_GBPS[m.device.type]) * 1e9

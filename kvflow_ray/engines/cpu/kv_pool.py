@@ -187,6 +187,12 @@ def copy_slots_cuda(src: KVPool, src_slots: torch.Tensor, dst: KVPool, dst_slots
     return 2 * len(src_slots) * src.k[:, :, :1].nbytes
 
 
+def paced_link(link_gbps: float | None, device: torch.device) -> float | None:
+    """The pacing copies to and from a pool on `device` get: `link_gbps` on a CPU (an emulated PCIe
+    link), none on a GPU (the link is the real one)."""
+    return link_gbps if device.type == "cpu" else None
+
+
 @dataclass
 class CopyJob:
     src: KVPool
