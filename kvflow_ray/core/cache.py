@@ -324,10 +324,10 @@ class TieredCache:
         copies droppable when the decision first needed host room (within one decision, only
         dropping a child makes another copy droppable: its parent, offered then).
 
-        `saving`: the key of the device node whose write-back needs the room. A host-only copy goes
-        only if the policy ranks it below that node: one needed sooner is worth more than the node
-        it would make room for, which then leaves the device without a backup. Host copies of nodes
-        still on the device may always go (nothing is lost now).
+        `saving`: the key of the device node whose write-back needs the room. Only copies the policy
+        ranks below that node go: a copy needed sooner is worth more than the node it would make room
+        for, which then leaves the device without a backup (the copy is offered again to a later
+        write-back of the same decision, whose node ranks higher). O(1) beyond the drops.
 
         With `host_duplicates_first` (SGLang 0.5.23's HiCache under write_back, `evict_host`), each
         call first reclaims the host copies of nodes still on the device, then drops host-only leaves
@@ -352,11 +352,11 @@ class TieredCache:
                 continue  # not droppable (now, or when the decision began)
             if only_host_leaves and node.gpu is not GpuState.NONE:
                 continue  # a duplicate the first pass kept
-            if saving is not None and not only_host_leaves and node.gpu is GpuState.NONE:
+            if saving is not None and not only_host_leaves:
                 key = self.eviction.priority(node)
-                if key >= saving:  # kept; later candidates rank higher still: only device duplicates may go
+                if key >= saving:  # this copy and every later one rank above the node: none goes for it
                     kept.append((key, node.id, node))
-                    continue
+                    break
             parent = node.parent
             self.counters.evicted_cpu_tokens += len(node.key)
             if node.gpu is GpuState.NONE:
