@@ -52,9 +52,11 @@ class StoreKeeper:
         probed_at = 0.0
         while True:
             try:
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for returns instead of raising when
+                # its task is cancelled as the event is set, and this loop would then outlive its loop
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._dirty.wait(),
-                                           max(0.0, probed_at + self.probe_period_s - time.monotonic()))
+                    async with asyncio.timeout(max(0.0, probed_at + self.probe_period_s - time.monotonic())):
+                        await self._dirty.wait()
                 self._dirty.clear()
                 await asyncio.sleep(self.flush_period_s)
                 if self.store.up:
