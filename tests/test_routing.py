@@ -221,12 +221,15 @@ def test_a_home_that_left_is_replaced() -> None:
 
 @given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 5), st.booleans()), max_size=40))
 def test_work_in_flight_counts_new_blocks_as_a_rescan_would(ops: list[tuple[str, int, bool]]) -> None:
-    """The block -> replicas index gives each replica's new blocks for a call exactly as counting the
-    call's blocks against that replica's in-flight set does, through adds, ends and a dropped replica."""
+    """Each replica's tree of blocks in flight gives a call's new blocks there (alone, and through the
+    first-block index for every replica at once) and the blocks held there exactly as counting against
+    that replica's in-flight set does, through adds, ends and a dropped replica."""
     from kvflow_ray.core.routing import WorkInFlight
 
     work = WorkInFlight(block=4)
-    prompts = [tuple(range(k * 8, k * 8 + 4 * (k + 1))) for k in range(6)]  # prompts of 1-6 blocks, shared starts
+    base, alt = tuple(range(24)), tuple(range(100, 124))
+    # prompts of 1-6 blocks: prefixes of each other, and ones that share a start and part
+    prompts = [base[:4], base[:12], base, base[:8] + alt[:8], base[:8] + alt[:4] + base[:4], alt[:12]]
     live: list[tuple[RouteRequest, str]] = []
     for replica, k, end in ops:
         if end and live:
@@ -242,8 +245,11 @@ def test_work_in_flight_counts_new_blocks_as_a_rescan_would(ops: list[tuple[str,
         for other in prompts:
             call = RouteRequest(tokens=other)
             held = {at: {h for r, x in live if x == at for h in r.blocks(4)} for at in "abc"}
+            shared = work.shared_blocks(call)
             for at in "abc":
                 assert work.new_blocks(at, call) == sum(1 for h in call.blocks(4) if h not in held[at])
+                assert work.new_blocks(at, call, shared) == work.new_blocks(at, call)
+                assert work.blocks(at) == len(held[at])
 
 
 def test_every_routing_policy_names_the_inputs_it_reads() -> None:

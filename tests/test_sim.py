@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvflow_ray.core.graph import loads_spec
+from kvflow_ray.core.scheduler import resolve_policy
 from kvflow_ray.engines.sim import workload
 from kvflow_ray.engines.sim.profile import load_profile
 from kvflow_ray.engines.sim.runner import run_policies, simulate
@@ -62,6 +63,22 @@ def test_deterministic() -> None:
     a = run_policies(scenario, profile, ["hicache", "kvflow"])
     b = run_policies(scenario, profile, ["hicache", "kvflow"])
     assert a == b
+
+
+def test_a_run_tunes_the_collector_and_restores_it() -> None:
+    """During a run the heap built before it is frozen and young objects are collected at the run's
+    threshold; afterwards the process's collector is as it was."""
+    import gc
+
+    from kvflow_ray.engines.sim import simulator
+
+    seen: list[tuple[tuple[int, ...], int]] = []
+    before = gc.get_threshold(), gc.get_freeze_count()
+    sim = simulator.Simulation(load_profile("a10g-llama3.1-8b"), resolve_policy("lru"))
+    sim.at(0.0, lambda: seen.append((gc.get_threshold(), gc.get_freeze_count())))
+    sim.run()
+    assert seen[0][0] == simulator.RUN_GC_THRESHOLD and seen[0][1] > before[1]
+    assert (gc.get_threshold(), gc.get_freeze_count()) == before
 
 
 def test_concurrent_completes_and_kvflow_helps() -> None:

@@ -21,6 +21,7 @@ import hashlib
 import math
 import random
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
@@ -59,11 +60,10 @@ def block_hashes(tokens: Sequence[int], salt: str = "", block: int = BLOCK_TOKEN
     hash names the whole prefix up to its end (as vLLM's, Dynamo's and llm-d's block hashes do), so
     two sequences share a block hash exactly when they share that prefix. Stable across processes
     (tuples of ints hash the same everywhere)."""
-    tokens = tuple(tokens)
     h = _salt_seed(salt)
     out = []
-    for start in range(0, len(tokens) - block + 1, block):
-        h = hash((h, tokens[start:start + block]))
+    for chunk in zip(*[iter(tokens)] * block, strict=False):  # full blocks, cut in C; a partial one drops
+        h = hash((h, chunk))
         out.append(h)
     return tuple(out)
 
@@ -152,25 +152,51 @@ class BlockIndex:
 
 
 # ---------------------------------------------------------------------------------------------- work in flight
+def held_prefix(blocks: Sequence[int], held: Mapping[int, object] | AbstractSet[int]) -> int:
+    """How many leading blocks of `blocks` are in `held`, for a `held` closed under prefixes (a
+    chained block hash is held only with its whole prefix): a binary search, O(log blocks)."""
+    lo, hi = 0, len(blocks)  # blocks[:lo] are held, blocks[hi:] are not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if blocks[mid - 1] in held:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class _Block:
+    """A block of calls in flight on one replica: its parent block (None: a prompt's first), how many
+    calls' prompts end at it, and how many of its children are held."""
+
+    __slots__ = ("children", "ends", "parent")
+
+    def __init__(self, parent: int | None, children: int) -> None:
+        self.parent, self.ends, self.children = parent, 0, children
+
+
 @dataclass
 class _Work:
     prefill_tokens: int = 0
-    blocks: dict[int, int] = field(default_factory=dict)  # block hash -> calls in flight holding it
+    # the blocks of the calls in flight, as a tree: a block stays while a call's prompt passes through
+    # it, so the set is closed under prefixes and a call shares a prefix of its blocks with it
+    blocks: dict[int, _Block] = field(default_factory=dict)
 
 
 class WorkInFlight:
     """Per replica, the work of the calls a router sent there that have not ended (Dynamo's
     `ActiveSequences`, lib/kv-router/src/sequences/single.rs): the prompt tokens still to prefill
     (what was not cached when routed; until the first token), and the KV blocks of the calls' prompts,
-    each counted once however many calls share it. An index from each block to the replicas whose
-    calls hold it makes pricing a call on every replica O(its blocks x their holders), not
-    O(replicas x its blocks)."""
+    each counted once however many calls share it. Chained hashes make each replica's blocks a tree
+    closed under prefixes, so the blocks a call shares with a replica's are a prefix of its own, found
+    by binary search: pricing a call is O(replicas holding its first block x log its blocks), and
+    a call routed or ended changes only the blocks it adds or frees, O(log blocks + those)."""
 
     def __init__(self, block: int = BLOCK_TOKENS) -> None:
         self.block = block
         self._replicas: dict[str, _Work] = {}
         self._prefill: dict[int, tuple[str, int]] = {}  # id(request) -> (replica, prefill tokens it added)
-        self._where: dict[int, set[str]] = {}  # block hash -> replicas whose calls in flight hold it
+        self._first: dict[int, set[str]] = {}  # first block hash -> replicas whose calls in flight hold it
         # replica -> (prefill tokens, KV blocks) of the other routers' calls there, as they last said
         # (Dynamo's router replicas share their active sequences the same way); counted in the totals
         self.elsewhere: Mapping[str, Sequence[float]] = {}
@@ -194,32 +220,43 @@ class WorkInFlight:
 
     def shared_blocks(self, request: RouteRequest) -> dict[str, int]:
         """replica -> the call's prompt blocks that calls in flight there already hold."""
-        out: dict[str, int] = {}
-        if not request.tokens:
-            return out
-        where = self._where
-        for h in request.blocks(self.block):
-            for replica in where.get(h, ()):
-                out[replica] = out.get(replica, 0) + 1
-        return out
+        blocks = request.blocks(self.block) if request.tokens else ()
+        if not blocks:
+            return {}
+        return {replica: held_prefix(blocks, self._replicas[replica].blocks)
+                for replica in self._first.get(blocks[0], ())}
 
     def new_blocks(self, replica: str, request: RouteRequest, shared: Mapping[str, int] | None = None) -> int:
         """The call's prompt blocks not already held by calls in flight there (`shared`: this call's
         `shared_blocks`, when the caller prices several replicas)."""
         if not request.tokens:
             return 0
-        held = (self.shared_blocks(request) if shared is None else shared).get(replica, 0)
-        return len(request.blocks(self.block)) - held
+        blocks = request.blocks(self.block)
+        if shared is not None:
+            return len(blocks) - shared.get(replica, 0)
+        work = self._replicas.get(replica)
+        return len(blocks) - (held_prefix(blocks, work.blocks) if work else 0)
 
     def add(self, request: RouteRequest, replica: str, prefill_tokens: int) -> None:
         work = self._replicas.setdefault(replica, _Work())
         work.prefill_tokens += prefill_tokens
         self._prefill[id(request)] = (replica, prefill_tokens)
-        for h in request.blocks(self.block) if request.tokens else ():
-            count = work.blocks.get(h, 0)
-            work.blocks[h] = count + 1
-            if count == 0:
-                self._where.setdefault(h, set()).add(replica)
+        blocks = request.blocks(self.block) if request.tokens else ()
+        if not blocks:
+            return
+        held = work.blocks
+        start = held_prefix(blocks, held)
+        parent = blocks[start - 1] if start else None
+        if start < len(blocks):
+            if parent is None:
+                self._first.setdefault(blocks[0], set()).add(replica)
+            else:
+                held[parent].children += 1
+            for h in blocks[start:-1]:
+                held[h] = _Block(parent, 1)
+                parent = h
+            held[blocks[-1]] = _Block(parent, 0)
+        held[blocks[-1]].ends += 1
 
     def prefilled(self, request: RouteRequest) -> None:
         entry = self._prefill.pop(id(request), None)
@@ -229,26 +266,33 @@ class WorkInFlight:
     def ended(self, request: RouteRequest, replica: str) -> None:
         self.prefilled(request)
         work = self._replicas.get(replica)
-        if work is None:
+        blocks = request.blocks(self.block) if request.tokens and work is not None else ()
+        if not blocks or blocks[-1] not in work.blocks:
             return
-        for h in request.blocks(self.block) if request.tokens else ():
-            left = work.blocks.get(h, 0) - 1
-            if left > 0:
-                work.blocks[h] = left
-            elif work.blocks.pop(h, None) is not None:
-                self._unhold(h, replica)
+        held, h = work.blocks, blocks[-1]
+        node = held[h]
+        node.ends -= 1
+        while node.ends == 0 and node.children == 0:  # no call passes through it: it goes, then its parent may
+            del held[h]
+            parent = node.parent
+            if parent is None:
+                self._unhold_first(h, replica)
+                return
+            h, node = parent, held[parent]
+            node.children -= 1
 
     def drop(self, replica: str) -> None:
         work = self._replicas.pop(replica, None)
-        for h in work.blocks if work else ():
-            self._unhold(h, replica)
+        for h, node in work.blocks.items() if work else ():
+            if node.parent is None:
+                self._unhold_first(h, replica)
 
-    def _unhold(self, h: int, replica: str) -> None:
-        holders = self._where.get(h)
+    def _unhold_first(self, h: int, replica: str) -> None:
+        holders = self._first.get(h)
         if holders is not None:
             holders.discard(replica)
             if not holders:
-                del self._where[h]
+                del self._first[h]
 
 
 # ---------------------------------------------------------------------------------------------- the fleet
