@@ -165,22 +165,16 @@ def held_prefix(blocks: Sequence[int], held: Mapping[int, object] | AbstractSet[
     return lo
 
 
-class _Block:
-    """A block of calls in flight on one replica: its parent block (None: a prompt's first), how many
-    calls' prompts end at it, and how many of its children are held."""
-
-    __slots__ = ("children", "ends", "parent")
-
-    def __init__(self, parent: int | None, children: int) -> None:
-        self.parent, self.ends, self.children = parent, 0, children
-
-
 @dataclass
 class _Work:
+    """A replica's work in flight. Its calls' blocks form a tree: a block stays while a call's prompt
+    passes through it, so the set is closed under prefixes and a call shares a prefix of its blocks
+    with it. Plain dicts of ints, so a call's blocks allocate no objects for the collector to track."""
+
     prefill_tokens: int = 0
-    # the blocks of the calls in flight, as a tree: a block stays while a call's prompt passes through
-    # it, so the set is closed under prefixes and a call shares a prefix of its blocks with it
-    blocks: dict[int, _Block] = field(default_factory=dict)
+    parent: dict[int, int | None] = field(default_factory=dict)  # each block held -> its parent (None: a first block)
+    ends: dict[int, int] = field(default_factory=dict)  # block -> calls whose prompt ends there (absent: none)
+    children: dict[int, int] = field(default_factory=dict)  # block -> its children held (absent: none)
 
 
 class WorkInFlight:
@@ -207,7 +201,7 @@ class WorkInFlight:
 
     def blocks(self, replica: str) -> float:
         work = self._replicas.get(replica)
-        return (len(work.blocks) if work else 0) + self._elsewhere(replica, 1)
+        return (len(work.parent) if work else 0) + self._elsewhere(replica, 1)
 
     def _elsewhere(self, replica: str, i: int) -> float:
         other = self.elsewhere.get(replica)
@@ -215,15 +209,15 @@ class WorkInFlight:
 
     def own(self) -> dict[str, list[float]]:
         """replica -> [prefill tokens, KV blocks] of this router's own calls there (for the others)."""
-        return {replica: [work.prefill_tokens, len(work.blocks)] for replica, work in self._replicas.items()
-                if work.prefill_tokens or work.blocks}
+        return {replica: [work.prefill_tokens, len(work.parent)] for replica, work in self._replicas.items()
+                if work.prefill_tokens or work.parent}
 
     def shared_blocks(self, request: RouteRequest) -> dict[str, int]:
         """replica -> the call's prompt blocks that calls in flight there already hold."""
         blocks = request.blocks(self.block) if request.tokens else ()
         if not blocks:
             return {}
-        return {replica: held_prefix(blocks, self._replicas[replica].blocks)
+        return {replica: held_prefix(blocks, self._replicas[replica].parent)
                 for replica in self._first.get(blocks[0], ())}
 
     def new_blocks(self, replica: str, request: RouteRequest, shared: Mapping[str, int] | None = None) -> int:
@@ -235,7 +229,7 @@ class WorkInFlight:
         if shared is not None:
             return len(blocks) - shared.get(replica, 0)
         work = self._replicas.get(replica)
-        return len(blocks) - (held_prefix(blocks, work.blocks) if work else 0)
+        return len(blocks) - (held_prefix(blocks, work.parent) if work else 0)
 
     def add(self, request: RouteRequest, replica: str, prefill_tokens: int) -> None:
         work = self._replicas.setdefault(replica, _Work())
@@ -244,19 +238,18 @@ class WorkInFlight:
         blocks = request.blocks(self.block) if request.tokens else ()
         if not blocks:
             return
-        held = work.blocks
-        start = held_prefix(blocks, held)
-        parent = blocks[start - 1] if start else None
-        if start < len(blocks):
-            if parent is None:
+        start = held_prefix(blocks, work.parent)
+        if start < len(blocks):  # the new blocks hang below the shared prefix, each the one child of the last
+            if start == 0:
                 self._first.setdefault(blocks[0], set()).add(replica)
+                work.parent[blocks[0]] = None
             else:
-                held[parent].children += 1
-            for h in blocks[start:-1]:
-                held[h] = _Block(parent, 1)
-                parent = h
-            held[blocks[-1]] = _Block(parent, 0)
-        held[blocks[-1]].ends += 1
+                work.children[blocks[start - 1]] = work.children.get(blocks[start - 1], 0) + 1
+                work.parent[blocks[start]] = blocks[start - 1]
+            work.parent.update(zip(blocks[start + 1:], blocks[start:-1], strict=True))
+            work.children.update(dict.fromkeys(blocks[start:-1], 1))
+        last = blocks[-1]
+        work.ends[last] = work.ends.get(last, 0) + 1
 
     def prefilled(self, request: RouteRequest) -> None:
         entry = self._prefill.pop(id(request), None)
@@ -267,24 +260,28 @@ class WorkInFlight:
         self.prefilled(request)
         work = self._replicas.get(replica)
         blocks = request.blocks(self.block) if request.tokens and work is not None else ()
-        if not blocks or blocks[-1] not in work.blocks:
+        if not blocks or blocks[-1] not in work.ends:
             return
-        held, h = work.blocks, blocks[-1]
-        node = held[h]
-        node.ends -= 1
-        while node.ends == 0 and node.children == 0:  # no call passes through it: it goes, then its parent may
-            del held[h]
-            parent = node.parent
+        h = blocks[-1]
+        if work.ends[h] > 1:
+            work.ends[h] -= 1
+            return
+        del work.ends[h]
+        while h not in work.children and h not in work.ends:  # no call passes through it: it goes
+            parent = work.parent.pop(h)
             if parent is None:
                 self._unhold_first(h, replica)
                 return
-            h, node = parent, held[parent]
-            node.children -= 1
+            if work.children[parent] > 1:
+                work.children[parent] -= 1
+                return
+            del work.children[parent]
+            h = parent
 
     def drop(self, replica: str) -> None:
         work = self._replicas.pop(replica, None)
-        for h, node in work.blocks.items() if work else ():
-            if node.parent is None:
+        for h, parent in work.parent.items() if work else ():
+            if parent is None:
                 self._unhold_first(h, replica)
 
     def _unhold_first(self, h: int, replica: str) -> None:

@@ -33,9 +33,10 @@ from kvflow_ray.engines.sim.profile import Profile
 from kvflow_ray.engines.sim.replica import SimReplica, SimRequest
 from kvflow_ray.engines.sim.routed import SimRouter
 
-# young objects are collected every 50,000 net allocations instead of Python's 700 (SGLang takes a
-# `gc_threshold` the same way: srt/entrypoints/engine.py)
-RUN_GC_THRESHOLD = (50_000, 20, 100)
+# young objects are collected every 50,000 net allocations instead of Python's 700, the older
+# generations as often relative to them as Python's defaults (SGLang takes a `gc_threshold` the same
+# way: srt/entrypoints/engine.py)
+RUN_GC_THRESHOLD = (50_000, 10, 10)
 
 
 @contextmanager
@@ -47,6 +48,7 @@ def batch_collector() -> Iterator[None]:
     fell inside whatever ran, the router's decisions included, whose latency the run reports: a real
     router's process holds no simulated fleet. Both are restored afterwards."""
     threshold = gc.get_threshold()
+    gc.collect()  # what earlier runs left in cycles is collected, not frozen
     gc.freeze()
     gc.set_threshold(*RUN_GC_THRESHOLD)
     try:
