@@ -20,8 +20,7 @@ import functools
 import hashlib
 import math
 import random
-from collections.abc import Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
@@ -152,7 +151,7 @@ class BlockIndex:
 
 
 # ---------------------------------------------------------------------------------------------- work in flight
-def held_prefix(blocks: Sequence[int], held: Mapping[int, object] | AbstractSet[int]) -> int:
+def held_prefix(blocks: Sequence[int], held: Container[int]) -> int:
     """How many leading blocks of `blocks` are in `held`, for a `held` closed under prefixes (a
     chained block hash is held only with its whole prefix): a binary search, O(log blocks)."""
     lo, hi = 0, len(blocks)  # blocks[:lo] are held, blocks[hi:] are not
