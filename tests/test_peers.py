@@ -293,3 +293,23 @@ def test_ingresses_agree_on_each_applications_home_and_count_its_pressure() -> N
     b.core.policy.apps.ended(crossed, elsewhere)
     fleet.sync(b, "B")
     assert b.core.policy.apps.pressure(b.core.fleet) == 512 / 2000
+
+
+def test_an_application_placed_apart_goes_home_where_fewer_applications_live() -> None:
+    """Two ingresses placed a new application at once, one beside another application and one on an
+    empty replica: the vote is a tie, and both move it to the replica fewer applications call home
+    (the first by name would stack the two applications on one replica)."""
+    fleet = Fleet()
+    a, b = fleet.ingress(), fleet.ingress()
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    other = RouteRequest(prefix_hash="ho", prefix_tokens=512, group="acme/other")
+    new = RouteRequest(prefix_hash="hn", prefix_tokens=512, group="acme/new")
+    for link in (a, b):
+        link.core.policy.apps.routed(other, "r1", rehome=False)  # both know acme/other lives on r1
+    a.core.policy.apps.routed(new, "r1", rehome=False)  # a placed acme/new beside it ...
+    b.core.policy.apps.routed(new, "r2", rehome=False)  # ... b on the empty replica
+    for link, name in ((a, "A"), (b, "B"), (a, "A"), (b, "B")):
+        fleet.sync(link, name)
+    assert a.core.policy.apps.home("acme/new") == b.core.policy.apps.home("acme/new") == "r2"
+    assert a.core.policy.apps.home("acme/other") == b.core.policy.apps.home("acme/other") == "r1"

@@ -609,20 +609,28 @@ class Applications:
 
     def agree(self, votes: Mapping[str, Sequence[float]]) -> None:
         """The other routers' `homes()`, summed: each application this router knows goes home where
-        most routers (this one included) put it, ties to the first replica by name, so that routers
-        that placed an application apart (their first calls crossed) converge on one copy of its
-        prompts. O(applications the others placed)."""
+        most routers (this one included) put it, so that routers that placed an application apart
+        (their first calls crossed) converge on one copy of its prompts. A tie goes to the replica
+        that fewest other applications call home, then to the first by name: two routers that placed
+        a new application at once, one of them beside another application, move it to the less
+        crowded replica. Every router counts the same votes (the others' and its own), so all decide
+        alike. O(applications)."""
         tally: dict[str, dict[str, float]] = {}  # application -> home -> routers that chose it
+        crowd: dict[str, float] = {}  # replica -> votes for it as any application's home
         for key, (count, *_rest) in votes.items():
             group, _, home = key.partition("\x00")
             tally.setdefault(group, {})[home] = count  # keys are summed already: one per (group, home)
+            crowd[home] = crowd.get(home, 0.0) + count
+        for app in self._apps.values():
+            if app.home is not None:
+                crowd[app.home] = crowd.get(app.home, 0.0) + 1
         for group, counts in tally.items():
             app = self._apps.get(group)
             if app is None:
                 continue
             if app.home is not None:
                 counts[app.home] = counts.get(app.home, 0.0) + 1
-            app.home = min(counts, key=lambda home: (-counts[home], home))
+            app.home = min(counts, key=lambda home: (-counts[home], crowd[home] - counts[home], home))
 
     def hot(self) -> dict[str, list[float]]:
         """application -> [its working set, 1] for those with a call in flight (for the other routers:
