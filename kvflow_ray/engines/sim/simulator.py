@@ -41,21 +41,19 @@ RUN_GC_THRESHOLD = (50_000, 10, 10)
 
 @contextmanager
 def batch_collector() -> Iterator[None]:
-    """The collector during a run: the heap built before it (workload, profile, policies) frozen out of
-    every collection, as SGLang freezes its servers' after warm-up (srt/utils/common.py `freeze_gc`),
-    and young objects collected at `RUN_GC_THRESHOLD`. With Python's defaults a 32-replica fleet run
-    spent a fifth of its time in collections scanning the simulated replicas' caches, and the pauses
-    fell inside whatever ran, the router's decisions included, whose latency the run reports: a real
-    router's process holds no simulated fleet. Both are restored afterwards."""
+    """The collector during a run: young objects collected at `RUN_GC_THRESHOLD`, restored
+    afterwards. With Python's defaults a 32-replica fleet run spent a fifth of its time in
+    collections scanning the simulated replicas' caches, and the pauses fell inside whatever ran,
+    the router's decisions included, whose latency the run reports: a real router's process holds
+    no simulated fleet. (Freezing the heap built before the run as well, as SGLang's `freeze_gc`
+    does after warm-up, measured no better and needs a full collection first, or it freezes the
+    cyclic garbage earlier runs left.)"""
     threshold = gc.get_threshold()
-    gc.collect()  # what earlier runs left in cycles is collected, not frozen
-    gc.freeze()
     gc.set_threshold(*RUN_GC_THRESHOLD)
     try:
         yield
     finally:
         gc.set_threshold(*threshold)
-        gc.unfreeze()
 
 
 @dataclass
