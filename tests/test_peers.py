@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from kvflow_ray.core.routing import RouteRequest, block_hashes
+from kvflow_ray.core.routing import RouteRequest, _rank, block_hashes
 from kvflow_ray.engines.base import CacheEvent
 from kvflow_ray.router.core import RouterCore, TenantLimitError
 from kvflow_ray.router.hints import HintBatch, HintOutbox
@@ -293,6 +293,29 @@ def test_ingresses_agree_on_each_applications_home_and_count_its_pressure() -> N
     b.core.policy.apps.ended(crossed, elsewhere)
     fleet.sync(b, "B")
     assert b.core.policy.apps.pressure(b.core.fleet) == 512 / 2000
+
+
+def test_two_applications_placed_together_at_once_are_spread_over_the_fleet() -> None:
+    """Two ingresses each placed a different new application at the same moment, on the same replica
+    (their rendezvous ranks agree), while another replica is nobody's home: after a sync each, both
+    ingresses move the same one of them to the empty replica."""
+    fleet = Fleet()
+    a, b = fleet.ingress(), fleet.ingress()
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    x = RouteRequest(prefix_hash="hx", prefix_tokens=512, group="acme/x")
+    y = RouteRequest(prefix_hash="hy", prefix_tokens=512, group="acme/y")
+    a.core.policy.apps.routed(x, "r1", rehome=False)
+    b.core.policy.apps.routed(y, "r1", rehome=False)
+    for link, name in ((a, "A"), (b, "B"), (a, "A")):
+        fleet.sync(link, name)
+    mover = min(("acme/x", "acme/y"), key=lambda group: (_rank(group, "r2"), group))
+    assert a.core.policy.apps.home("acme/x") == ("r2" if mover == "acme/x" else "r1")
+    assert b.core.policy.apps.home("acme/y") == ("r2" if mover == "acme/y" else "r1")
+    b.core.policy.apps.routed(x, "r1", rehome=False)  # a call of x at b, placed before b heard: the vote moves it
+    for link, name in ((b, "B"), (a, "A"), (b, "B")):
+        fleet.sync(link, name)
+    assert a.core.policy.apps.home("acme/x") == b.core.policy.apps.home("acme/x") != b.core.policy.apps.home("acme/y")
 
 
 def test_an_application_placed_apart_goes_home_where_fewer_applications_live() -> None:

@@ -149,13 +149,35 @@ def test_applications_keep_their_working_set_and_the_fleets_hot_set() -> None:
     assert apps.pressure(Fleet.of({"a": 0})) == 0.0  # no pool reported: no pressure
 
 
+def test_homes_spread_while_a_replica_is_nobodys_home() -> None:
+    """Two applications homed on one replica while another is nobody's home: the one ranked first for
+    the empty replica moves there, the same whatever the order the homes are listed in; a home on a
+    replica that left stays, and nothing moves once every replica is someone's home."""
+    from kvflow_ray.core.routing import _rank, spread
+
+    homes = {"t/x": "a", "t/y": "a", "t/z": "b", "t/gone": "d"}
+    spread(homes, ["a", "b", "c"])
+    mover = min(("t/x", "t/y"), key=lambda g: (_rank(g, "c"), g))
+    assert homes[mover] == "c" and homes[({"t/x", "t/y"} - {mover}).pop()] == "a"
+    assert homes["t/z"] == "b" and homes["t/gone"] == "d"
+    reordered = {"t/gone": "d", "t/z": "b", "t/y": "a", "t/x": "a"}
+    spread(reordered, ["c", "b", "a"])
+    assert reordered == homes
+    crowded = {"t/x": "a", "t/y": "a", "t/z": "b", "t/w": "c"}  # every replica is someone's home
+    spread(crowded, ["a", "b", "c"])
+    assert crowded == {"t/x": "a", "t/y": "a", "t/z": "b", "t/w": "c"}
+    three = {f"t/{i}": "a" for i in range(3)}  # three on one replica, two empty: each empty gets one
+    spread(three, ["a", "b", "c"])
+    assert sorted(three.values()) == ["a", "b", "c"]
+
+
 def test_under_pressure_an_application_goes_home_until_its_load_bound() -> None:
     from kvflow_ray.core.routing import WorkflowRouter
 
     router = WorkflowRouter(load_bound=2.0, sticky_pressure=1.0)
     # 2,000 device tokens in all; b, c, d each run 2 calls of other routers' clients, with their work
     f = _pressed_fleet({"a": 0, "b": 2, "c": 2, "d": 2}, capacity=500)
-    router.absorb({"work": {r: [500.0, 0.0] for r in "bcd"}})
+    router.absorb({"work": {r: [500.0, 0.0] for r in "bcd"}}, f)
     hot = _call("t/hot", "p", 4000)  # its working set alone is 2x the fleet: memory binds
     assert router.route(hot, f).replica == "a"  # first call: the cheapest
     router.routed(hot, "a")

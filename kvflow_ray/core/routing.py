@@ -20,7 +20,7 @@ import functools
 import hashlib
 import math
 import random
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
@@ -414,8 +414,9 @@ class RoutingPolicy(Protocol):
         state: name -> replica -> numbers. Empty: nothing (a policy with a history of its own)."""
         ...
 
-    def absorb(self, others: Mapping[str, Mapping[str, Sequence[float]]]) -> None:
-        """The other routers' `shared`, summed per name and replica (it replaces the last)."""
+    def absorb(self, others: Mapping[str, Mapping[str, Sequence[float]]], fleet: Fleet) -> None:
+        """The other routers' `shared`, summed per name and replica (it replaces the last); `fleet`:
+        this router's view of the replicas as of the same sync."""
         ...
 
 
@@ -439,7 +440,7 @@ class RoutingHooks:
     def shared(self) -> dict[str, dict[str, list[float]]]:
         return {}
 
-    def absorb(self, others: Mapping[str, Mapping[str, Sequence[float]]]) -> None:
+    def absorb(self, others: Mapping[str, Mapping[str, Sequence[float]]], fleet: Fleet) -> None:
         return None
 
 
@@ -607,30 +608,33 @@ class Applications:
         summed over them, how many routers chose that home)."""
         return {f"{group}\x00{app.home}": [1.0] for group, app in self._apps.items() if app.home is not None}
 
-    def agree(self, votes: Mapping[str, Sequence[float]]) -> None:
-        """The other routers' `homes()`, summed: each application this router knows goes home where
-        most routers (this one included) put it, so that routers that placed an application apart
-        (their first calls crossed) converge on one copy of its prompts. A tie goes to the replica
-        that fewest other applications call home, then to the first by name: two routers that placed
-        a new application at once, one of them beside another application, move it to the less
-        crowded replica. Every router counts the same votes (the others' and its own), so all decide
-        alike. O(applications)."""
+    def agree(self, votes: Mapping[str, Sequence[float]], replicas: Collection[str]) -> None:
+        """The other routers' `homes()`, summed: each application goes home where most routers (this
+        one included) put it, so that routers that placed an application apart (their first calls
+        crossed) converge on one copy of its prompts. A tie goes to the replica that fewest other
+        applications call home, then to the first by name. Then the homes are spread over the live
+        `replicas` (`spread`): routers that placed two new applications at once on one replica do not
+        leave them there while another replica is nobody's home. Every router counts the same votes
+        (the others' and its own) and spreads alike, so all decide alike. O(applications), and
+        O(applications x replicas) while a replica is nobody's home."""
         tally: dict[str, dict[str, float]] = {}  # application -> home -> routers that chose it
         crowd: dict[str, float] = {}  # replica -> votes for it as any application's home
         for key, (count, *_rest) in votes.items():
             group, _, home = key.partition("\x00")
             tally.setdefault(group, {})[home] = count  # keys are summed already: one per (group, home)
             crowd[home] = crowd.get(home, 0.0) + count
-        for app in self._apps.values():
+        for group, app in self._apps.items():
             if app.home is not None:
-                crowd[app.home] = crowd.get(app.home, 0.0) + 1
-        for group, counts in tally.items():
-            app = self._apps.get(group)
-            if app is None:
-                continue
-            if app.home is not None:
+                counts = tally.setdefault(group, {})
                 counts[app.home] = counts.get(app.home, 0.0) + 1
-            app.home = min(counts, key=lambda home: (-counts[home], crowd[home] - counts[home], home))
+                crowd[app.home] = crowd.get(app.home, 0.0) + 1
+        homes = {group: min(counts, key=lambda home: (-counts[home], crowd[home] - counts[home], home))
+                 for group, counts in tally.items()}
+        spread(homes, replicas)
+        for group, home in homes.items():
+            app = self._apps.get(group)
+            if app is not None:
+                app.home = home
 
     def hot(self) -> dict[str, list[float]]:
         """application -> [its working set, 1] for those with a call in flight (for the other routers:
@@ -689,6 +693,26 @@ class Applications:
                 oldest = next(iter(self._idle))
                 del self._idle[oldest]
                 del self._apps[oldest]
+
+
+def spread(homes: dict[str, str], replicas: Collection[str]) -> None:
+    """Applications' homes (application -> replica), in place: while a live replica is nobody's home
+    and another is home to two or more applications, the application of those ranked first for the
+    empty replica (rendezvous rank, then name) moves there. A function of the homes and the
+    replicas alone, so routers that hold the same homes spread them alike. Homes on replicas not in
+    `replicas` stay as they are (the router forgets them when the replica leaves)."""
+    residents: dict[str, list[str]] = {replica: [] for replica in replicas}
+    for group, home in homes.items():
+        if home in residents:
+            residents[home].append(group)
+    for empty in sorted(r for r, groups in residents.items() if not groups):
+        crowded = [group for groups in residents.values() if len(groups) > 1 for group in groups]
+        if not crowded:
+            return
+        group = min(crowded, key=lambda g: (_rank(g, empty), g))
+        residents[homes[group]].remove(group)
+        residents[empty].append(group)
+        homes[group] = empty
 
 
 class WorkflowRouter(WorkPricingRouter):
@@ -812,10 +836,10 @@ class WorkflowRouter(WorkPricingRouter):
         which the routers agree on. O(replicas + applications) per sync."""
         return {"work": self.work.own(), "hot": self.apps.hot(), "homes": self.apps.homes()}
 
-    def absorb(self, others: Mapping[str, Mapping[str, Sequence[float]]]) -> None:
+    def absorb(self, others: Mapping[str, Mapping[str, Sequence[float]]], fleet: Fleet) -> None:
         self.work.elsewhere = others.get("work", {})
         self.apps.elsewhere(others.get("hot", {}))
-        self.apps.agree(others.get("homes", {}))
+        self.apps.agree(others.get("homes", {}), fleet.loads)
 
 
 # ---------------------------------------------------------------------------------------------- load only

@@ -303,7 +303,7 @@ class HubLink:
             core.loads[replica] += now - self._elsewhere.get(replica, 0)
             self._elsewhere[replica] = now
         core.clients.elsewhere = Counter(reply["live"])
-        core.policy.absorb(reply["shared"])
+        core.policy.absorb(reply["shared"], core.fleet)
         self.hub = reply["hub"]
         return changed
 
