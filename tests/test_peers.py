@@ -51,6 +51,11 @@ class Fleet:
         self.hub.cache_events(replica, events)
         self.peers.publish(("events", replica, [dataclasses.astuple(e) for e in events]))
 
+    def first(self, replica: str, calls: list[tuple[str, str, int]]) -> None:
+        """`replica` reports these calls' first tokens, as the actor's `cache_events` passes them on."""
+        self.hub.first_tokens(replica, calls)
+        self.peers.publish(("first", replica, [list(call) for call in calls]))
+
 
 def stored(prefix: str, tokens: list[int], tier: str = "gpu") -> CacheEvent:
     return CacheEvent("stored", tier, prefix, len(tokens), tuple(block_hashes(tokens, "")))
@@ -228,6 +233,31 @@ def test_the_workflow_router_prices_the_other_ingresses_work_in_flight() -> None
     fleet.sync(a, "A")
     fleet.sync(b, "B")
     assert b.core.policy.work.prefill_tokens(first.replica) == 0
+
+
+def test_another_ingresss_call_stops_counting_as_prefill_when_its_first_token_comes() -> None:
+    """Every ingress prices the prompt another ingress's call still prefills on a replica, from that
+    ingress's last sync; the replica's report of the call's first token, which every ingress hears,
+    retires it at once, before its own ingress says so."""
+    fleet = Fleet()
+    a, b = fleet.ingress(), fleet.ingress()
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    route = a.core.start_call("acme", "c1", "planner", workflow="peer", tokens=list(range(64)), max_new=8)
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    theirs = b.core.policy.work
+    assert theirs.prefill_tokens(route.replica) == 64 and theirs.blocks(route.replica) == 4
+    fleet.first(route.replica, [(route.workflow_key, "planner", route.call)])
+    fleet.sync(b, "B")  # a has not synced since: its word still lists the call
+    assert theirs.prefill_tokens(route.replica) == 0 and theirs.blocks(route.replica) == 4
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    assert a.core.policy.work.prefill_tokens(route.replica) == theirs.prefill_tokens(route.replica) == 0
+    a.core.end_call("acme", "c1", "planner", route.replica)
+    fleet.sync(a, "A")
+    fleet.sync(b, "B")
+    assert theirs.blocks(route.replica) == 0
 
 
 def test_a_prompt_one_ingress_just_sent_is_followed_by_the_others() -> None:

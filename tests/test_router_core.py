@@ -450,8 +450,9 @@ def test_the_store_lost_its_data_and_the_router_writes_its_state_back(
 
 
 def test_the_default_policy_is_the_workflow_router_and_first_tokens_end_prefill_work(store: Store) -> None:
-    """Serving's replicas report each call's first token by its workflow key and agent: the policy
-    stops counting that call's prompt as prefill work in flight on the replica."""
+    """Serving's replicas report each call's first token by its workflow key, agent and the router's
+    number for it: the policy stops counting that call's prompt as prefill work in flight on the
+    replica (a report without the number still finds this router's own call)."""
     core = RouterCore(store)
     assert type(core.policy).__name__ == "WorkflowRouter"
     for name in ("r1", "r2"):
@@ -463,7 +464,11 @@ def test_the_default_policy_is_the_workflow_router_and_first_tokens_end_prefill_
     assert work.prefill_tokens(route.replica) == 64
     core.first_tokens(route.replica, [("acme/c1", "executor"), ("acme/c2", "planner")])  # not these calls
     assert work.prefill_tokens(route.replica) == 64
-    core.first_tokens(route.replica, [(route.workflow_key, "planner")])
+    other = core.start_call("acme", "c2", "planner", workflow="peer", tokens=list(range(100, 132)), max_new=8)
+    before = work.prefill_tokens(other.replica)
+    core.first_tokens(other.replica, [(other.workflow_key, "planner")])  # no number: its own call still
+    assert work.prefill_tokens(other.replica) == before - 32
+    core.first_tokens(route.replica, [(route.workflow_key, "planner", route.call)])
     assert work.prefill_tokens(route.replica) == 0 and work.blocks(route.replica) == 4  # its KV stays
     core.end_call("acme", "c1", "planner", route.replica)
     assert work.blocks(route.replica) == 0

@@ -105,6 +105,36 @@ def test_workflow_router_uses_exact_holders_host_credit_and_home() -> None:
         WorkflowRouter(host_credit=2)
 
 
+def test_another_routers_prompts_count_call_by_call_until_their_first_token() -> None:
+    """A router shares its named calls' prompts still to prefill one by one (the rest as totals); the
+    router that absorbs them counts each until it hears of the call's first token on that replica,
+    even when the other's word is older than the news, or the news came before the word."""
+    from kvflow_ray.core.routing import WorkInFlight
+
+    mine, theirs = WorkInFlight(), WorkInFlight()
+    call = RouteRequest(tokens=tuple(range(32)), name="t/c\x00a\x001")
+    unnamed = RouteRequest(tokens=tuple(range(100, 116)))
+    theirs.add(call, "r1", 32)
+    theirs.add(unnamed, "r1", 16)
+    assert theirs.own() == {"r1": [16, 3]} and theirs.own_prefill() == {"r1\x00t/c\x00a\x001": [32.0]}
+    mine.absorb(theirs.own(), theirs.own_prefill())
+    assert mine.prefill_tokens("r1") == 48 and mine.blocks("r1") == 3
+    mine.prefilled(RouteRequest(name=call.name), "r2")  # the same name on another replica: not this call
+    assert mine.prefill_tokens("r1") == 48
+    mine.prefilled(RouteRequest(name=call.name), "r1")
+    assert mine.prefill_tokens("r1") == 16
+    mine.absorb(theirs.own(), theirs.own_prefill())  # their word is still from before the first token
+    assert mine.prefill_tokens("r1") == 16
+    theirs.prefilled(call, "r1")
+    assert theirs.own_prefill() == {} and theirs.own() == {"r1": [16, 3]}
+    later = RouteRequest(tokens=tuple(range(200, 216)), name="t/c\x00a\x002")
+    mine.prefilled(RouteRequest(name=later.name), "r2")  # the news before their word
+    theirs.add(later, "r2", 16)
+    mine.absorb(theirs.own(), theirs.own_prefill())
+    assert mine.prefill_tokens("r2") == 0 and mine.blocks("r2") == 1
+    assert mine.own_prefill() == {} and mine.own() == {}  # nothing of theirs is passed on as its own
+
+
 # ---------------------------------------------------------------------------------------------- application homes
 def _pressed_fleet(loads: dict[str, int], capacity: int) -> Fleet:
     """A fleet whose replicas reported `capacity` device KV tokens each."""

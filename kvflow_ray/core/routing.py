@@ -20,6 +20,7 @@ import functools
 import hashlib
 import math
 import random
+import time
 from collections.abc import Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,6 +31,9 @@ from kvflow_ray.core.registry import PolicyContext, Registry
 TIER_RANK = {"gpu": 0, "cpu": 1}
 DEFAULT_ROUTING = "workflow"  # what a router runs unless told otherwise: serving, RouterCore
 BLOCK_TOKENS = 16  # KV block of the router's block index (vLLM's and Dynamo's default block size)
+# how long a router keeps the news of another router's call's first token: that router stops listing
+# the call's prefill within a sync or two of hearing it too
+HEARD_KEPT_S = 2.0
 
 # What a routing policy may need from the router that drives it, beyond its own counts of the calls
 # it routed (`RoutingPolicy.needs`): a router refuses at start a policy needing an input it does not
@@ -171,6 +175,7 @@ class _Work:
     with it. Plain dicts of ints, so a call's blocks allocate no objects for the collector to track."""
 
     prefill_tokens: int = 0
+    named_prefill: int = 0  # of which named calls' (the other routers count those call by call)
     parent: dict[int, int | None] = field(default_factory=dict)  # each block held -> its parent (None: a first block)
     ends: dict[int, int] = field(default_factory=dict)  # block -> calls whose prompt ends there (absent: none)
     children: dict[int, int] = field(default_factory=dict)  # block -> its children held (absent: none)
@@ -183,20 +188,28 @@ class WorkInFlight:
     each counted once however many calls share it. Chained hashes make each replica's blocks a tree
     closed under prefixes, so the blocks a call shares with a replica's are a prefix of its own, found
     by binary search: pricing a call is O(replicas holding its first block x log its blocks), and
-    a call routed or ended changes only the blocks it adds or frees, O(log blocks + those)."""
+    a call routed or ended changes only the blocks it adds or frees, O(log blocks + those).
+
+    The other routers' work (`absorb`) counts in the totals: their KV blocks per replica, and their
+    prompts still to prefill call by call, each until its first token is heard of (`prefilled` with
+    the call's name alone), as Dynamo's router replicas mark a sequence's prefill completed. Their
+    state is one sync old; a first token comes from the replica to every router at once."""
 
     def __init__(self, block: int = BLOCK_TOKENS) -> None:
         self.block = block
         self._replicas: dict[str, _Work] = {}
-        self._prefill: dict[int, tuple[str, int]] = {}  # id(request) -> (replica, prefill tokens it added)
+        self._prefill: dict[int, tuple[str, int, str]] = {}  # id(request) -> (replica, prefill tokens it added, name)
         self._first: dict[int, set[str]] = {}  # first block hash -> replicas whose calls in flight hold it
-        # replica -> (prefill tokens, KV blocks) of the other routers' calls there, as they last said
-        # (Dynamo's router replicas share their active sequences the same way); counted in the totals
+        # replica -> (prefill tokens of unnamed calls, KV blocks) of the other routers' calls there
         self.elsewhere: Mapping[str, Sequence[float]] = {}
+        self._others: dict[str, tuple[str, float]] = {}  # "replica\x00name" -> (replica, tokens) still to prefill
+        self._others_prefill: dict[str, float] = {}  # replica -> the sum of those
+        self._heard: dict[str, float] = {}  # "replica\x00name" -> when its first token was heard, oldest first
 
     def prefill_tokens(self, replica: str) -> float:
         work = self._replicas.get(replica)
-        return (work.prefill_tokens if work else 0) + self._elsewhere(replica, 0)
+        return ((work.prefill_tokens if work else 0) + self._elsewhere(replica, 0)
+                + self._others_prefill.get(replica, 0.0))
 
     def blocks(self, replica: str) -> float:
         work = self._replicas.get(replica)
@@ -207,9 +220,29 @@ class WorkInFlight:
         return other[i] if other else 0
 
     def own(self) -> dict[str, list[float]]:
-        """replica -> [prefill tokens, KV blocks] of this router's own calls there (for the others)."""
-        return {replica: [work.prefill_tokens, len(work.parent)] for replica, work in self._replicas.items()
-                if work.prefill_tokens or work.parent}
+        """replica -> [prefill tokens of unnamed calls, KV blocks] of this router's own calls there (for
+        the others; `own_prefill` has the named calls')."""
+        return {replica: [work.prefill_tokens - work.named_prefill, len(work.parent)]
+                for replica, work in self._replicas.items() if work.prefill_tokens or work.parent}
+
+    def own_prefill(self) -> dict[str, list[float]]:
+        """"replica\x00name" -> [prompt tokens still to prefill] of this router's named calls (for the
+        others, who count each until they hear of its first token). O(calls not yet prefilled)."""
+        return {f"{replica}\x00{name}": [float(tokens)] for replica, tokens, name in self._prefill.values()
+                if name and tokens}
+
+    def absorb(self, work: Mapping[str, Sequence[float]], prefill: Mapping[str, Sequence[float]]) -> None:
+        """The other routers' `own` and `own_prefill`, summed (they replace the last); a call whose
+        first token was heard of already does not count. O(their calls not yet prefilled)."""
+        self.elsewhere = work
+        self._others, totals = {}, {}
+        for key, (tokens, *_rest) in prefill.items():
+            if key in self._heard:
+                continue
+            replica = key.partition("\x00")[0]
+            self._others[key] = (replica, tokens)
+            totals[replica] = totals.get(replica, 0.0) + tokens
+        self._others_prefill = totals
 
     def shared_blocks(self, request: RouteRequest) -> dict[str, int]:
         """replica -> the call's prompt blocks that calls in flight there already hold."""
@@ -233,7 +266,9 @@ class WorkInFlight:
     def add(self, request: RouteRequest, replica: str, prefill_tokens: int) -> None:
         work = self._replicas.setdefault(replica, _Work())
         work.prefill_tokens += prefill_tokens
-        self._prefill[id(request)] = (replica, prefill_tokens)
+        if request.name:
+            work.named_prefill += prefill_tokens
+        self._prefill[id(request)] = (replica, prefill_tokens, request.name)
         blocks = request.blocks(self.block) if request.tokens else ()
         if not blocks:
             return
@@ -250,13 +285,36 @@ class WorkInFlight:
         last = blocks[-1]
         work.ends[last] = work.ends.get(last, 0) + 1
 
-    def prefilled(self, request: RouteRequest) -> None:
+    def prefilled(self, request: RouteRequest, replica: str | None = None) -> None:
+        """The call's first token came back: its prompt no longer counts. A call this router did not
+        route (`request.name` alone, and the `replica` that reported it) is another router's: it
+        stops counting here at once, before that router's next word."""
         entry = self._prefill.pop(id(request), None)
-        if entry is not None and entry[0] in self._replicas:
-            self._replicas[entry[0]].prefill_tokens -= entry[1]
+        if entry is not None:
+            work = self._replicas.get(entry[0])
+            if work is not None:
+                work.prefill_tokens -= entry[1]
+                if entry[2]:
+                    work.named_prefill -= entry[1]
+        elif request.name and replica is not None:
+            self._hear(f"{replica}\x00{request.name}")
+
+    def _hear(self, key: str) -> None:
+        now = time.monotonic()
+        heard = self._heard
+        heard.pop(key, None)
+        heard[key] = now
+        while heard:  # a call's router stops listing it within a sync or two: older news is dropped
+            oldest, at = next(iter(heard.items()))
+            if now - at <= HEARD_KEPT_S:
+                break
+            del heard[oldest]
+        other = self._others.pop(key, None)
+        if other is not None:
+            self._others_prefill[other[0]] -= other[1]
 
     def ended(self, request: RouteRequest, replica: str) -> None:
-        self.prefilled(request)
+        self.prefilled(request, replica)
         work = self._replicas.get(replica)
         blocks = request.blocks(self.block) if request.tokens and work is not None else ()
         if not blocks or blocks[-1] not in work.ends:
@@ -358,7 +416,9 @@ class RouteRequest:
     `prefix_tokens`: the agent's fixed prompt; `holders`: replica -> best tier holding that prompt
     (the router's location index); `home`: where the workflow's previous agent ran; `max_new`: its
     output budget; `group`: the application the call belongs to (its tenant and workflow template),
-    empty when unknown."""
+    empty when unknown; `name`: the call's name in its replica's first-token report (`call_name`),
+    by which the other routers that price its work learn that its prompt is computed (empty: a call
+    only its own router prices)."""
 
     tokens: Sequence[int] = ()
     salt: str = ""
@@ -368,6 +428,7 @@ class RouteRequest:
     home: str | None = None
     max_new: int = 0
     group: str = ""
+    name: str = ""
     _blocks: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     def blocks(self, block: int = BLOCK_TOKENS) -> tuple[int, ...]:
@@ -398,7 +459,8 @@ class RoutingPolicy(Protocol):
         ...
 
     def prefilled(self, request: RouteRequest, replica: str) -> None:
-        """The call's first token came back: its prompt is computed."""
+        """The call's first token came back: its prompt is computed. A call another router routed
+        comes with its `name` alone (a policy that prices other routers' work by call retires it)."""
         ...
 
     def ended(self, request: RouteRequest, replica: str) -> None:
@@ -507,7 +569,7 @@ class WorkPricingRouter(RoutingHooks):
         self.work.add(request, replica, max(0, len(request.tokens) - round(cached)))
 
     def prefilled(self, request: RouteRequest, replica: str) -> None:
-        self.work.prefilled(request)
+        self.work.prefilled(request, replica)
 
     def ended(self, request: RouteRequest, replica: str) -> None:
         self.work.ended(request, replica)
@@ -829,15 +891,18 @@ class WorkflowRouter(WorkPricingRouter):
         self.apps.removed(replica)
 
     def shared(self) -> dict[str, dict[str, list[float]]]:
-        """Its work in flight, which the routers of the other ingress replicas price with (Dynamo's
-        router replicas can share their active blocks the same way, `--router-replica-sync`; the
-        Dynamo rule here keeps its default, each router its own), its busy applications' working
-        sets, which make up the memory pressure together with theirs, and its applications' homes,
-        which the routers agree on. O(replicas + applications) per sync."""
-        return {"work": self.work.own(), "hot": self.apps.hot(), "homes": self.apps.homes()}
+        """Its work in flight, which the routers of the other ingress replicas price with: KV blocks per
+        replica, and prompts still to prefill call by call, which every router retires when the
+        call's first token comes (Dynamo's router replicas can share their active sequences the same
+        way, `--router-replica-sync`; the Dynamo rule here keeps its default, each router its own);
+        its busy applications' working sets, which make up the memory pressure together with theirs;
+        and its applications' homes, which the routers agree on. O(replicas + applications + calls
+        not yet prefilled) per sync."""
+        return {"work": self.work.own(), "prefill": self.work.own_prefill(), "hot": self.apps.hot(),
+                "homes": self.apps.homes()}
 
     def absorb(self, others: Mapping[str, Mapping[str, Sequence[float]]], fleet: Fleet) -> None:
-        self.work.elsewhere = others.get("work", {})
+        self.work.absorb(others.get("work", {}), others.get("prefill", {}))
         self.apps.elsewhere(others.get("hot", {}))
         self.apps.agree(others.get("homes", {}), fleet.loads)
 

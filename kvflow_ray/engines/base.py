@@ -65,6 +65,9 @@ class GenerateRequest:
     # workflow metadata (docs/design.md §7); without it the request is served as a plain request
     workflow: str | None = None  # the workflow instance (client id, tenant-scoped by the caller)
     agent: str | None = None
+    # the router's number for the call, reported back with its first token: the routers that price
+    # its prefill work retire it by (workflow, agent, call). The ingress sets it; no client field reaches it
+    call: int | None = None
     fixed_prefix_tokens: int | None = None  # explicit fixed-prompt boundary
     # constrained decoding: the output must spell one string of this grammar (`engines.constrained`:
     # [kind, value] segments; a forced tool call). Only engines that honour it accept it (`request_tokens`)

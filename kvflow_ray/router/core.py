@@ -58,10 +58,17 @@ class Route:
     fixed_prompt: str | None  # the agent's prompt text from the template, if any
     deviation: bool  # the agent was not ready per the step graph (served anyway)
     hints: list[tuple[str, Hints]] = field(default_factory=list)  # (replica, hints) to push
+    call: int = 0  # this router's number for the call (the engine reports it with the first token)
 
 
 def workflow_key(tenant: str, client_id: str) -> str:
     return f"{tenant}/{client_id}"
+
+
+def call_name(key: str, agent: str, call: int) -> str:
+    """A call's name, the same in every router: its workflow key, agent and its router's number for
+    it, as its replica reports its first token."""
+    return f"{key}\x00{agent}\x00{call}"
 
 
 def split_workflow_key(key: str) -> tuple[str, str]:
@@ -223,7 +230,8 @@ class RouterCore:
         state.start(agent)
         request = RouteRequest(tokens, cache_salt, prefix_hash, prefix_tokens,
                                self.holdings.holders(prefix_hash) if prefix_hash else {}, record.get("home"), max_new,
-                               group=application_key(tenant, spec.name))
+                               group=application_key(tenant, spec.name),
+                               name=call_name(workflow_key(tenant, client_id), agent, self.calls["start_call"]))
         asked = time.perf_counter()
         decision = self.policy.route(request, self.fleet)
         self.policy_seconds.append(time.perf_counter() - asked)
@@ -240,7 +248,7 @@ class RouterCore:
         self.decisions[decision.outcome] += 1
         key = workflow_key(tenant, client_id)
         route = Route(decision.replica, decision.outcome, key, spec.agents[agent].prompt, deviation,
-                      self._hints(tenant, key, state, spec, record))
+                      self._hints(tenant, key, state, spec, record), self.calls["start_call"])
         self.decision_seconds.append(time.perf_counter() - started)
         return route
 
@@ -268,19 +276,25 @@ class RouterCore:
         self.clients.touch(tenant, client_id, False, self._forget_client)
         return self._hints(tenant, workflow_key(tenant, client_id), state, spec, record)
 
-    def prefilled(self, tenant: str, client_id: str, agent: str, replica: str) -> None:
+    def prefilled(self, tenant: str, client_id: str, agent: str, replica: str, number: int | None = None) -> None:
         """The call's first token came back (its prompt is computed): for policies that count
-        prefill work in flight."""
+        prefill work in flight. `number`: its router's number for it; a call this router did not
+        route is another router's (an ingress hears every replica's first tokens), named to the
+        policy by it."""
         call = self.clients.in_flight((tenant, client_id), agent, replica)
         if call is not None:
             self.policy.prefilled(call[2], replica)
+        elif number is not None:
+            self.policy.prefilled(RouteRequest(name=call_name(workflow_key(tenant, client_id), agent, number)),
+                                  replica)
 
-    def first_tokens(self, replica: str, calls: Iterable[tuple[str, str]]) -> None:
-        """`replica` sent the first token of these calls ((workflow key, agent) each, as the engine
-        request names them): `prefilled` for each."""
-        for key, agent in calls:
+    def first_tokens(self, replica: str, calls: Iterable[Sequence[Any]]) -> None:
+        """`replica` sent the first token of these calls ((workflow key, agent, the router's number
+        for the call) each, as the engine request names them; the number may be missing): `prefilled`
+        for each."""
+        for key, agent, *number in calls:
             self.calls["first_token"] += 1
-            self.prefilled(*split_workflow_key(key), agent, replica)
+            self.prefilled(*split_workflow_key(key), agent, replica, number[0] if number else None)
 
     def finish_client(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:
         """`POST /v1/clients/{id}/finish`: the workflow instance is over; its prompts are retired, at

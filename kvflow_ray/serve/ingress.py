@@ -449,7 +449,8 @@ class Ingress:
         fixed_hash = prefix_hash(tokens[:boundary], salt) if boundary else None
         route = router.start_call(tenant, meta.client_id, meta.agent, workflow=workflow, prefix_hash=fixed_hash,
                                   prefix_tokens=boundary, cache_salt=salt, tokens=tokens, max_new=parsed.max_tokens)
-        engine_request.update(workflow=route.workflow_key, agent=meta.agent, fixed_prefix_tokens=boundary)
+        engine_request.update(workflow=route.workflow_key, agent=meta.agent, call=route.call,
+                              fixed_prefix_tokens=boundary)
         # reuse beyond the prefix: the call's choice, else its workflow's, else its tenant's default
         reuse = meta.reuse or (spec.reuse if spec is not None else None) or self.config.tenant_reuse.get(tenant)
         if reuse is not None:
@@ -485,7 +486,7 @@ class Ingress:
                                   tokens=tokens, max_new=parsed.max_tokens)
         tools = parsed.tools
         hint = meta.expected_pause_s if meta.expected_pause_s is not None else meta.cache_ttl_s
-        engine_request.update(workflow=route.workflow_key, agent=SESSION_AGENT, session={
+        engine_request.update(workflow=route.workflow_key, agent=SESSION_AGENT, call=route.call, session={
             "tenant": tenant, "hint_s": hint, "final": bool(meta.final_turn),
             "tool_parser": self.tool_parser.name if tools is not None and tools.active else None})
         call = _Call(tenant, meta.session, SESSION_AGENT, SESSION_SPEC["name"], route.replica, route.outcome,

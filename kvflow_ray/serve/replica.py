@@ -95,7 +95,7 @@ class EngineReplica:
         self._events_lock = threading.Lock()  # one drain of the engine's events at a time, in order
         # (workflow key, agent) of the calls prefilled since the last push; its own lock, since the engine's
         # thread appends (holding its own locks) while a push may be waiting on the engine
-        self._first_tokens: list[tuple[str, str]] = []
+        self._first_tokens: list[tuple[str, str, int | None]] = []
         self._first_lock = threading.Lock()
         self._events_sent = 0  # batches of cache events sent (the feed's sequence number)
         self._register()
@@ -172,7 +172,7 @@ class EngineReplica:
     def _first_token_hook(self, request: Mapping[str, Any]) -> Callable[[int], None] | None:
         """For a workflow call, an `on_token` that notes its first token (reported with the cache
         events: routing policies count prefill work in flight until then)."""
-        key, agent = request.get("workflow"), request.get("agent")
+        key, agent, number = request.get("workflow"), request.get("agent"), request.get("call")
         if not key or not agent:
             return None
         seen = False
@@ -182,7 +182,7 @@ class EngineReplica:
             if not seen:
                 seen = True
                 with self._first_lock:
-                    self._first_tokens.append((key, agent))
+                    self._first_tokens.append((key, agent, number))
 
         return on_token
 

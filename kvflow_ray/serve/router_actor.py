@@ -121,7 +121,7 @@ class WorkflowRouterActor:
         return {"snapshot": self.core.snapshot_due(name)}
 
     async def cache_events(self, replica: str, events: list[tuple[Any, ...]],
-                           first_tokens: Sequence[tuple[str, str]] = (), seq: int | None = None) -> None:
+                           first_tokens: Sequence[Sequence[Any]] = (), seq: int | None = None) -> None:
         """What `replica` did since its last report (batch `seq` of its feed): cache events, and the
         calls ((workflow key, agent)) whose first token it produced (their prompts are computed:
         prefill work in flight ends). Every ingress hears of both with its next sync."""
