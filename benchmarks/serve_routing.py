@@ -223,7 +223,7 @@ def sim_parity(args: argparse.Namespace) -> dict[str, Any]:
                      routing=routers[0], ingress_sync_s=args.ingress_sync_s)
     out: dict[str, Any] = {"setup": {"scenario": scenario.params, "replicas": args.replicas, "profile": args.profile,
                                      "policy": args.parity_policy, "time_scale": args.time_scale,
-                                     "ingress_sync_s": args.ingress_sync_s},
+                                     "ingress_sync_s": args.ingress_sync_s, "repeats": args.parity_repeats},
                            "routers": {}}
     # every router at one ingress replica; the first (the default) at two as well: each ingress decides
     # for the clients keyed to it, from the fleet the router actor relays, so a second must not change
@@ -320,9 +320,9 @@ def main() -> int:
     parser.add_argument("--parity-tenants", type=int, default=4)
     parser.add_argument("--parity-clients", type=int, default=48, help="workflow instances of the parity scenario")
     parser.add_argument("--parity-rate", type=float, default=1.0, help="instances per simulated second")
-    parser.add_argument("--parity-repeats", type=int, default=5,
+    parser.add_argument("--parity-repeats", type=int, default=10,
                         help="runs of the first router at each ingress count, compared by their means, with the "
-                             "standard error of the difference (default 5)")
+                             "standard error of the difference (default 10: a run's ratios move by a point or two)")
     parser.add_argument("--ingress-sync-s", type=float, default=SYNC_S,
                         help=f"the ingresses' sync period in the parity run (ingress_sync_s, default {SYNC_S})")
     parser.add_argument("--parity-ingress", default="1,2",
@@ -339,8 +339,6 @@ def main() -> int:
         args.applications, args.clients, args.iterations, args.router_clients = 2, 2, 2, 50
     if args.sim_parity:
         args.parity_ingress = [int(n) for n in args.parity_ingress.split(",")]
-        if args.replicas is None:
-            args.replicas = 4
         if args.quick:
             args.parity_clients, args.parity_routers, args.parity_ingress = 12, "workflow,sglang-cache-aware", [1]
             args.parity_repeats = 1
