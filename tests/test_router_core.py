@@ -468,6 +468,8 @@ def test_the_default_policy_is_the_workflow_router_and_first_tokens_end_prefill_
     before = work.prefill_tokens(other.replica)
     core.first_tokens(other.replica, [(other.workflow_key, "planner")])  # no number: its own call still
     assert work.prefill_tokens(other.replica) == before - 32
+    core.first_tokens(route.replica, [(route.workflow_key, "planner", route.call - 1)])  # an earlier call's
+    assert work.prefill_tokens(route.replica) == 64
     core.first_tokens(route.replica, [(route.workflow_key, "planner", route.call)])
     assert work.prefill_tokens(route.replica) == 0 and work.blocks(route.replica) == 4  # its KV stays
     core.end_call("acme", "c1", "planner", route.replica)

@@ -278,15 +278,15 @@ class RouterCore:
 
     def prefilled(self, tenant: str, client_id: str, agent: str, replica: str, number: int | None = None) -> None:
         """The call's first token came back (its prompt is computed): for policies that count
-        prefill work in flight. `number`: its router's number for it; a call this router did not
-        route is another router's (an ingress hears every replica's first tokens), named to the
-        policy by it."""
+        prefill work in flight. `number`: its router's number for it, which tells this router's call
+        from an earlier one of the same agent; a call this router did not route is another router's
+        (an ingress hears every replica's first tokens), named to the policy by it."""
+        name = call_name(workflow_key(tenant, client_id), agent, number) if number is not None else None
         call = self.clients.in_flight((tenant, client_id), agent, replica)
-        if call is not None:
+        if call is not None and (name is None or call[2].name == name):
             self.policy.prefilled(call[2], replica)
-        elif number is not None:
-            self.policy.prefilled(RouteRequest(name=call_name(workflow_key(tenant, client_id), agent, number)),
-                                  replica)
+        elif name is not None:
+            self.policy.prefilled(RouteRequest(name=name), replica)
 
     def first_tokens(self, replica: str, calls: Iterable[Sequence[Any]]) -> None:
         """`replica` sent the first token of these calls ((workflow key, agent, the router's number
