@@ -327,8 +327,8 @@ def test_ingresses_agree_on_each_applications_home_and_count_its_pressure() -> N
 
 def test_two_applications_placed_together_at_once_are_spread_over_the_fleet() -> None:
     """Two ingresses each placed a different new application at the same moment, on the same replica
-    (their rendezvous ranks agree), while another replica is nobody's home: after a sync each, both
-    ingresses move the same one of them to the empty replica."""
+    (their rendezvous ranks agree), while another replica is home to no busy application: after a
+    sync each, both ingresses move the same one of them to the empty replica."""
     fleet = Fleet()
     a, b = fleet.ingress(), fleet.ingress()
     fleet.sync(a, "A")

@@ -179,25 +179,30 @@ def test_applications_keep_their_working_set_and_the_fleets_hot_set() -> None:
     assert apps.pressure(Fleet.of({"a": 0})) == 0.0  # no pool reported: no pressure
 
 
-def test_homes_spread_while_a_replica_is_nobodys_home() -> None:
-    """Two applications homed on one replica while another is nobody's home: the one ranked first for
-    the empty replica moves there, the same whatever the order the homes are listed in; a home on a
-    replica that left stays, and nothing moves once every replica is someone's home."""
+def test_busy_applications_spread_while_a_replica_is_home_to_none() -> None:
+    """Two busy applications homed on one replica while another is home to no busy one: the one
+    ranked first for the empty replica moves there, the same whatever the order the homes are listed
+    in; an idle application neither moves nor fills a replica; a home on a replica that left stays,
+    and nothing moves once every replica is some busy application's home."""
     from kvflow_ray.core.routing import _rank, spread
 
-    homes = {"t/x": "a", "t/y": "a", "t/z": "b", "t/gone": "d"}
-    spread(homes, ["a", "b", "c"])
+    everyone = {"t/x", "t/y", "t/z", "t/gone", "t/w"} | {f"t/{i}" for i in range(3)}
+    homes = {"t/x": "a", "t/y": "a", "t/z": "b", "t/gone": "d", "t/idle": "c"}
+    spread(homes, ["a", "b", "c"], everyone)
     mover = min(("t/x", "t/y"), key=lambda g: (_rank(g, "c"), g))
     assert homes[mover] == "c" and homes[({"t/x", "t/y"} - {mover}).pop()] == "a"
-    assert homes["t/z"] == "b" and homes["t/gone"] == "d"
-    reordered = {"t/gone": "d", "t/z": "b", "t/y": "a", "t/x": "a"}
-    spread(reordered, ["c", "b", "a"])
+    assert homes["t/z"] == "b" and homes["t/gone"] == "d" and homes["t/idle"] == "c"
+    reordered = {"t/idle": "c", "t/gone": "d", "t/z": "b", "t/y": "a", "t/x": "a"}
+    spread(reordered, ["c", "b", "a"], everyone)
     assert reordered == homes
-    crowded = {"t/x": "a", "t/y": "a", "t/z": "b", "t/w": "c"}  # every replica is someone's home
-    spread(crowded, ["a", "b", "c"])
+    crowded = {"t/x": "a", "t/y": "a", "t/z": "b", "t/w": "c"}  # every replica is a busy one's home
+    spread(crowded, ["a", "b", "c"], everyone)
     assert crowded == {"t/x": "a", "t/y": "a", "t/z": "b", "t/w": "c"}
+    warm = {"t/x": "a", "t/idle": "a"}  # an idle application beside a busy one: its cache stays put
+    spread(warm, ["a", "b"], everyone)
+    assert warm == {"t/x": "a", "t/idle": "a"}
     three = {f"t/{i}": "a" for i in range(3)}  # three on one replica, two empty: each empty gets one
-    spread(three, ["a", "b", "c"])
+    spread(three, ["a", "b", "c"], everyone)
     assert sorted(three.values()) == ["a", "b", "c"]
 
 

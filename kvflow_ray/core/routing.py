@@ -651,6 +651,7 @@ class Applications:
         self.hot_elsewhere = 0.0
         self._apps: dict[str, _Application] = {}
         self._idle: dict[str, None] = {}  # applications without a call in flight, least recently used first
+        self._busy_elsewhere: set[str] = set()  # applications with a call in flight at another router
 
     def home(self, group: str) -> str | None:
         app = self._apps.get(group)
@@ -674,11 +675,12 @@ class Applications:
         """The other routers' `homes()`, summed: each application goes home where most routers (this
         one included) put it, so that routers that placed an application apart (their first calls
         crossed) converge on one copy of its prompts. A tie goes to the replica that fewest other
-        applications call home, then to the first by name. Then the homes are spread over the live
-        `replicas` (`spread`): routers that placed two new applications at once on one replica do not
-        leave them there while another replica is nobody's home. Every router counts the same votes
-        (the others' and its own) and spreads alike, so all decide alike. O(applications), and
-        O(applications x replicas) while a replica is nobody's home."""
+        applications call home, then to the first by name. Then the busy applications' homes (a call in
+        flight at any router) are spread over the live `replicas` (`spread`): routers that placed two
+        new applications at once on one replica do not leave them there while another replica is
+        home to no busy one. An idle application stays where its prompts are cached. Every router
+        counts the same votes (the others' and its own) and the same busy applications, so all decide
+        alike. O(applications), and O(busy applications x replicas) while a replica is home to none."""
         tally: dict[str, dict[str, float]] = {}  # application -> home -> routers that chose it
         crowd: dict[str, float] = {}  # replica -> votes for it as any application's home
         for key, (count, *_rest) in votes.items():
@@ -692,7 +694,8 @@ class Applications:
                 crowd[app.home] = crowd.get(app.home, 0.0) + 1
         homes = {group: min(counts, key=lambda home: (-counts[home], crowd[home] - counts[home], home))
                  for group, counts in tally.items()}
-        spread(homes, replicas)
+        busy = self._busy_elsewhere.union(group for group, app in self._apps.items() if app.inflight)
+        spread(homes, replicas, busy)
         for group, home in homes.items():
             app = self._apps.get(group)
             if app is not None:
@@ -707,6 +710,7 @@ class Applications:
         """The other routers' `hot()`, summed: the applications busy there and not here count."""
         self.hot_elsewhere = sum(tokens / routers for group, (tokens, routers) in hot.items()
                                  if not self.busy(group))
+        self._busy_elsewhere = set(hot)
 
     def routed(self, request: RouteRequest, replica: str, rehome: bool) -> None:
         """A call of `request.group` went to `replica`; it becomes the home of an application without
@@ -757,15 +761,16 @@ class Applications:
                 del self._apps[oldest]
 
 
-def spread(homes: dict[str, str], replicas: Collection[str]) -> None:
-    """Applications' homes (application -> replica), in place: while a live replica is nobody's home
-    and another is home to two or more applications, the application of those ranked first for the
-    empty replica (rendezvous rank, then name) moves there. A function of the homes and the
-    replicas alone, so routers that hold the same homes spread them alike. Homes on replicas not in
-    `replicas` stay as they are (the router forgets them when the replica leaves)."""
+def spread(homes: dict[str, str], replicas: Collection[str], busy: Container[str]) -> None:
+    """The `busy` applications' homes (application -> replica, in place) spread over `replicas`:
+    while a replica is home to no busy application and another is home to two or more, the one of
+    those ranked first for the empty replica (rendezvous rank, then name) moves there. Idle
+    applications neither count nor move (their prompts stay where they are cached). A function of
+    its arguments alone, so routers that hold the same homes spread them alike. Homes on replicas
+    not in `replicas` stay as they are (the router forgets them when the replica leaves)."""
     residents: dict[str, list[str]] = {replica: [] for replica in replicas}
     for group, home in homes.items():
-        if home in residents:
+        if home in residents and group in busy:
             residents[home].append(group)
     for empty in sorted(r for r, groups in residents.items() if not groups):
         crowded = [group for groups in residents.values() if len(groups) > 1 for group in groups]
