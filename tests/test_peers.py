@@ -37,6 +37,13 @@ class Fleet:
             self.hub.add_replica(replica)
         self.hub.put_template("acme", PEER)
 
+    def two_ingresses(self) -> tuple[HubLink, HubLink]:
+        """Ingresses "A" and "B", each synced once (both know the fleet)."""
+        a, b = self.ingress(), self.ingress()
+        self.sync(a, "A")
+        self.sync(b, "B")
+        return a, b
+
     def ingress(self, store: MemoryStore | None = None) -> HubLink:
         link = HubLink(RouterCore(store or MemoryStore(), limits=self.limits, owner=False))
         exported = self.hub.templates.exported("acme", "peer")
@@ -78,9 +85,7 @@ def test_an_ingress_routes_on_what_the_replicas_reported_to_the_hub() -> None:
 
 def test_every_ingress_counts_the_others_calls_in_flight() -> None:
     fleet = Fleet()
-    a, b = fleet.ingress(), fleet.ingress()
-    fleet.sync(a, "A")
-    fleet.sync(b, "B")
+    a, b = fleet.two_ingresses()
     route = a.core.start_call("acme", "c1", "planner", workflow="peer")
     fleet.sync(a, "A")
     fleet.sync(b, "B")
@@ -219,9 +224,7 @@ def test_each_ingress_metrics_keep_their_own_label() -> None:
 
 def test_the_workflow_router_prices_the_other_ingresses_work_in_flight() -> None:
     fleet = Fleet()
-    a, b = fleet.ingress(), fleet.ingress()
-    fleet.sync(a, "A")
-    fleet.sync(b, "B")
+    a, b = fleet.two_ingresses()
     first = a.core.start_call("acme", "c1", "planner", workflow="peer", tokens=list(range(2048)), max_new=8)
     fleet.sync(a, "A")
     fleet.sync(b, "B")
@@ -240,9 +243,7 @@ def test_another_ingresss_call_stops_counting_as_prefill_when_its_first_token_co
     ingress's last sync; the replica's report of the call's first token, which every ingress hears,
     retires it at once, before its own ingress says so."""
     fleet = Fleet()
-    a, b = fleet.ingress(), fleet.ingress()
-    fleet.sync(a, "A")
-    fleet.sync(b, "B")
+    a, b = fleet.two_ingresses()
     route = a.core.start_call("acme", "c1", "planner", workflow="peer", tokens=list(range(64)), max_new=8)
     fleet.sync(a, "A")
     fleet.sync(b, "B")
@@ -264,9 +265,7 @@ def test_a_prompt_one_ingress_just_sent_is_followed_by_the_others() -> None:
     """Before the replica's cache event comes, the other ingresses count the replica an ingress just
     sent a prompt to as its holder, as that ingress does (one copy of the prompt, not one per ingress)."""
     fleet = Fleet()
-    a, b = fleet.ingress(), fleet.ingress()
-    fleet.sync(a, "A")
-    fleet.sync(b, "B")
+    a, b = fleet.two_ingresses()
     route = a.core.start_call("acme", "c1", "planner", workflow="peer", prefix_hash="hp", prefix_tokens=512)
     assert a.core.holdings.holders("hp") == {route.replica: "gpu"}
     fleet.sync(a, "A")
@@ -281,9 +280,7 @@ def test_a_new_placement_is_news_for_the_other_ingresses_and_cache_events_are_no
     """The actor holds an ingress's sync until something urgent is queued for it: a prompt another
     ingress just sent to a replica ends it at once; the replicas' cache events wait for the next."""
     fleet = Fleet()
-    a, b = fleet.ingress(), fleet.ingress()
-    fleet.sync(a, "A")
-    fleet.sync(b, "B")
+    a, b = fleet.two_ingresses()
     assert not fleet.peers.news("A") and not fleet.peers.news("B")
     fleet.events("r1", [stored("hx", list(range(64)))])
     assert not fleet.peers.news("B")  # queued, not urgent
@@ -303,9 +300,7 @@ def test_ingresses_agree_on_each_applications_home_and_count_its_pressure() -> N
     converge on one home after a sync each; and an application busy at one counts toward the memory
     pressure every ingress sees."""
     fleet = Fleet()
-    a, b = fleet.ingress(), fleet.ingress()
-    fleet.sync(a, "A")
-    fleet.sync(b, "B")
+    a, b = fleet.two_ingresses()
     for link in (a, b):
         link.core.fleet.report("r1", usage=0.0, waiting=0, capacity=1000)
         link.core.fleet.report("r2", usage=0.0, waiting=0, capacity=1000)
@@ -330,9 +325,7 @@ def test_two_applications_placed_together_at_once_are_spread_over_the_fleet() ->
     (their rendezvous ranks agree), while another replica is home to no busy application: after a
     sync each, both ingresses move the same one of them to the empty replica."""
     fleet = Fleet()
-    a, b = fleet.ingress(), fleet.ingress()
-    fleet.sync(a, "A")
-    fleet.sync(b, "B")
+    a, b = fleet.two_ingresses()
     x = RouteRequest(prefix_hash="hx", prefix_tokens=512, group="acme/x")
     y = RouteRequest(prefix_hash="hy", prefix_tokens=512, group="acme/y")
     a.core.policy.apps.routed(x, "r1", rehome=False)
@@ -353,9 +346,7 @@ def test_an_application_placed_apart_goes_home_where_fewer_applications_live() -
     empty replica: the vote is a tie, and both move it to the replica fewer applications call home
     (the first by name would stack the two applications on one replica)."""
     fleet = Fleet()
-    a, b = fleet.ingress(), fleet.ingress()
-    fleet.sync(a, "A")
-    fleet.sync(b, "B")
+    a, b = fleet.two_ingresses()
     other = RouteRequest(prefix_hash="ho", prefix_tokens=512, group="acme/other")
     new = RouteRequest(prefix_hash="hn", prefix_tokens=512, group="acme/new")
     for link in (a, b):

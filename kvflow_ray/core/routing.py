@@ -168,6 +168,11 @@ def held_prefix(blocks: Sequence[int], held: Container[int]) -> int:
     return lo
 
 
+def _call_key(replica: str, name: str) -> str:
+    """A named call on a replica, as routers share its prefill (`absorb` splits the replica off)."""
+    return f"{replica}\x00{name}"
+
+
 @dataclass
 class _Work:
     """A replica's work in flight. Its calls' blocks form a tree: a block stays while a call's prompt
@@ -228,7 +233,7 @@ class WorkInFlight:
     def own_prefill(self) -> dict[str, list[float]]:
         """"replica\x00name" -> [prompt tokens still to prefill] of this router's named calls (for the
         others, who count each until they hear of its first token). O(calls not yet prefilled)."""
-        return {f"{replica}\x00{name}": [float(tokens)] for replica, tokens, name in self._prefill.values()
+        return {_call_key(replica, name): [float(tokens)] for replica, tokens, name in self._prefill.values()
                 if name and tokens}
 
     def absorb(self, work: Mapping[str, Sequence[float]], prefill: Mapping[str, Sequence[float]]) -> None:
@@ -297,7 +302,7 @@ class WorkInFlight:
                 if entry[2]:
                     work.named_prefill -= entry[1]
         elif request.name and replica is not None:
-            self._hear(f"{replica}\x00{request.name}")
+            self._hear(_call_key(replica, request.name))
 
     def _hear(self, key: str) -> None:
         now = time.monotonic()
