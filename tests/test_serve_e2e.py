@@ -330,17 +330,21 @@ def test_clients_that_hang_up_mid_stream_leave_no_load_behind(server: LocalServe
 
 def test_finishing_a_client_during_its_call_still_returns_the_answer(server: LocalServer) -> None:
     client = _sdk(server)
-    done: list[Any] = []
-    call = threading.Thread(target=lambda: done.append(_chat(client, "finish-mid-call", "planner", max_tokens=32)))
-    call.start()
-    deadline = time.monotonic() + 60
-    while not any(_loads(server).values()):  # the call is routed and running
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    prompt = PEER.spec.agents["planner"].prompt
+    stream = client.chat.completions.create(
+        model="kvflow-cpu-random", max_tokens=32, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, "kvflow": {"client_id": "finish-mid-call", "workflow": "peer",
+                                                    "agent": "planner"}},
+        messages=[{"role": "system", "content": prompt}, {"role": "user", "content": "go"}])
+    chunks = iter(stream)
+    first = next(chunks)  # the first event has arrived: the call is routed and running
     finished = _http(server, "POST", "/v1/clients/finish-mid-call/finish")
     assert finished.status_code == 200, finished.text
-    call.join(timeout=120)
-    assert done and done[0].parse().choices[0].message.content is not None  # the answer came back
+    rest = list(chunks)  # the answer still comes back, to its end
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in [first, *rest] if chunk.choices)
+    assert text
+    assert [chunk.choices[0].finish_reason for chunk in rest if chunk.choices and chunk.choices[0].finish_reason] \
+        == ["length"]
     # the client is over: a new call of it must name its workflow again (a new instance)
     assert "unknown client" in _error(_http(server, "POST", "/v1/chat/completions", json_body={
         "model": "kvflow-cpu-random", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
