@@ -73,21 +73,21 @@ def cell(replicas: int, sessions: int, pressure: float, variant: str, bar: tqdm)
             "mean": target(results, "latency_s", pressure), "p99": target(results, "p99_latency_s", pressure)}
 
 
-def cpu_cell(model: str, sessions: int, device_tokens: int) -> dict[str, Any]:
+def cpu_cell(model: str, sessions: int, device_tokens: int, shape: str = "small") -> dict[str, Any]:
     """A small agentic run on the CPU engine (real compute on real KV, wall clock), every policy."""
     from kvflow_ray.engines.cpu.bench import run_cpu_policies
     from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig
     from kvflow_ray.engines.cpu.weights import resolve_model
 
-    scenario = agentic(sessions=sessions, shape="small", seed=SEED)
+    scenario = agentic(sessions=sessions, shape=shape, seed=SEED)
     path = resolve_model(model)
     config = CpuEngineConfig(model=ModelConfig(path=path), device_kv_tokens=device_tokens,
                              host_kv_tokens=8 * device_tokens, max_running=8)
     out = run_cpu_policies(scenario, config, POLICIES)
     results = out["results"]
     order = sorted(POLICIES, key=lambda name: results[name]["latency_s"])
-    return {"model": model, "sessions": sessions, "device_kv_tokens": device_tokens, "results": results,
-            "order_by_jct": order}
+    return {"model": model, "sessions": sessions, "shape": shape, "device_kv_tokens": device_tokens,
+            "results": results, "order_by_jct": order}
 
 
 def tables(report: dict[str, Any]) -> str:
@@ -113,7 +113,7 @@ def tables(report: dict[str, Any]) -> str:
                          f"oracle {t['oracle']:.1f} s, "
                          f"{t['oracle_gain_captured']:.0%} of the oracle's gain over lru")
     for row in report["cpu"]:
-        lines.append(f"\nCPU engine, {row['model']}, {row['sessions']} small sessions, device pool "
+        lines.append(f"\nCPU engine, {row['model']}, {row['sessions']} {row['shape']} sessions, device pool "
                      f"{row['device_kv_tokens']:,} tokens (wall clock)")
         lines.append(f"{'policy':<14}{'JCT s':>9}{'p99 s':>9}{'recomputed':>12}{'loaded':>11}{'gpu hit':>9}")
         for name, r in row["results"].items():
@@ -150,7 +150,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = results_file.parser(__doc__, "agentic", "two small single-replica cells, the CPU run on the random model "
-                                                 "(a smoke run)")
+                                                 "and the tiny shape (a smoke run)")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU engine run (SmolLM2: about 10 minutes)")
     args = ap.parse_args(argv)
     results_file.require("matplotlib")
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with tqdm(total=len(grid), disable=args.no_progress, file=sys.stderr, unit="cell") as bar:
         cells = [cell(*spec, bar) for spec in grid]
-    cpu = [] if args.no_cpu else [cpu_cell("random", 4, 1024) if args.quick else cpu_cell("smollm2-135m", 8, 3072)]
+    spec = ("random", 4, 1024, "tiny") if args.quick else ("smollm2-135m", 8, 3072, "small")
+    cpu = [] if args.no_cpu else [cpu_cell(*spec)]
     report = {"generated_by": "python benchmarks/agentic.py" + (" --quick" if args.quick else "")
               + (" --no-cpu" if args.no_cpu else ""),
               "machine": results_file.machine(), "profile": PROFILE, "seed": SEED,

@@ -263,7 +263,7 @@ def fleet_routers() -> list[str]:
 
 def test_agentic_quick(tmp_path: Path) -> None:
     """benchmarks/agentic.py --quick: every policy in each cell, the issue's target computed from the
-    same run's oracle, best baseline and lru, and the plot."""
+    same run's oracle, best baseline and lru, the CPU engine's run, and the plot."""
     pytest.importorskip("matplotlib")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "agentic.py"), "--quick", "--no-progress",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -278,6 +278,10 @@ def test_agentic_quick(tmp_path: Path) -> None:
             assert t["best_baseline"] in {"tlru", "continuum", "retention", "hicache"}
             assert t["met"] == (t["kvflow"] <= t["target"])
         assert row["results"]["pause-oracle"]["pauses"]["prefetch_due_late"] == 0
+    (cpu,) = report["cpu"]  # the CPU engine's run: every policy, every session to its end
+    assert set(cpu["results"]) == set(report["cells"][0]["results"]) == set(cpu["order_by_jct"])
+    for result in cpu["results"].values():
+        assert result["workflows_measured"] == cpu["sessions"] and result["latency_s"] > 0
     assert (tmp_path / "agentic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

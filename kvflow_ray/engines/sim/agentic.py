@@ -159,6 +159,8 @@ SHAPES = {
     "standard": Shape(),  # the agent sessions (SWE-bench-like)
     # the same structure at a size the CPU engine runs in minutes: short prompts and turns, pauses / 20
     "small": Shape(system=(256, 512), task=(32, 64), result=(32, 128), output=(8, 16), turns=(3, 6), pause_scale=0.05),
+    # the small shape with pauses / 10 more: a smoke run's sessions, whose wall clock is mostly their pauses
+    "tiny": Shape(system=(256, 512), task=(32, 64), result=(32, 128), output=(8, 16), turns=(3, 6), pause_scale=0.005),
 }
 
 
