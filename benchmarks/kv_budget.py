@@ -345,7 +345,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.trajectories, args.rounds, args.resamples = 3, 2, 100
-        args.prompt, args.generated, args.budget, args.requests = 128, 384, 128, 3
+        args.prompt, args.generated, args.budget, args.requests = 128, 256, 128, 3
     budgets = [int(b) for b in args.budgets.split(",") if b]
     sections = set(args.sections.split(","))
 
