@@ -94,22 +94,20 @@ def test_batched_decode_equals_separate_calls(model: CpuModel) -> None:
 
 def test_attention_over_runs_with_and_without_its_log_sum_exp() -> None:
     """A decode query over several runs of the pool: the fused-softmax path (decoding) and the
-    log-sum-exp path (a KV budget's capture) give the same output, and that of attention over the
-    runs' keys joined; the log-sum-exp is that of the scaled scores."""
-    from kvflow_ray.engines.cpu.model import _runs_attention
+    log-sum-exp path (a KV budget's capture) give the output of attention over the runs' keys
+    joined, and the log-sum-exp is that of the scaled scores."""
+    from kvflow_ray.engines.cpu.model import _runs_attention, _runs_attention_lse
 
     gen = torch.Generator().manual_seed(3)
     k, v = torch.randn(2, 64, 8, generator=gen), torch.randn(2, 64, 8, generator=gen)  # [KV heads, slots, D]
     q = torch.randn(6, 8, generator=gen)  # three query heads per KV head
     runs = [(40, 43), (5, 30), (50, 51)]
-    fast, none = _runs_attention(q, k, v, runs, 0.3)
-    exact, lse = _runs_attention(q, k, v, runs, 0.3, with_lse=True)
     keys = torch.cat([k[:, lo:hi] for lo, hi in runs], 1).repeat_interleave(3, 0)
     values = torch.cat([v[:, lo:hi] for lo, hi in runs], 1).repeat_interleave(3, 0)
     scores = torch.einsum("hd,hnd->hn", q, keys) * 0.3
     want = torch.einsum("hn,hnd->hd", torch.softmax(scores, -1), values)
-    assert none is None and lse is not None
-    torch.testing.assert_close(fast, want, **TOL)
+    torch.testing.assert_close(_runs_attention((q * 0.3).reshape(2, 3, 8), k, v, runs).reshape(6, 8), want, **TOL)
+    exact, lse = _runs_attention_lse(q, k, v, runs, 0.3)
     torch.testing.assert_close(exact, want, **TOL)
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1), **TOL)
 

@@ -105,6 +105,8 @@ def _pool_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
     out = query.new_empty(batch, t, heads, dim)
     capture = pages.capture
     lses = query.new_empty(batch, heads, t, dtype=torch.float32) if capture is not None else None
+    # decoding: every sequence's queries scaled at once (one operator per layer, not one per sequence)
+    scaled = query * (scaling if scaling is not None else dim ** -0.5) if t == 1 and capture is None else None
     for i, runs in enumerate(pages.runs):
         q = query[i]
         if t > 1:  # a prefill chunk
@@ -116,9 +118,12 @@ def _pool_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
                                                enable_gqa=True)
             out[i] = o[0].transpose(0, 1)
             lse = None
+        elif scaled is not None:
+            out[i, 0] = _runs_attention(scaled[i, :, 0].reshape(k.shape[0], -1, dim), k, v, runs).reshape(heads, dim)
+            lse = None
         else:
-            out[i, 0], lse = _runs_attention(q[:, 0], k, v, runs, scaling, with_lse=capture is not None)
-            lse = None if lse is None else lse[:, None]
+            out[i, 0], lse = _runs_attention_lse(q[:, 0], k, v, runs, scaling)
+            lse = lse[:, None]
         if lses is not None and lse is not None:
             lses[i] = lse
     if capture is not None:
@@ -215,31 +220,39 @@ def _split_runs(runs: list[tuple[int, int]], at: int) -> tuple[list[tuple[int, i
     return before, after
 
 
-def _runs_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, int]], scaling: float | None,
-                    with_lse: bool = False) -> tuple[Tensor, Tensor | None]:
-    """One query per head ([Hq, D]) over several runs, one softmax across them all, no copy of the keys.
-    Returns the output and, `with_lse`, each head's log-sum-exp ([Hq]). Without it the softmax is
-    torch's fused one: a decode step runs this once per sequence and layer (a sequence that shares a
-    cached prefix has two runs or more), so its operator count is what it costs."""
+def _runs_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, int]]) -> Tensor:
+    """Scaled queries grouped by KV head ([H, Hq / H, D]) over several runs of the pool, one softmax
+    across them all (torch's fused one), no copy of the keys. What a decode step runs once per
+    sequence and layer where a sequence shares a cached prefix (two runs or more): its operator
+    count is what it costs."""
+    scores = torch.cat([torch.bmm(q, k[:, lo:hi].transpose(1, 2)) for lo, hi in runs], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    out, start = None, 0
+    for lo, hi in runs:
+        part = torch.bmm(probs[..., start:start + hi - lo], v[:, lo:hi])
+        out = part if out is None else out.add_(part)
+        start += hi - lo
+    assert out is not None
+    return out
+
+
+def _runs_attention_lse(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, int]],
+                        scaling: float | None) -> tuple[Tensor, Tensor]:
+    """One query per head ([Hq, D]) over several runs, as `_runs_attention`, with each head's
+    log-sum-exp of its scaled scores ([Hq]): what a KV budget's capture reads."""
     kv_heads, dim = k.shape[0], k.shape[2]
-    scale = scaling if scaling is not None else dim ** -0.5
     qg = q.reshape(kv_heads, -1, dim)  # grouped-query: each KV head's query heads together
-    if with_lse:
-        scores = torch.cat([torch.matmul(qg, k[:, lo:hi].transpose(1, 2)) for lo, hi in runs], dim=-1)
-        scaled = scores.float() * scale
-        lse = torch.logsumexp(scaled, dim=-1)
-        probs = torch.exp(scaled - lse[..., None]).to(v.dtype)
-    else:
-        qg = qg * scale
-        scores = torch.cat([torch.matmul(qg, k[:, lo:hi].transpose(1, 2)) for lo, hi in runs], dim=-1)
-        probs, lse = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), None
+    scores = torch.cat([torch.matmul(qg, k[:, lo:hi].transpose(1, 2)) for lo, hi in runs], dim=-1)
+    scaled = scores.float() * (scaling if scaling is not None else dim ** -0.5)
+    lse = torch.logsumexp(scaled, dim=-1)
+    probs = torch.exp(scaled - lse[..., None]).to(v.dtype)
     out, start = None, 0
     for lo, hi in runs:
         part = torch.matmul(probs[..., start:start + hi - lo], v[:, lo:hi])
         out = part if out is None else out + part
         start += hi - lo
     assert out is not None
-    return out.reshape(q.shape), None if lse is None else lse.reshape(-1)
+    return out.reshape(q.shape), lse.reshape(-1)
 
 
 AttentionInterface.register(ATTENTION, _pool_attention)
