@@ -113,7 +113,8 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, single_iterations: i
                         help="agentic: single agents, or planners whose spawn tool starts 2-4 sub-agent sessions")
     parser.add_argument("--shape", choices=list(agentic.SHAPES), default="standard" if fleet else "small",
                         help="agentic: standard (4-8k-token system prompts, 200-4,000-token tool results, "
-                             "100-500 output tokens, 5-30 turns) or small (the same at CPU size, pauses / 20)")
+                             "100-500 output tokens, 5-30 turns), small (the same at CPU size, pauses / 20) or "
+                             "tiny (small with pauses / 200: smoke runs)")
     parser.add_argument("--pause-hint", type=float, default=None, metavar="S",
                         help="agentic: clients send kvflow.expected_pause_s = S with every turn (default none)")
     parser.set_defaults(_single_iterations=single_iterations, _scenario_seeded=fleet)
