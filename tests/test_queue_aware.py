@@ -218,6 +218,33 @@ def test_lpm_orders_by_cached_prefix_with_sglangs_in_batch_check_and_fcfs_above_
     assert list(many.order([], [])) == list(reversed(names))  # above 128 waiting: the queue's own order
 
 
+def test_lpm_status_aware_orders_as_lpm_and_loads_as_kvflow() -> None:
+    """`lpm-status-aware`: SGLang's order, exactly (the same queue gives the same order as `lpm`),
+    with KVFlow's loading: queued loads start at once and a batch never waits for a member's load.
+    The `kvflow-lpm` combination is kvflow's eviction and prefetch with it."""
+    from kvflow_ray.core.scheduler import resolve_policy
+
+    cache = TieredCache(100_000, EVICTION.create("lru"))
+    long, short, cold = fresh(300), fresh(100), fresh(64)
+    for prompt in (long, short):
+        cache.alloc(len(prompt))
+        cache.commit(prompt, len(prompt))
+    queue = {"cold1": cold + fresh(3), "short": short + fresh(3), "cold2": cold + fresh(4), "long": long + fresh(3),
+             "lone": fresh(40)}
+    orders = []
+    for name in ("lpm", "lpm-status-aware"):
+        policy = ADMISSION.create(name, PolicyContext(tree=cache.tree, clock=Clock()))
+        for request, prompt in queue.items():
+            policy.arrived(request, "", prompt)
+        orders.append(list(policy.order(list(queue), [])))
+    assert orders[0] == orders[1] == ["long", "short", "cold1", "lone", "cold2"]
+    assert policy.loads_while_queued and not policy.batch_waits_for_loads
+    kvflow, kvflow_lpm = resolve_policy("kvflow"), resolve_policy("kvflow-lpm")
+    assert (kvflow_lpm.eviction, kvflow_lpm.prefetch, kvflow_lpm.host_tier) == (
+        kvflow.eviction, kvflow.prefetch, kvflow.host_tier)
+    assert kvflow_lpm.admission == "lpm-status-aware"
+
+
 def test_an_order_over_a_thousand_queued_requests_names_each_once() -> None:
     """The order is a generator the scheduler stops early (what a decision costs is measured in
     benchmarks/queue_aware.py); read whole, it names every request once, deferred siblings aside."""
@@ -254,6 +281,18 @@ def test_queue_aware_computes_each_shared_prompt_once_in_a_burst(burst: dict) ->
     for result in burst.values():
         assert 0 < result["ttft_p50_s"] <= result["ttft_p99_s"]
         assert result["wait_p99_s"] <= result["max_wait_s"]
+
+
+def test_kvflow_lpm_computes_a_shared_prompt_once_where_kvflow_computes_it_per_request() -> None:
+    """A burst of 96 requests over 12 uncached 4k-token prompts: kvflow admits them in arrival order
+    and computes a prompt again for each request that arrives before its first copy is cached;
+    kvflow-lpm's in-batch prefix check sends one request per prompt first, so it computes what lpm
+    computes, and the queue moves sooner."""
+    scenario = workload.burst(requests=96, prompts=12, system=4096, question=64, output=16)
+    results = run_policies(scenario, load_profile("a10g-llama3.1-8b"), ["lpm", "kvflow", "kvflow-lpm"])["results"]
+    assert results["kvflow-lpm"]["recomputed_tokens"] == results["lpm"]["recomputed_tokens"]
+    assert results["kvflow-lpm"]["recomputed_tokens"] < results["kvflow"]["recomputed_tokens"]
+    assert results["kvflow-lpm"]["ttft_p50_s"] < results["kvflow"]["ttft_p50_s"]
 
 
 def test_without_sharing_queue_aware_is_fcfs() -> None:

@@ -7,8 +7,8 @@ predictive and oracle (dynamic workflows); for agent sessions in tool pauses (--
 tlru (SGLang's T-LRU), retention (SGLang's retention_seconds), continuum (Continuum's TTL pinning and
 job-level FCFS) and pause-oracle (kvflow knowing each pause's length); lpm (SGLang's
 longest-prefix-match order), queue-aware (PEEK's order over the waiting queue: pioneers first,
-clusters together, an oldest-first lane; eviction protects what queued requests need) and kvflow-qa
-(kvflow with queue-aware admission).
+clusters together, an oldest-first lane; eviction protects what queued requests need), kvflow-qa
+(kvflow with queue-aware admission) and kvflow-lpm (kvflow with lpm's order and status-aware loading).
 
 Examples:
   kvflow-ray sim --scenario single --agents 10 --fixed 8192 --dynamic 32 --output 32 \\

@@ -20,6 +20,10 @@ shares keeps its view current at the cost of the request that changed.
   IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD) tokens match an earlier such request's goes to the
   end (the in-batch prefix check); above `fcfs_above` (128, WAITING_QUEUE_PREFIX_MATCH_MAX) waiting
   requests the queue keeps its current order (SGLang falls back to FCFS, a no-op sort).
+- `lpm-status-aware`: `lpm`'s order with status-aware loading: a queued request's load starts at
+  once and a batch never waits for a member's load. Under memory pressure with deep queues the order
+  decides what fits (admission stops at the first request that does not), and a prefix-first order
+  admits requests that need little memory and computes a shared prompt once before its peers.
 - `queue-aware`: PEEK's cLPM scheduler (github xiexbing/peek, `python/peek/online/lpm_integration.py`,
   preset `peek-online`) over the pending tree (`core.pending`), composed with status-aware loading.
   Details in `QueueAwareAdmission`.
@@ -228,6 +232,16 @@ class LongestPrefixAdmission(QueueTracking):
         return ordered
 
 
+class LongestPrefixStatusAware(LongestPrefixAdmission):
+    """SGLang's longest-prefix-match order (`LongestPrefixAdmission`, its defaults) with KVFlow's
+    status-aware loading: queued loads start at once and a batch runs without a member whose prefix
+    is still loading. Sessions keep no job order here (the order is by prefix)."""
+
+    name = "lpm-status-aware"
+    loads_while_queued = True
+    batch_waits_for_loads = False
+
+
 class QueueAwareAdmission(QueueTracking):
     """PEEK's cLPM with group-major order and a dynamic oldest-first lane, composed with status-aware
     loading (requests whose prefix is loading wait while others are ready; queued loads start at once).
@@ -390,6 +404,14 @@ def _lpm(context: PolicyContext, *, check: int = 32, deprioritize: int = 32,
     """SGLang's longest-prefix-match order with its in-batch prefix check"""
     return LongestPrefixAdmission(context.tree, context.clock, check=check, deprioritize=deprioritize,
                                   fcfs_above=fcfs_above)
+
+
+@partial(ADMISSION.register, "lpm-status-aware")
+def _lpm_status_aware(context: PolicyContext, *, check: int = 32, deprioritize: int = 32,
+                      fcfs_above: int = 128) -> AdmissionPolicy:
+    """SGLang's longest-prefix-match order with KVFlow's status-aware loading"""
+    return LongestPrefixStatusAware(context.tree, context.clock, check=check, deprioritize=deprioritize,
+                                    fcfs_above=fcfs_above)
 
 
 @partial(ADMISSION.register, "queue-aware")

@@ -86,6 +86,10 @@ POLICIES: dict[str, PolicyConfig] = {
                                 admission="queue-aware", host_duplicates_first=True),
     "kvflow-qa": PolicyConfig("kvflow-qa", "demand-kvflow", host_tier=True, prefetch="steps-ahead",
                               admission="queue-aware"),
+    # kvflow with SGLang's longest-prefix order over its queue (status-aware loading kept): what a
+    # memory-bound replica with a deep queue wants (docs/results/fleet-routing.md)
+    "kvflow-lpm": PolicyConfig("kvflow-lpm", "kvflow", host_tier=True, prefetch="steps-ahead",
+                               admission="lpm-status-aware"),
     # agent sessions in tool pauses (core.sessions, core.session_policies): kvflow ranks a paused
     # history by its predicted return and prefetches it before; the pause oracle knows each pause's
     # length; the peers' policies, each with HiCache's host tier (docs/design.md §11)
