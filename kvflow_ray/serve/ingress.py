@@ -16,6 +16,7 @@ cache namespace (`AppConfig.cache_salt`), so no tenant's KV, hit counts or routi
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import hmac
 import json
@@ -206,6 +207,11 @@ def json_too_deep(value: Any, limit: int) -> bool:
     return False
 
 
+def _startup_failed(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:  # the first call tries again
+        logger.warning("the ingress's router did not start with the replica", exc_info=task.exception())
+
+
 class Ingress:
     """The deployment class (wrapped by `serve.deployment` + `serve.ingress(api)` in `app.py`)."""
 
@@ -234,6 +240,20 @@ class Ingress:
             self.max_context = ModelConfig.named(self.config.model).max_context if random else 1 << 30
         # (tenant, body hash) -> the spec it registered, while that is still the tenant's current template
         self._registered: FreshCache[tuple[str, bytes], WorkflowSpec] = FreshCache(REGISTERED_CACHE_S)
+        self._watch_from_the_start()
+
+    def _watch_from_the_start(self) -> None:
+        """Start the router's sync and store keeper now, not at this replica's first call: a replica
+        that Serve started in place of a lost one must already know whether the store is reachable
+        (and for how long it has not been) when its first call comes. Serve runs the constructor on
+        the replica's event loop; without one (a constructor called directly) the first call starts them."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        # a fresh context: the background tasks belong to no request
+        task = loop.create_task(self.router.ready(), context=contextvars.Context())
+        task.add_done_callback(_startup_failed)
 
     # ------------------------------------------------------------------ plumbing
     @staticmethod
