@@ -226,7 +226,12 @@ def _runs_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, int]]
     sequence and layer where a sequence shares a cached prefix (two runs or more): its operator
     count is what it costs."""
     scores = torch.cat([torch.bmm(q, k[:, lo:hi].transpose(1, 2)) for lo, hi in runs], dim=-1)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return _weighted_values(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v, runs)
+
+
+def _weighted_values(probs: Tensor, v: Tensor, runs: list[tuple[int, int]]) -> Tensor:
+    """Attention weights over the runs' keys joined ([H, G, n]) times their values, run by run as
+    views of the pool ([H, G, D])."""
     out, start = None, 0
     for lo, hi in runs:
         part = torch.bmm(probs[..., start:start + hi - lo], v[:, lo:hi])
@@ -246,13 +251,7 @@ def _runs_attention_lse(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, i
     scaled = scores.float() * (scaling if scaling is not None else dim ** -0.5)
     lse = torch.logsumexp(scaled, dim=-1)
     probs = torch.exp(scaled - lse[..., None]).to(v.dtype)
-    out, start = None, 0
-    for lo, hi in runs:
-        part = torch.matmul(probs[..., start:start + hi - lo], v[:, lo:hi])
-        out = part if out is None else out + part
-        start += hi - lo
-    assert out is not None
-    return out.reshape(q.shape), lse.reshape(-1)
+    return _weighted_values(probs, v, runs).reshape(q.shape), lse.reshape(-1)
 
 
 AttentionInterface.register(ATTENTION, _pool_attention)

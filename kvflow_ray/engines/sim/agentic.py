@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvflow_ray.core.sessions import SESSION_AGENT, SessionTurn
@@ -155,12 +155,13 @@ class Shape:
     pause_scale: float = 1.0
 
 
+# the same structure at a size the CPU engine runs in minutes: short prompts and turns, pauses / 20
+_SMALL = Shape(system=(256, 512), task=(32, 64), result=(32, 128), output=(8, 16), turns=(3, 6), pause_scale=0.05)
 SHAPES = {
     "standard": Shape(),  # the agent sessions (SWE-bench-like)
-    # the same structure at a size the CPU engine runs in minutes: short prompts and turns, pauses / 20
-    "small": Shape(system=(256, 512), task=(32, 64), result=(32, 128), output=(8, 16), turns=(3, 6), pause_scale=0.05),
+    "small": _SMALL,
     # the small shape with pauses / 10 more: a smoke run's sessions, whose wall clock is mostly their pauses
-    "tiny": Shape(system=(256, 512), task=(32, 64), result=(32, 128), output=(8, 16), turns=(3, 6), pause_scale=0.005),
+    "tiny": replace(_SMALL, pause_scale=_SMALL.pause_scale / 10),
 }
 
 
