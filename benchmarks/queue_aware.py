@@ -52,7 +52,7 @@ FCFS = "hicache"
 QA = "queue-aware"
 # the same eviction and host tier as FCFS, with status-aware admission: the admission order alone differs
 register_policy(PolicyConfig("status-aware", "lru", host_tier=True, prefetch="none", admission="status-aware"))
-POLICIES = [FCFS, "status-aware", "lpm", "queue-aware", "kvflow", "kvflow-qa"]
+POLICIES = [FCFS, "status-aware", "lpm", "queue-aware", "kvflow", "kvflow-fcfs", "kvflow-qa"]
 KEYS = ["latency_s", "ttft_p50_s", "ttft_p99_s", "wait_p99_s", "max_wait_s", "gpu_hit_ratio", "cpu_hit_ratio",
         "recomputed_tokens", "makespan_s"]
 BURST_PROMPTS = [8, 16, 32]

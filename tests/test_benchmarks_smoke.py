@@ -171,7 +171,8 @@ def test_queue_aware_quick(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "queue_aware.json").read_text())
     assert {row["workload"] for row in report["sim"]} == {"burst", "fanout", "fleet burst", "control"}
     for row in report["sim"]:
-        assert set(row["results"]) == {"hicache", "status-aware", "lpm", "queue-aware", "kvflow", "kvflow-qa"}
+        assert set(row["results"]) == {"hicache", "status-aware", "lpm", "queue-aware", "kvflow", "kvflow-fcfs",
+                                       "kvflow-qa"}
         for result in row["results"].values():
             assert result["ttft_p50_s"] <= result["ttft_p99_s"] and result["wait_p99_s"] <= result["max_wait_s"]
     summary = report["summary"]

@@ -221,7 +221,8 @@ def test_lpm_orders_by_cached_prefix_with_sglangs_in_batch_check_and_fcfs_above_
 def test_lpm_status_aware_orders_as_lpm_and_loads_as_kvflow() -> None:
     """`lpm-status-aware`: SGLang's order, exactly (the same queue gives the same order as `lpm`),
     with KVFlow's loading: queued loads start at once and a batch never waits for a member's load.
-    The `kvflow-lpm` combination is kvflow's eviction and prefetch with it."""
+    It is kvflow's admission; `kvflow-fcfs`, the ablation of its order, keeps kvflow's eviction and
+    prefetch with status-aware admission in arrival order."""
     from kvflow_ray.core.scheduler import resolve_policy
 
     cache = TieredCache(100_000, EVICTION.create("lru"))
@@ -239,10 +240,10 @@ def test_lpm_status_aware_orders_as_lpm_and_loads_as_kvflow() -> None:
         orders.append(list(policy.order(list(queue), [])))
     assert orders[0] == orders[1] == ["long", "short", "cold1", "lone", "cold2"]
     assert policy.loads_while_queued and not policy.batch_waits_for_loads
-    kvflow, kvflow_lpm = resolve_policy("kvflow"), resolve_policy("kvflow-lpm")
-    assert (kvflow_lpm.eviction, kvflow_lpm.prefetch, kvflow_lpm.host_tier) == (
+    kvflow, kvflow_fcfs = resolve_policy("kvflow"), resolve_policy("kvflow-fcfs")
+    assert (kvflow_fcfs.eviction, kvflow_fcfs.prefetch, kvflow_fcfs.host_tier) == (
         kvflow.eviction, kvflow.prefetch, kvflow.host_tier)
-    assert kvflow_lpm.admission == "lpm-status-aware"
+    assert (kvflow.admission, kvflow_fcfs.admission) == ("lpm-status-aware", "status-aware")
 
 
 def test_an_order_over_a_thousand_queued_requests_names_each_once() -> None:
@@ -283,16 +284,16 @@ def test_queue_aware_computes_each_shared_prompt_once_in_a_burst(burst: dict) ->
         assert result["wait_p99_s"] <= result["max_wait_s"]
 
 
-def test_kvflow_lpm_computes_shared_prompts_as_lpm_does_and_less_than_kvflow() -> None:
-    """A burst of 96 requests over 12 uncached 4k-token prompts: kvflow admits them in arrival order
-    and computes a prompt again for requests that arrive before its first copy is cached; kvflow-lpm's
+def test_kvflow_computes_shared_prompts_as_lpm_does_and_less_than_in_arrival_order() -> None:
+    """A burst of 96 requests over 12 uncached 4k-token prompts: in arrival order (`kvflow-fcfs`)
+    kvflow computes a prompt again for requests that arrive before its first copy is cached; its
     in-batch prefix check (up to 128 waiting) sends one request per uncached prompt ahead of its
-    peers, so it computes what lpm computes, less than kvflow, and the queue moves sooner."""
+    peers, so kvflow computes what lpm computes, less than in arrival order, and the queue moves sooner."""
     scenario = workload.burst(requests=96, prompts=12, system=4096, question=64, output=16)
-    results = run_policies(scenario, load_profile("a10g-llama3.1-8b"), ["lpm", "kvflow", "kvflow-lpm"])["results"]
-    assert results["kvflow-lpm"]["recomputed_tokens"] == results["lpm"]["recomputed_tokens"]
-    assert results["kvflow-lpm"]["recomputed_tokens"] < results["kvflow"]["recomputed_tokens"]
-    assert results["kvflow-lpm"]["ttft_p50_s"] < results["kvflow"]["ttft_p50_s"]
+    results = run_policies(scenario, load_profile("a10g-llama3.1-8b"), ["lpm", "kvflow", "kvflow-fcfs"])["results"]
+    assert results["kvflow"]["recomputed_tokens"] == results["lpm"]["recomputed_tokens"]
+    assert results["kvflow"]["recomputed_tokens"] < results["kvflow-fcfs"]["recomputed_tokens"]
+    assert results["kvflow"]["ttft_p50_s"] < results["kvflow-fcfs"]["ttft_p50_s"]
 
 
 def test_without_sharing_queue_aware_is_fcfs() -> None:

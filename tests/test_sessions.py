@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvflow_ray.core.admission import StatusAwareAdmission
+from kvflow_ray.core.admission import ADMISSION, StatusAwareAdmission
 from kvflow_ray.core.cache import TieredCache
 from kvflow_ray.core.policies import EVICTION, KVFlowPolicy, StepBook
 from kvflow_ray.core.registry import PolicyContext
@@ -263,6 +263,22 @@ def test_status_aware_admission_orders_session_turns_by_their_job() -> None:
     queue = [Req("new", 6.0, 1), Req(None, 3.0, 2), Req("old", 7.0, 3)]
     assert [r.seq for r in StatusAwareAdmission(book).order(queue, [])] == [3, 2, 1]
     assert [r.seq for r in StatusAwareAdmission().order(queue, [])] == [1, 2, 3]  # no sessions: arrival
+
+    # kvflow's admission orders by cached prefix, but by job while sessions are live
+    cache = TieredCache(100_000, EVICTION.create("lru"))
+    cached = list(range(1000, 1300))
+    cache.alloc(len(cached))
+    cache.commit(cached, len(cached))
+    prompts = {1: list(range(2000, 2100)), 2: [*cached, 7], 3: list(range(3000, 3100))}
+
+    def kvflow_order(sessions: SessionBook | None) -> list[int]:
+        policy = ADMISSION.create("lpm-status-aware", PolicyContext(tree=cache.tree, sessions=sessions))
+        for req in queue:
+            policy.arrived(req, "", prompts[req.seq])
+        return [r.seq for r in policy.order(queue, [])]
+
+    assert kvflow_order(book) == [3, 2, 1]
+    assert kvflow_order(None) == [2, 1, 3]  # the longest cached prefix first
 
 
 # ---------------------------------------------------------------------- the scenario

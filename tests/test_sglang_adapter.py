@@ -250,11 +250,11 @@ def test_server_args_per_policy() -> None:
     assert "skip_tokenizer_init" not in lru  # only when asked: SGLang tokenizes otherwise
     # the plugin builds the combination's core policies from its config; options merge in
     assert kvflow["radix_eviction_policy_config"] == {"eviction": "kvflow", "prefetch": "steps-ahead",
-                                                      "admission": "status-aware"}
+                                                      "admission": "lpm-status-aware"}
     tuned = build_server_args("/models/m", "kvflow-noprefetch", extra={"radix_eviction_policy_config": {"horizon": 2}})
     assert tuned["radix_eviction_policy"] == "kvflow" and tuned["enable_hierarchical_cache"] is True
     assert tuned["radix_eviction_policy_config"] == {"eviction": "kvflow", "prefetch": "none",
-                                                     "admission": "status-aware", "horizon": 2}
+                                                     "admission": "lpm-status-aware", "horizon": 2}
     # SGLang's own longest-prefix-match order runs stock SGLang; PEEK's runs through the plugin
     lpm = build_server_args("/models/m", "lpm")
     assert lpm["radix_eviction_policy"] == "lru" and lpm["schedule_policy"] == "lpm"

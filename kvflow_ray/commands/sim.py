@@ -1,14 +1,15 @@
 """Run a workflow scenario on the discrete-event simulator, comparing KV cache policies side by side.
 
 Policies: lru (device only, a miss recomputes), hicache (LRU + host tier, load on demand),
-kvflow (workflow-aware eviction + prefetch + status-aware admission), kvflow-noprefetch (ablation),
+kvflow (workflow-aware eviction + prefetch + status-aware admission in longest-prefix order),
+kvflow-noprefetch and kvflow-fcfs (ablations: no prefetch; the queue in arrival order),
 belady (offline optimum eviction over the known access order), infinite (no capacity limit),
 predictive and oracle (dynamic workflows); for agent sessions in tool pauses (--scenario agentic)
 tlru (SGLang's T-LRU), retention (SGLang's retention_seconds), continuum (Continuum's TTL pinning and
 job-level FCFS) and pause-oracle (kvflow knowing each pause's length); lpm (SGLang's
 longest-prefix-match order), queue-aware (PEEK's order over the waiting queue: pioneers first,
 clusters together, an oldest-first lane; eviction protects what queued requests need), kvflow-qa
-(kvflow with queue-aware admission) and kvflow-lpm (kvflow with lpm's order and status-aware loading).
+(kvflow with queue-aware admission).
 
 Examples:
   kvflow-ray sim --scenario single --agents 10 --fixed 8192 --dynamic 32 --output 32 \\

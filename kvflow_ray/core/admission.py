@@ -20,10 +20,11 @@ shares keeps its view current at the cost of the request that changed.
   IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD) tokens match an earlier such request's goes to the
   end (the in-batch prefix check); above `fcfs_above` (128, WAITING_QUEUE_PREFIX_MATCH_MAX) waiting
   requests the queue keeps its current order (SGLang falls back to FCFS, a no-op sort).
-- `lpm-status-aware`: `lpm`'s order with status-aware loading: a queued request's load starts at
-  once and a batch never waits for a member's load. Under memory pressure with deep queues the order
-  decides what fits (admission stops at the first request that does not), and a prefix-first order
-  admits requests that need little memory and computes a shared prompt once before its peers.
+- `lpm-status-aware` (kvflow's): `lpm`'s order with status-aware loading: a queued request's load
+  starts at once and a batch never waits for a member's load. Under memory pressure with deep
+  queues the order decides what fits (admission stops at the first request that does not), and a
+  prefix-first order admits requests that need little memory and computes a shared prompt once
+  before its peers. While agent sessions are live, `status-aware`'s job order instead.
 - `queue-aware`: PEEK's cLPM scheduler (github xiexbing/peek, `python/peek/online/lpm_integration.py`,
   preset `peek-online`) over the pending tree (`core.pending`), composed with status-aware loading.
   Details in `QueueAwareAdmission`.
@@ -106,16 +107,26 @@ class StatusAwareAdmission(ArrivalAdmission):
         self.sessions = sessions
 
     def order(self, waiting: Sequence[R], ready: Sequence[R]) -> Iterable[R]:
-        candidates = ready if ready else waiting
-        sessions = self.sessions
-        if sessions is None or not sessions.sessions:
-            return list(candidates)
+        return by_job(ready if ready else waiting, self.sessions)
 
-        def job(req: Any) -> tuple[float, int]:
-            state = sessions.state(req.workflow) if req.workflow is not None else None
-            return (req.arrival if state is None else state.opened, req.seq)
 
-        return sorted(candidates, key=job)
+def live_sessions(sessions: Any) -> bool:
+    """The replica has agent sessions (`core.sessions.SessionBook`) open."""
+    return sessions is not None and bool(sessions.sessions)
+
+
+def by_job(candidates: Sequence[R], sessions: Any) -> list[R]:
+    """Turns of agent sessions by their session's first arrival (job-level FCFS, as Continuum orders
+    jobs), so a job's later turns do not queue behind sessions that started after it; everything
+    else by arrival. Without live sessions, the candidates' own (arrival) order."""
+    if not live_sessions(sessions):
+        return list(candidates)
+
+    def job(req: Any) -> tuple[float, int]:
+        state = sessions.state(req.workflow) if req.workflow is not None else None
+        return (req.arrival if state is None else state.opened, req.seq)
+
+    return sorted(candidates, key=job)
 
 
 class QueueTracking(ArrivalAdmission):
@@ -233,13 +244,27 @@ class LongestPrefixAdmission(QueueTracking):
 
 
 class LongestPrefixStatusAware(LongestPrefixAdmission):
-    """SGLang's longest-prefix-match order (`LongestPrefixAdmission`, its defaults) with KVFlow's
-    status-aware loading: queued loads start at once and a batch runs without a member whose prefix
-    is still loading. Sessions keep no job order here (the order is by prefix)."""
+    """kvflow's admission: KVFlow's status-aware loading (queued loads start at once; a batch runs
+    without a member whose prefix is still loading) over SGLang's longest-prefix-match order
+    (`LongestPrefixAdmission`, its defaults): under memory pressure with a deep queue it admits what
+    needs least new memory and computes a shared prompt once. While the replica has live agent
+    sessions, the order is `status-aware`'s instead (ready requests first, by job): a session's
+    history is private, so the prefix order has no prompt to share and passes over new sessions,
+    while finishing started jobs first bounds their completion time (docs/design.md)."""
 
     name = "lpm-status-aware"
     loads_while_queued = True
     batch_waits_for_loads = False
+
+    def __init__(self, tree: RadixTree | None, clock: Callable[[], float] | None, *, sessions: Any = None,
+                 check: int = 32, deprioritize: int = 32, fcfs_above: int = 128) -> None:
+        super().__init__(tree, clock, check=check, deprioritize=deprioritize, fcfs_above=fcfs_above)
+        self.sessions = sessions
+
+    def order(self, waiting: Sequence[R], ready: Sequence[R]) -> Iterable[R]:
+        if live_sessions(self.sessions):
+            return by_job(ready if ready else waiting, self.sessions)
+        return super().order(waiting, ready)
 
 
 class QueueAwareAdmission(QueueTracking):
@@ -410,8 +435,8 @@ def _lpm(context: PolicyContext, *, check: int = 32, deprioritize: int = 32,
 def _lpm_status_aware(context: PolicyContext, *, check: int = 32, deprioritize: int = 32,
                       fcfs_above: int = 128) -> AdmissionPolicy:
     """SGLang's longest-prefix-match order with KVFlow's status-aware loading"""
-    return LongestPrefixStatusAware(context.tree, context.clock, check=check, deprioritize=deprioritize,
-                                    fcfs_above=fcfs_above)
+    return LongestPrefixStatusAware(context.tree, context.clock, sessions=context.sessions, check=check,
+                                    deprioritize=deprioritize, fcfs_above=fcfs_above)
 
 
 @partial(ADMISSION.register, "queue-aware")

@@ -63,21 +63,26 @@ class PolicyConfig:
 
 WRITE_AHEAD_FACTOR = 10.0  # a paused history is written to the host at once when its pause is this many copies long
 
+KVFLOW_ADMISSION = "lpm-status-aware"
+
 POLICIES: dict[str, PolicyConfig] = {
     "lru": PolicyConfig("lru", "lru", host_tier=False, prefetch="none", admission="fcfs"),
     "hicache": PolicyConfig("hicache", "lru", host_tier=True, prefetch="none", admission="fcfs",
                             host_duplicates_first=True),
-    "kvflow": PolicyConfig("kvflow", "kvflow", host_tier=True, prefetch="steps-ahead", admission="status-aware"),
+    # kvflow's admission: status-aware loading, the queue in SGLang's longest-prefix-match order (a
+    # memory-bound replica with a deep queue admits what needs least memory and computes a shared prompt
+    # once; docs/results/fleet-routing.md); the rest of its family shares it, so they compare like for like
+    "kvflow": PolicyConfig("kvflow", "kvflow", host_tier=True, prefetch="steps-ahead", admission=KVFLOW_ADMISSION),
     "kvflow-noprefetch": PolicyConfig("kvflow-noprefetch", "kvflow", host_tier=True, prefetch="none",
-                                      admission="status-aware"),
+                                      admission=KVFLOW_ADMISSION),
     "belady": PolicyConfig("belady", "belady", host_tier=True, prefetch="none", admission="fcfs", oracle=True),
     "infinite": PolicyConfig("infinite", "lru", host_tier=False, prefetch="none", admission="fcfs", infinite=True),
     # dynamic workflows: KVFlow's eviction over expected steps from the learned transition model,
     # prefetch of likely next agents only, status-aware admission
     "predictive": PolicyConfig("predictive", "kvflow", host_tier=True, prefetch="likely-next",
-                               admission="status-aware", prediction="learned"),
+                               admission=KVFLOW_ADMISSION, prediction="learned"),
     # the clairvoyant bound: Belady eviction over the recorded trace, prefetch of the true next agent
-    "oracle": PolicyConfig("oracle", "belady", host_tier=True, prefetch="steps-ahead", admission="status-aware",
+    "oracle": PolicyConfig("oracle", "belady", host_tier=True, prefetch="steps-ahead", admission=KVFLOW_ADMISSION,
                            oracle=True, prediction="oracle"),
     # queue-aware prefix scheduling: SGLang's longest-prefix-match order (its `--schedule-policy lpm`,
     # with HiCache), PEEK's queue-aware order and demand-protecting eviction, and that with KVFlow's
@@ -86,15 +91,15 @@ POLICIES: dict[str, PolicyConfig] = {
                                 admission="queue-aware", host_duplicates_first=True),
     "kvflow-qa": PolicyConfig("kvflow-qa", "demand-kvflow", host_tier=True, prefetch="steps-ahead",
                               admission="queue-aware"),
-    # kvflow with SGLang's longest-prefix order over its queue (status-aware loading kept): what a
-    # memory-bound replica with a deep queue wants (docs/results/fleet-routing.md)
-    "kvflow-lpm": PolicyConfig("kvflow-lpm", "kvflow", host_tier=True, prefetch="steps-ahead",
-                               admission="lpm-status-aware"),
+    # the ablation of kvflow's order: status-aware loading with the queue in arrival order (ready
+    # requests first; a session's turns by its first arrival)
+    "kvflow-fcfs": PolicyConfig("kvflow-fcfs", "kvflow", host_tier=True, prefetch="steps-ahead",
+                                admission="status-aware"),
     # agent sessions in tool pauses (core.sessions, core.session_policies): kvflow ranks a paused
     # history by its predicted return and prefetches it before; the pause oracle knows each pause's
     # length; the peers' policies, each with HiCache's host tier (docs/design.md §11)
     "pause-oracle": PolicyConfig("pause-oracle", "kvflow", host_tier=True, prefetch="steps-ahead",
-                                 admission="status-aware", pauses="oracle"),
+                                 admission=KVFLOW_ADMISSION, pauses="oracle"),
     "tlru": PolicyConfig("tlru", "tlru", host_tier=True, prefetch="none", admission="fcfs",
                          host_duplicates_first=True,
                          # SGLang's defaults (0, 0) are LRU: ξ a TTFT budget of 4,096 uncached tokens,

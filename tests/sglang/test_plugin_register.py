@@ -124,7 +124,7 @@ def test_the_predictive_policy_reaches_the_plugin(sglang_plugin: None) -> None:
     from kvflow_ray.engines.sglang.engine import PLUGIN_CONFIG, policy_server_args
 
     args = policy_server_args(POLICIES["predictive"])
-    assert args[PLUGIN_CONFIG] == {"eviction": "kvflow", "prefetch": "likely-next", "admission": "status-aware"}
+    assert args[PLUGIN_CONFIG] == {"eviction": "kvflow", "prefetch": "likely-next", "admission": "lpm-status-aware"}
     reset_state()
     get_eviction_strategy("kvflow", {"eviction": "kvflow", "prefetch": "likely-next", "horizon": 2})
     st = state()

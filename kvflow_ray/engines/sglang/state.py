@@ -31,6 +31,7 @@ from kvflow_ray.core.prefetch import PREFETCH, PrefetchLedger, PrefetchPolicy
 from kvflow_ray.core.radix import Namespace, cache_namespace
 from kvflow_ray.core.registry import PolicyContext
 from kvflow_ray.core.routing import BLOCK_TOKENS, block_hashes
+from kvflow_ray.core.scheduler import KVFLOW_ADMISSION
 from kvflow_ray.core.snapshot import EngineSnapshot
 from kvflow_ray.engines.base import prefix_hash
 from kvflow_ray.engines.sglang import protocol
@@ -94,7 +95,7 @@ class Policies:
 
 
 def make_policies(book: StepBook, *, eviction: str = "kvflow", prefetch: str | bool = "steps-ahead",
-                  admission: str = "status-aware", **options: Any) -> Policies:
+                  admission: str = KVFLOW_ADMISSION, **options: Any) -> Policies:
     """The policies `--radix-eviction-policy-config` names, built through the core registries.
 
     `prefetch` may also be the old boolean (true: steps-ahead, false: none). Other keys are
