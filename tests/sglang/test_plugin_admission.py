@@ -77,17 +77,37 @@ def test_gate_skips_a_loading_request_and_admits_a_ready_one(rig: sc.CacheRig) -
     assert "ra" not in st.held_since
 
 
-def test_sglangs_queue_order_puts_loading_requests_behind_ready_ones(rig: sc.CacheRig) -> None:
+def test_sglangs_queue_order_puts_loading_requests_behind_ready_ones(sglang_plugin: None) -> None:
     """Status-aware admission orders the waiting queue through the hooked `SchedulePolicy.calc_priority`
     (in place, the scheduler's own list): ready requests first, in SGLang's order."""
-    ra, rb = waiting_req(rig, [*A, 1], "ra"), waiting_req(rig, [*B, 2], "rb")
-    state().loading_ids.update(node.id for node in path_to_root(rig.node(ra.last_node)))
+    for tree in sc.TREES:
+        reset_state()
+        rig = sc.build(tree, "kvflow", policy_config={"admission": "status-aware"})
+        rig.serve(A, "c1", "a", fixed=len(A))
+        rig.serve(B, "c1", "b", fixed=len(B))
+        ra, rb = waiting_req(rig, [*A, 1], "ra"), waiting_req(rig, [*B, 2], "rb")
+        state().loading_ids.update(node.id for node in path_to_root(rig.node(ra.last_node)))
+        queue = [ra, rb]
+        SchedulePolicy("fcfs", rig.cache, False, False, False).calc_priority(queue)
+        assert [r.rid for r in queue] == ["rb", "ra"]
+        state().loading_ids.clear()
+        SchedulePolicy("fcfs", rig.cache, False, False, False).calc_priority(queue)
+        assert [r.rid for r in queue] == ["rb", "ra"], "nothing loading: SGLang's order is kept"
+
+
+def test_kvflows_queue_order_is_the_longest_cached_prefix_first(rig: sc.CacheRig) -> None:
+    """kvflow's default admission (`lpm-status-aware`) orders the queue through the same hook by
+    cached prefix, a loading request included: the adder passes over it while it loads."""
+    assert type(state().admission).__name__ == "LongestPrefixStatusAware"
+    ra, rb = waiting_req(rig, [*B[:120], 3], "ra"), waiting_req(rig, [*A, 1], "rb")
+    assert (ra.prefix_len, rb.prefix_len) == (120, len(A))
+    state().loading_ids.update(node.id for node in path_to_root(rig.node(rb.last_node)))
     queue = [ra, rb]
     SchedulePolicy("fcfs", rig.cache, False, False, False).calc_priority(queue)
     assert [r.rid for r in queue] == ["rb", "ra"]
-    state().loading_ids.clear()
-    SchedulePolicy("fcfs", rig.cache, False, False, False).calc_priority(queue)
-    assert [r.rid for r in queue] == ["rb", "ra"], "nothing loading: SGLang's order is kept"
+    adder = adder_for(rig)
+    assert adder.add_one_req(rb, False, None) == AddReqResult.CONTINUE  # loading: passed over
+    assert adder.add_one_req(ra, False, None) == AddReqResult.CONTINUE and ra in adder.can_run_list
 
 
 def test_a_loading_request_is_held_even_alone(rig: sc.CacheRig) -> None:

@@ -91,7 +91,7 @@ def test_kvflow_gets_the_python_tree_core_and_other_policies_keep_the_default(
 def test_the_strategy_takes_its_config_from_the_cli_json(sglang_plugin: None) -> None:
     from sglang.srt.mem_cache.utils import get_eviction_strategy
 
-    from kvflow_ray.core.admission import FCFSAdmission, StatusAwareAdmission
+    from kvflow_ray.core.admission import FCFSAdmission, LongestPrefixStatusAware
     from kvflow_ray.core.policies import KVFlowPolicy, LRUPolicy
     from kvflow_ray.core.prefetch import NoPrefetch, StepsAheadPrefetch
 
@@ -99,7 +99,7 @@ def test_the_strategy_takes_its_config_from_the_cli_json(sglang_plugin: None) ->
     strategy = get_eviction_strategy("kvflow", {"horizon": 2, "max_inflight": 3})
     assert isinstance(strategy, hooks.KVFlowStrategy)
     st = state()
-    assert isinstance(st.eviction, KVFlowPolicy) and isinstance(st.admission, StatusAwareAdmission)
+    assert isinstance(st.eviction, KVFlowPolicy) and isinstance(st.admission, LongestPrefixStatusAware)
     assert isinstance(st.prefetcher, StepsAheadPrefetch)
     assert (st.prefetcher.horizon, st.prefetcher.max_inflight) == (2, 3)
 
