@@ -107,7 +107,7 @@ class StatusAwareAdmission(ArrivalAdmission):
         self.sessions = sessions
 
     def order(self, waiting: Sequence[R], ready: Sequence[R]) -> Iterable[R]:
-        return by_job(ready if ready else waiting, self.sessions)
+        return status_aware_order(waiting, ready, self.sessions)
 
 
 def live_sessions(sessions: Any) -> bool:
@@ -115,10 +115,12 @@ def live_sessions(sessions: Any) -> bool:
     return sessions is not None and bool(sessions.sessions)
 
 
-def by_job(candidates: Sequence[R], sessions: Any) -> list[R]:
-    """Turns of agent sessions by their session's first arrival (job-level FCFS, as Continuum orders
-    jobs), so a job's later turns do not queue behind sessions that started after it; everything
-    else by arrival. Without live sessions, the candidates' own (arrival) order."""
+def status_aware_order(waiting: Sequence[R], ready: Sequence[R], sessions: Any) -> list[R]:
+    """The ready requests (all waiting when none is ready): turns of agent sessions by their
+    session's first arrival (job-level FCFS, as Continuum orders jobs), so a job's later turns do not
+    queue behind sessions that started after it; everything else by arrival. Without live sessions,
+    arrival order."""
+    candidates = ready if ready else waiting
     if not live_sessions(sessions):
         return list(candidates)
 
@@ -263,7 +265,7 @@ class LongestPrefixStatusAware(LongestPrefixAdmission):
 
     def order(self, waiting: Sequence[R], ready: Sequence[R]) -> Iterable[R]:
         if live_sessions(self.sessions):
-            return by_job(ready if ready else waiting, self.sessions)
+            return status_aware_order(waiting, ready, self.sessions)
         return super().order(waiting, ready)
 
 

@@ -38,13 +38,18 @@ def adder_for(rig: sc.CacheRig) -> PrefillAdder:
     return cls(1, rig.cache, rig.allocator, None, 1.0, 100_000, 100_000)
 
 
-@pytest.fixture(params=sc.TREES)
-def rig(request: pytest.FixtureRequest, sglang_plugin: None) -> sc.CacheRig:
+def serving_rig(tree: str, policy_config: dict[str, str] | None = None) -> sc.CacheRig:
+    """A kvflow cache (the plugin's config `policy_config`) holding prompts A and B."""
     reset_state()
-    rig = sc.build(request.param, "kvflow")
+    rig = sc.build(tree, "kvflow", policy_config=policy_config)
     rig.serve(A, "c1", "a", fixed=len(A))
     rig.serve(B, "c1", "b", fixed=len(B))
     return rig
+
+
+@pytest.fixture(params=sc.TREES)
+def rig(request: pytest.FixtureRequest, sglang_plugin: None) -> sc.CacheRig:
+    return serving_rig(request.param)
 
 
 def test_kvflow_cache_gets_the_status_aware_adder_and_lru_the_plain_one(rig: sc.CacheRig) -> None:
@@ -77,22 +82,19 @@ def test_gate_skips_a_loading_request_and_admits_a_ready_one(rig: sc.CacheRig) -
     assert "ra" not in st.held_since
 
 
-def test_sglangs_queue_order_puts_loading_requests_behind_ready_ones(sglang_plugin: None) -> None:
+@pytest.mark.parametrize("tree", sc.TREES)
+def test_sglangs_queue_order_puts_loading_requests_behind_ready_ones(tree: str, sglang_plugin: None) -> None:
     """Status-aware admission orders the waiting queue through the hooked `SchedulePolicy.calc_priority`
     (in place, the scheduler's own list): ready requests first, in SGLang's order."""
-    for tree in sc.TREES:
-        reset_state()
-        rig = sc.build(tree, "kvflow", policy_config={"admission": "status-aware"})
-        rig.serve(A, "c1", "a", fixed=len(A))
-        rig.serve(B, "c1", "b", fixed=len(B))
-        ra, rb = waiting_req(rig, [*A, 1], "ra"), waiting_req(rig, [*B, 2], "rb")
-        state().loading_ids.update(node.id for node in path_to_root(rig.node(ra.last_node)))
-        queue = [ra, rb]
-        SchedulePolicy("fcfs", rig.cache, False, False, False).calc_priority(queue)
-        assert [r.rid for r in queue] == ["rb", "ra"]
-        state().loading_ids.clear()
-        SchedulePolicy("fcfs", rig.cache, False, False, False).calc_priority(queue)
-        assert [r.rid for r in queue] == ["rb", "ra"], "nothing loading: SGLang's order is kept"
+    rig = serving_rig(tree, {"admission": "status-aware"})
+    ra, rb = waiting_req(rig, [*A, 1], "ra"), waiting_req(rig, [*B, 2], "rb")
+    state().loading_ids.update(node.id for node in path_to_root(rig.node(ra.last_node)))
+    queue = [ra, rb]
+    SchedulePolicy("fcfs", rig.cache, False, False, False).calc_priority(queue)
+    assert [r.rid for r in queue] == ["rb", "ra"]
+    state().loading_ids.clear()
+    SchedulePolicy("fcfs", rig.cache, False, False, False).calc_priority(queue)
+    assert [r.rid for r in queue] == ["rb", "ra"], "nothing loading: SGLang's order is kept"
 
 
 def test_kvflows_queue_order_is_the_longest_cached_prefix_first(rig: sc.CacheRig) -> None:
