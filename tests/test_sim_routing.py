@@ -205,3 +205,31 @@ def test_under_pressure_the_workflow_router_keeps_each_application_on_fewer_repl
 
     ours, theirs = spread("workflow"), spread("pow2")
     assert ours[0] < theirs[0] and ours[1] < theirs[1]
+
+
+def test_replicas_prefetch_tenants_prompts_in_their_namespace() -> None:
+    """Tenants' workflows live in their tenant's cache namespace. A replica first told of a workflow
+    learns that namespace with its steps, whether or not the template carries prompt text (the
+    simulator's prompts are tokens), so KVFlow's prefetch finds the prompts where the requests put them."""
+    scenario = workload.fleet(tenants=None, apps=2, clients=96, rate=0.5, seed=0, pressure=2.0,
+                              fleet_kv_tokens=2 * 12_000)
+    sim = Simulation(load_profile("a10g-llama3.1-8b"), resolve_policy("kvflow"), replicas=2, gpu_capacity=12_000,
+                     routing="workflow")
+    namespaces: dict[str, set[str]] = {}  # workflow -> the namespaces replicas held for it when told its steps
+    for replica in sim.replicas:
+        apply = replica.scheduler.apply_hints
+
+        def spy_apply(steps: Any, *args: Any, replica: Any = replica, apply: Any = apply, **kwargs: Any) -> None:
+            apply(steps, *args, **kwargs)
+            for workflow in steps:
+                namespaces.setdefault(workflow, set()).add(replica.book.salt(workflow))
+
+        replica.scheduler.apply_hints = spy_apply  # type: ignore[method-assign]
+    for plan in scenario.plans:
+        sim.add_client(plan)
+    sim.run()
+    salts = {plan.key: plan.salt for plan in scenario.plans}
+    assert len(set(salts.values())) > 1 and namespaces.keys() == salts.keys()
+    assert all(held == {salts[workflow]} for workflow, held in namespaces.items())
+    result = summarise(sim)
+    assert result["prefetch_issued"] > 0 and result["prefetch_used"] > 0

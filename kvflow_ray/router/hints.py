@@ -53,9 +53,10 @@ class HintOutbox:
         out = []
         for replica in sorted(told & live):
             batch = self._outbox.setdefault(replica, HintBatch())
-            if replica in new and texts:  # its first time: the prompts, in their namespace
-                batch.prompts[key] = texts
+            if replica in new:  # its first time: the instance's namespace, and the prompts when known
                 batch.salts[key] = salt
+                if texts:
+                    batch.prompts[key] = texts
             elsewhere = (everywhere_else if replica not in targets.values()
                          else sorted(agent for agent, target in targets.items() if target != replica))
             batch.steps[key] = steps
