@@ -561,6 +561,50 @@ def test_retiring_a_workflow_removes_its_tags(model: CpuModel) -> None:
         assert result.gpu_hit_tokens >= len(FIXED["a2"])
 
 
+def _prompt_nodes(engine: CpuEngine, agent: str) -> list[Any]:
+    return engine.cache.tree.match_prefix(FIXED[agent], split=False).path
+
+
+def test_an_agents_prompt_ranks_by_its_steps_from_the_hint_not_from_its_first_call(model: CpuModel) -> None:
+    """docs/design.md §3: an agent's E is set on its fixed prompt's nodes. A new workflow instance of
+    the same template finds the prompt cached by an earlier, finished instance: the hint that names its
+    agent (E = 1) ranks those nodes at once, before the agent's first call."""
+    with CpuEngine(_config("kvflow", 1_000), model=model) as engine:
+        engine.apply_hints(Hints(steps={"old": {"a2": 0.0}}, prompts={("old", "a2"): FIXED["a2"]}))
+        engine.generate(_request("a2", FIXED["a2"] + _tokens(5, 60), workflow="old"))
+        engine.apply_hints(Hints(retire=["old"]))
+        engine.step()
+        distance = engine.cache.eviction.node_distance
+        nodes = _prompt_nodes(engine, "a2")
+        assert nodes and all(distance(node) == float("inf") for node in nodes)  # a finished instance's: first to go
+
+        engine.apply_hints(Hints(steps={"new": {"a2": 1.0}}, prompts={("new", "a2"): FIXED["a2"]}))
+        engine.step()
+        assert all(("new", "a2") in node.tags and distance(node) == 1.0 for node in _prompt_nodes(engine, "a2"))
+        engine.cache.tree.check_invariants()
+
+
+def test_a_prompt_computed_for_one_instance_carries_the_steps_of_the_others(model: CpuModel) -> None:
+    """Two instances of one template await the same agent; the first computes its prompt. The new nodes
+    carry the second's tag too, so they keep its steps once the first instance is done."""
+    with CpuEngine(_config("kvflow", 1_000), model=model) as engine:
+        engine.apply_hints(Hints(steps={"first": {"a3": 0.0}, "second": {"a3": 2.0}},
+                                 prompts={("first", "a3"): FIXED["a3"], ("second", "a3"): FIXED["a3"]}))
+        assert _prompt_nodes(engine, "a3") == []  # nothing cached yet: nothing to tag
+        engine.generate(_request("a3", FIXED["a3"] + _tokens(5, 61), workflow="first"))
+        nodes = _prompt_nodes(engine, "a3")
+        assert nodes and all({("first", "a3"), ("second", "a3")} <= node.tags for node in nodes)
+        engine.apply_hints(Hints(retire=["first"]))
+        engine.step()
+        distance = engine.cache.eviction.node_distance
+        assert all(distance(node) == 2.0 for node in _prompt_nodes(engine, "a3"))
+        # a third instance of another tenant (namespace) does not share the prompt's nodes
+        engine.apply_hints(Hints(steps={"other": {"a3": 1.0}}, prompts={("other", "a3"): FIXED["a3"]},
+                                 salts={"other": "tenant-b"}))
+        engine.step()
+        assert not any(("other", "a3") in node.tags for node in engine.cache.tree.nodes())
+
+
 def test_cache_events_report_tier_changes_and_drain(model: CpuModel) -> None:
     fixed = _tokens(100, 40)
     # 300 device tokens; the host takes exactly what the first three calls write back (360), no more

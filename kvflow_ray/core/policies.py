@@ -14,6 +14,7 @@ import bisect
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from functools import partial
 from typing import Protocol
 
@@ -71,6 +72,9 @@ class StepBook:
         # workflow -> cache namespace of its requests (absent: the default ""), so its prompts are
         # matched, tagged and prefetched where its requests will look for them
         self._salts: dict[str, str] = {}
+        # (namespace, fixed prompt) -> the agents registered with it: the same template's agent in
+        # every live instance, so a prompt's nodes carry the steps of all of them (`sharing`)
+        self._sharing: dict[tuple[str, tuple[int, ...]], set[Tag]] = {}
         self.near_horizon = near_horizon
         # agents with E <= near_horizon that this replica may prefetch for, so prefetch planning never
         # scans every live workflow (an agent the router sends elsewhere is not among them)
@@ -120,6 +124,7 @@ class StepBook:
         for agent, e in self._steps.pop(workflow, {}).items():
             if e <= self.near_horizon:
                 self.near.pop((workflow, agent), None)
+        self._unshare(workflow)
         self._prompts.pop(workflow, None)
         self._salts.pop(workflow, None)
         self._changed(workflow)
@@ -166,10 +171,13 @@ class StepBook:
         """The cache namespace of `workflow`'s requests ("" = the default namespace)."""
         if self._salts.get(workflow, "") == salt:
             return
+        self._unshare(workflow)
         if salt:
             self._salts[workflow] = salt
         else:
             self._salts.pop(workflow, None)
+        for agent, tokens in self._prompts.get(workflow, {}).items():
+            self._sharing.setdefault((salt, tokens), set()).add((workflow, agent))
         self.version += 1  # prefetch plans look its prompts up elsewhere now
 
     def salt(self, workflow: str) -> str:
@@ -177,7 +185,37 @@ class StepBook:
         return self._salts.get(workflow, "")
 
     def register_prompt(self, tag: Tag, tokens: Sequence[int]) -> None:
-        self._prompts.setdefault(tag[0], {})[tag[1]] = tuple(tokens)
+        prompts = self._prompts.setdefault(tag[0], {})
+        salt = self.salt(tag[0])
+        old = prompts.get(tag[1])
+        if old is not None:
+            self._drop_sharer((salt, old), tag)
+        prompts[tag[1]] = prompt = tuple(tokens)
+        self._sharing.setdefault((salt, prompt), set()).add(tag)
+
+    def registered(self, prompts: Mapping[Tag, Sequence[int]]) -> Iterator[tuple[Tag, Sequence[int], str]]:
+        """Of a hint batch's `prompts` (after `apply`), those of live instances, with their namespace:
+        a cache tags what it holds of each now, so an agent's prompt carries its steps from the
+        moment they are known, not from its first call (docs/design.md §3)."""
+        for tag, tokens in prompts.items():
+            if tag[0] in self._steps:
+                yield tag, tokens, self.salt(tag[0])
+
+    def sharing(self, namespace: str, prompt: Sequence[int]) -> AbstractSet[Tag]:
+        """The agents whose fixed prompt is `prompt` in `namespace` (in every live instance)."""
+        return self._sharing.get((namespace, tuple(prompt)), frozenset())
+
+    def _drop_sharer(self, key: tuple[str, tuple[int, ...]], tag: Tag) -> None:
+        sharers = self._sharing.get(key)
+        if sharers is not None:
+            sharers.discard(tag)
+            if not sharers:
+                del self._sharing[key]
+
+    def _unshare(self, workflow: str) -> None:
+        salt = self.salt(workflow)
+        for agent, tokens in self._prompts.get(workflow, {}).items():
+            self._drop_sharer((salt, tokens), (workflow, agent))
 
     def prompt(self, tag: Tag) -> tuple[int, ...] | None:
         agents = self._prompts.get(tag[0])

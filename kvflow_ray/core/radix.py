@@ -535,15 +535,19 @@ class RadixTree:
 
         A node straddling the fixed-prompt boundary is split so the dynamic remainder stays untagged."""
         match = self.match_prefix(tokens, split=split, namespace=namespace)
+        self.tag_path(match.path, tag)
+        return match.path
+
+    def tag_path(self, path: Sequence[RadixNode], tag: Tag) -> None:
+        """Tag the nodes of `path` (a fixed prompt's, from `tag_prefix`) with `tag` too."""
         wf_nodes = self._by_workflow.setdefault(tag[0], set())
         self._agents_by_workflow.setdefault(tag[0], set()).add(tag[1])
-        for node in match.path:
+        for node in path:
             if tag not in node.tags:
                 node.tags.add(tag)
                 node.prio_cache = (-1, 0.0)  # its distance may change: recompute on next use
                 self.rank_dirty[node] = None
                 wf_nodes.add(node)
-        return match.path
 
     def untag_workflow(self, workflow: str) -> int:
         """Drop every tag of a retired workflow instance; returns the number of nodes touched."""

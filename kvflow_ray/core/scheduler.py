@@ -381,6 +381,8 @@ class ReplicaScheduler:
         if sessions:  # a live session's rank is its pause's, kept here (the router's steps know no time)
             steps = {wf: agent_steps for wf, agent_steps in steps.items() if wf not in sessions}
         self.book.apply(steps, prompts, retire, salts, elsewhere)
+        for tag, tokens, namespace in self.book.registered(prompts):
+            self.cache.tree.tag_prefix(tokens, tag, namespace=namespace)
         self.retire(retire, book=False)
         self.plan_prefetch()
 
@@ -685,8 +687,12 @@ class ReplicaScheduler:
         req.committed = sum(len(node.key) for node in path)
         req.private -= computed - min(computed, len(req.tokens) - req.committed)
         if req.fixed_len and req.workflow is not None and req.agent is not None:
-            self.cache.tree.tag_prefix(req.tokens[:req.fixed_len], (req.workflow, req.agent),
-                                       namespace=req.cache_salt)
+            fixed = req.tokens[:req.fixed_len]
+            tree = self.cache.tree
+            fixed_path = tree.tag_prefix(fixed, (req.workflow, req.agent), namespace=req.cache_salt)
+            # the same prompt's agents in other live instances: its new nodes carry their steps too
+            for tag in self.book.sharing(req.cache_salt, fixed):
+                tree.tag_path(fixed_path, tag)
         self.cache.tree.lock(path[-1] if path else None)
         self.cache.tree.unlock(req.locked)
         req.locked = path[-1] if path else None

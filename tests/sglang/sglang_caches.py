@@ -13,10 +13,12 @@ import itertools
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -74,6 +76,11 @@ class CacheRig:
         """A bare tree insert (SGLang unit-test style), values from the real allocator."""
         value = self.allocator.alloc(len(tokens))
         return self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=value))
+
+    def hints(self, payload: str) -> None:
+        """What the router sends, through the scheduler method `collective_rpc` calls (on the
+        scheduler of this cache)."""
+        getattr(Scheduler, protocol.RPC_APPLY_HINTS)(SimpleNamespace(tree_cache=self.cache), payload)
 
     # ------------------------------------------------------------------ inspection
     def match(self, tokens: Sequence[int], cache_salt: str | None = None) -> Any:

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import sglang_caches as sc
-from sglang.srt.managers.scheduler import Scheduler
 
 from kvflow_ray.core.prefetch import Load
 from kvflow_ray.engines.base import prefix_hash
@@ -74,7 +73,7 @@ def test_hints_give_prefetch_the_workflows_namespace(rig: sc.CacheRig) -> None:
     nearest first; on a real tree (no host tier on CPU) there is nothing to load."""
     st = state()
     fixed = list(range(100, 140))
-    getattr(Scheduler, protocol.RPC_APPLY_HINTS)(None, protocol.encode_hints(
+    rig.hints(protocol.encode_hints(
         {"t1/c1": {"planner": 0}, "c0": {"planner": 1}},
         {("t1/c1", "planner"): fixed, ("c0", "planner"): fixed}, salts={"t1/c1": "t1"}))
     asked: list[tuple[tuple[str, str], str, float]] = []
@@ -88,5 +87,5 @@ def test_hints_give_prefetch_the_workflows_namespace(rig: sc.CacheRig) -> None:
     scheduler = SimpleNamespace(tree_cache=rig.cache, waiting_queue=[])
     assert hooks.start_prefetches(rig.cache, scheduler, Recording(rig.cache)) == 0
     assert asked == [(("t1/c1", "planner"), "t1", 0.0), (("c0", "planner"), "", 1.0)]
-    getattr(Scheduler, protocol.RPC_APPLY_HINTS)(None, protocol.encode_hints(retire=["t1/c1"]))
+    rig.hints(protocol.encode_hints(retire=["t1/c1"]))
     assert st.book.salt("t1/c1") == ""

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import sglang_caches as sc
-from sglang.srt.managers.scheduler import Scheduler
 
 from kvflow_ray.core.graph import WorkflowState, parse_spec
 from kvflow_ray.engines.sglang import protocol
@@ -33,10 +32,10 @@ def suffix(agent_index: int, call: int = 0) -> list[int]:
     return [500_000 + 1000 * agent_index + 100 * call + j for j in range(DYNAMIC)]
 
 
-def hints(steps: dict[str, dict[str, float]], prompts: dict[tuple[str, str], list[int]] | None = None,
-          retire: tuple[str, ...] = ()) -> None:
+def hints(rig: sc.CacheRig, steps: dict[str, dict[str, float]],
+          prompts: dict[tuple[str, str], list[int]] | None = None, retire: tuple[str, ...] = ()) -> None:
     """What the router sends, through the scheduler method `collective_rpc` calls."""
-    getattr(Scheduler, protocol.RPC_APPLY_HINTS)(None, protocol.encode_hints(steps, prompts or {}, retire))
+    rig.hints(protocol.encode_hints(steps, prompts or {}, retire))
 
 
 def eviction_order(rig: sc.CacheRig, calls: dict[str, list[int]], fixed: dict[str, list[int]]) -> list[str]:
@@ -81,7 +80,7 @@ def test_sequential_workflow_evicts_suffixes_then_farthest_agent_first(rig: sc.C
     agents = ["planner", "searcher", "executor", "expresser"]
     steps = steps_of(SEQUENTIAL, running=["planner"])
     assert steps == {"planner": 0, "searcher": 1, "executor": 2, "expresser": 3}
-    hints({"c1": steps})
+    hints(rig, {"c1": steps})
     # served newest-last in the order LRU would keep best: expresser ran most recently
     fixed, calls = serve_agents(rig, "c1", agents)
     order = eviction_order(rig, calls, fixed)
@@ -96,7 +95,7 @@ def fixed_eviction_order(tree: str, client: str, steps: dict[str, float], serve_
     more recently used), evict everything; the order in which the agents' fixed prompts went."""
     reset_state()
     rig = sc.build(tree, "kvflow")
-    hints({client: steps})
+    hints(rig, {client: steps})
     agents = sorted(serve_order)
     fixed, calls = serve_agents(rig, client, agents, serve_order=serve_order)
     return [e.removesuffix("/fixed") for e in eviction_order(rig, calls, fixed) if e.endswith("/fixed")]
@@ -155,7 +154,7 @@ def test_shared_preamble_kept_while_any_near_agent_uses_it(rig: sc.CacheRig) -> 
     """Two instances of one template share a preamble node (min over its users). Instance c1's
     agent is about to run, c2's are far: c2's prompts go, the preamble stays; once c1 retires,
     the preamble goes like everything else of a finished workflow."""
-    hints({"c1": {"writer": 0}, "c2": {"writer": 5, "editor": 6}})
+    hints(rig, {"c1": {"writer": 0}, "c2": {"writer": 5, "editor": 6}})
     preamble = list(range(10_000, 10_000 + PREAMBLE))
     c1_writer = prompt(0, preamble=True)
     c2_writer = preamble + [70_000 + j for j in range(FIXED)]
@@ -171,7 +170,7 @@ def test_shared_preamble_kept_while_any_near_agent_uses_it(rig: sc.CacheRig) -> 
     assert rig.matched(c1_writer) == len(c1_writer)
     assert rig.matched(c2_writer) == PREAMBLE and rig.matched(c2_editor) == PREAMBLE
 
-    hints({}, retire=("c1",))  # c1 finished: its nodes rank as untagged (+inf) now
+    hints(rig, {}, retire=("c1",))  # c1 finished: its nodes rank as untagged (+inf) now
     rig.serve(c2_editor + suffix(3), "c2", "editor", fixed=len(c2_editor))  # c2 live again, far away
     rig.evict(FIXED)
     assert rig.matched(c1_writer) == PREAMBLE, "the retired workflow's prompt goes before a live one"
@@ -179,7 +178,7 @@ def test_shared_preamble_kept_while_any_near_agent_uses_it(rig: sc.CacheRig) -> 
 
 
 def test_plain_requests_are_untagged_and_go_first(rig: sc.CacheRig) -> None:
-    hints({"c1": {"a": 4}})
+    hints(rig, {"c1": {"a": 4}})
     agent_call = prompt(0) + suffix(0)
     rig.serve(agent_call, "c1", "a", fixed=FIXED)
     plain = [900_000 + j for j in range(FIXED)]
@@ -193,13 +192,13 @@ def test_plain_requests_are_untagged_and_go_first(rig: sc.CacheRig) -> None:
 def test_prefetch_budget_counts_only_what_is_needed_later_than_the_agent(rig: sc.CacheRig) -> None:
     """`farther_evictable`: device tokens whose distance under the eviction policy (through the node
     view, cached per node) is farther than the agent to load; suffixes are untagged (+inf)."""
-    hints({"c1": {"a": 0, "b": 3}})
+    hints(rig, {"c1": {"a": 0, "b": 3}})
     serve_agents(rig, "c1", ["a", "b"])
     root = rig.cache.tree_core.root_node if rig.tree == "unified" else rig.cache.root_node
     st = state()
     assert st.farther_evictable(root, 1) == FIXED + 2 * DYNAMIC  # b's prompt and both suffixes
     assert st.farther_evictable(root, 5) == 2 * DYNAMIC
-    hints({"c1": {"a": 4, "b": 3}})  # a new book version: cached distances are recomputed
+    hints(rig, {"c1": {"a": 4, "b": 3}})  # a new book version: cached distances are recomputed
     assert st.farther_evictable(root, 1) == 2 * FIXED + 2 * DYNAMIC
 
 
@@ -274,7 +273,7 @@ def run_loop(tree: str, policy: str, iterations: int = 3) -> list[int]:
     for it in range(iterations):
         for i, agent in enumerate(agents):
             state.start(agent)
-            hints({"c1": state.steps_to_execution()})
+            hints(rig, {"c1": state.steps_to_execution()})
             call = prompt(i) + suffix(i, it)
             hits.append(rig.matched(call))
             rig.serve(call, "c1", agent, fixed=FIXED)

@@ -150,21 +150,20 @@ def test_a_bad_config_fails_startup_naming_what_is_accepted(sglang_plugin: None,
 
 
 def test_hints_reach_the_policy_and_bad_payloads_are_rejected(sglang_plugin: None) -> None:
-    from sglang.srt.managers.scheduler import Scheduler
-
     reset_state()
-    apply = getattr(Scheduler, protocol.RPC_APPLY_HINTS)
-    apply(None, protocol.encode_hints({"c1": {"a": 0, "b": float("inf")}}, {("c1", "a"): [1, 2, 3]}))
+    rig = sc.build("unified", "kvflow")  # `rig.hints` calls the method on its scheduler
+    apply = rig.hints
+    apply(protocol.encode_hints({"c1": {"a": 0, "b": float("inf")}}, {("c1", "a"): [1, 2, 3]}))
     st = state()
     assert st.book.steps(("c1", "a")) == 0 and st.book.steps(("c1", "b")) == float("inf")
     assert st.book.prompt(("c1", "a")) == (1, 2, 3)
-    apply(None, protocol.encode_hints(retire=["c1"]))
+    apply(protocol.encode_hints(retire=["c1"]))
     assert st.book.steps(("c1", "a")) == float("inf")
     # collective_rpc turns the exception into its failure message for the caller
     with pytest.raises(ValueError, match="malformed kvflow hints payload"):
-        apply(None, '{"steps": {"c1": 5}}')
+        apply('{"steps": {"c1": 5}}')
     with pytest.raises(ValueError, match="malformed kvflow hints payload"):
-        apply(None, "not json")
+        apply("not json")
 
 
 def test_each_scheduler_iteration_publishes_status(sglang_plugin: None, tmp_path: Path,

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import sglang_caches as sc
-from sglang.srt.managers.scheduler import Scheduler
 
 from kvflow_ray.core.routing import block_hashes
 from kvflow_ray.engines.sglang import hooks, protocol
-from kvflow_ray.engines.sglang.state import TAGS_ATTR, node_tags, path_to_root, reset_state, state
+from kvflow_ray.engines.sglang.state import TAGS_ATTR, NodeView, node_tags, path_to_root, reset_state, state
 
 
 @pytest.fixture(params=sc.TREES)
@@ -32,6 +31,30 @@ def test_fixed_prompt_is_tagged_and_the_dynamic_rest_is_not(rig: sc.CacheRig) ->
     # its children, so a shared ancestor must rank by its nearest user)
     node = rig.node(rig.match(fixed).last_device_node)
     assert all(("c1", "planner") in node_tags(n) for n in path_to_root(node))
+
+
+def test_a_hint_tags_the_cached_prompt_of_an_agent_before_its_first_call(rig: sc.CacheRig) -> None:
+    """docs/design.md §3: a new instance of a template finds its agent's prompt cached by a finished
+    one; the hint naming the agent tags those nodes at once (as the core engines do)."""
+    fixed = list(range(100, 160))
+    rig.serve([*fixed, 1, 2], "old", "writer", fixed=len(fixed), cache_salt="t1")
+    rig.hints(protocol.encode_hints(retire=["old"]))
+    rig.hints(protocol.encode_hints({"new": {"writer": 1}}, {("new", "writer"): fixed}, salts={"new": "t1"}))
+    node = rig.node(rig.match(fixed, "t1").last_device_node)
+    assert all(("new", "writer") in node_tags(n) for n in path_to_root(node))
+    assert state().eviction.node_distance(NodeView(node)) == 1.0
+    # the same tokens in another namespace are another prompt: nothing of it is cached, nothing tagged
+    rig.hints(protocol.encode_hints({"b": {"writer": 0}}, {("b", "writer"): fixed}, salts={"b": "t2"}))
+    assert ("b", "writer") not in node_tags(node)
+
+
+def test_a_prompt_computed_for_one_instance_carries_its_other_instances_tags(rig: sc.CacheRig) -> None:
+    fixed = list(range(100, 160))
+    rig.hints(protocol.encode_hints({"first": {"writer": 0}, "second": {"writer": 2}},
+                                    {("first", "writer"): fixed, ("second", "writer"): fixed}))
+    rig.serve([*fixed, 1, 2], "first", "writer", fixed=len(fixed))
+    assert tags_at(rig, fixed) == {("first", "writer"), ("second", "writer")}
+    assert tags_at(rig, [*fixed, 1, 2]) == set()
 
 
 def test_tags_survive_insert_splits(rig: sc.CacheRig) -> None:
@@ -64,8 +87,7 @@ def test_untagged_split_stays_untagged(rig: sc.CacheRig) -> None:
 
 def test_registered_prompt_sets_the_boundary_without_an_explicit_length(rig: sc.CacheRig) -> None:
     fixed = list(range(100, 150))
-    getattr(Scheduler, protocol.RPC_APPLY_HINTS)(
-        None, protocol.encode_hints({"c1": {"writer": 1}}, {("c1", "writer"): fixed}))
+    rig.hints(protocol.encode_hints({"c1": {"writer": 1}}, {("c1", "writer"): fixed}))
     rig.serve([*fixed, 7, 8, 9], "c1", "writer")  # no fixed_prefix_tokens: the registered prompt
     assert tags_at(rig, fixed) == {("c1", "writer")}
     assert tags_at(rig, [*fixed, 7, 8, 9]) == set()

@@ -174,7 +174,7 @@ def test_a_registered_prefetch_policy_chooses_what_the_plugin_loads(toys: None, 
     prompts = {("c1", agent): tokens(40, 1000 * (i + 1)) for i, agent in enumerate(("a", "b", "c"))}
     for (client, agent), p in prompts.items():
         rig.serve(p, client, agent, fixed=len(p))
-    getattr(Scheduler, protocol.RPC_APPLY_HINTS)(None, protocol.encode_hints({"c1": {"a": 0, "b": 1, "c": 2}}, prompts))
+    rig.hints(protocol.encode_hints({"c1": {"a": 0, "b": 1, "c": 2}}, prompts))
     scheduler = SimpleNamespace(tree_cache=rig.cache, waiting_queue=[])
     target = HostTierStandIn(rig)
     first = hooks.start_prefetches(rig.cache, scheduler, target)

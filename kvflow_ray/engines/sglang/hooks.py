@@ -140,8 +140,11 @@ def after_checkpoint(result: Any, cache: Any, req: Any, *args: Any, **kwargs: An
     prompt = req.origin_input_ids
     up_to = kwargs.get("up_to", len(prompt))
     fixed = min(st.book.fixed_length(tag, prompt, explicit), up_to)
-    stamp_fixed_prefix(cache, prompt, fixed, tag, extra_key=getattr(req, "extra_key", None),
-                       cache_salt=getattr(req, "cache_salt", None))
+    salt = getattr(req, "cache_salt", None)
+    path = stamp_fixed_prefix(cache, prompt, fixed, tag, extra_key=getattr(req, "extra_key", None), cache_salt=salt)
+    # the same prompt's agents in other live instances: its nodes carry their steps too
+    for sharer in st.book.sharing(salt or "", prompt[:fixed]):
+        st.tag(path, sharer)
 
 
 # -------------------------------------------------------------------------------------- admission
@@ -225,8 +228,14 @@ def after_calc_priority(result: Any, policy: Any, waiting_queue: list[Any], *arg
 
 
 def scheduler_apply_hints(scheduler: Any, payload: str) -> None:
-    """`Scheduler.kvflow_apply_hints`, reached through `Engine.collective_rpc` on every rank."""
-    state().apply_hints(payload)
+    """`Scheduler.kvflow_apply_hints`, reached through `Engine.collective_rpc` on every rank; the
+    cached nodes of the prompts it registers are tagged with their agents at once."""
+    st = state()
+    prompts = st.apply_hints(payload)
+    cache = scheduler.tree_cache
+    if uses_kvflow(cache):
+        for tag, tokens, salt in st.book.registered(prompts):
+            stamp_fixed_prefix(cache, tokens, len(tokens), tag, cache_salt=salt or None)
 
 
 def before_next_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:

@@ -236,9 +236,11 @@ class PluginState:
             logger.warning(message)
 
     # ------------------------------------------------------------------ hints (control path)
-    def apply_hints(self, payload: str) -> None:
+    def apply_hints(self, payload: str) -> dict[Tag, tuple[int, ...]]:
+        """Apply one hint batch to the book; returns the prompts it registered."""
         steps, prompts, retire, salts, elsewhere = protocol.decode_hints(payload)
         self.book.apply(steps, prompts, retire, salts, elsewhere)
+        return prompts
 
     # ------------------------------------------------------------------ eviction
     def priority(self, node: Any) -> tuple[float, ...]:
