@@ -584,6 +584,17 @@ def test_an_agents_prompt_ranks_by_its_steps_from_the_hint_not_from_its_first_ca
         engine.cache.tree.check_invariants()
 
 
+def test_a_cache_that_ranks_by_recency_gets_no_tags_ahead_of_calls(model: CpuModel) -> None:
+    """`hicache` ranks by recency alone: a hint leaves its tree as SGLang's would be (no look-up
+    splits a node, no tag is added)."""
+    with CpuEngine(_config("hicache", 1_000), model=model) as engine:
+        engine.generate(_request("a2", FIXED["a2"] + _tokens(5, 62), workflow="old"))
+        before = [(len(node.key), frozenset(node.tags)) for node in engine.cache.tree.nodes()]
+        engine.apply_hints(Hints(steps={"new": {"a2": 1.0}}, prompts={("new", "a2"): FIXED["a2"][:150]}))
+        engine.step()
+        assert [(len(node.key), frozenset(node.tags)) for node in engine.cache.tree.nodes()] == before
+
+
 def test_a_prompt_computed_for_one_instance_carries_the_steps_of_the_others(model: CpuModel) -> None:
     """Two instances of one template await the same agent; the first computes its prompt. The new nodes
     carry the second's tag too, so they keep its steps once the first instance is done."""

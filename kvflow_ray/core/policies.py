@@ -235,6 +235,14 @@ class EvictionPolicy(Protocol):
         ...
 
 
+def ranks_by_agents(policy: EvictionPolicy) -> bool:
+    """Whether `policy` ranks a node by the agents whose prompts it holds (a distance policy, alone or
+    under queued demand). Only such a cache tags prompts with their agents ahead of the agents' calls
+    (`StepBook.registered`, `StepBook.sharing`): the others never read those tags, and the look-ups
+    would split their nodes where SGLang's tree does not."""
+    return hasattr(policy, "node_distance")
+
+
 class LRUPolicy:
     name = "lru"
     incremental = True

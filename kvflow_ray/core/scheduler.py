@@ -20,7 +20,7 @@ import kvflow_ray.core.session_policies  # noqa: F401  (registers the session ba
 from kvflow_ray.core.admission import ADMISSION, AdmissionPolicy
 from kvflow_ray.core.cache import TieredCache
 from kvflow_ray.core.kv_budget import KvBudget
-from kvflow_ray.core.policies import EVICTION, FutureAccesses, StepBook
+from kvflow_ray.core.policies import EVICTION, FutureAccesses, StepBook, ranks_by_agents
 from kvflow_ray.core.predict import PREDICTION
 from kvflow_ray.core.prefetch import (
     PREFETCH,
@@ -298,6 +298,8 @@ class ReplicaScheduler:
         self.queue: WaitingIndex[CacheRequest] = WaitingIndex(cache.tree, self._prefix_state)
         self._arrivals = 0
         self.stats = ReplicaStats(prefetch=cache.prefetches)
+        # prompts carry their agents' steps from the hint on (design §3), where the eviction reads them
+        self.tags_ahead = ranks_by_agents(cache.eviction)
         # Settled admission (see `admit`): calls of the entry points that change what admission reads,
         # and the state (with the tree's access clock) an admission pass that changed nothing left
         # behind. Only for eviction
@@ -381,8 +383,9 @@ class ReplicaScheduler:
         if sessions:  # a live session's rank is its pause's, kept here (the router's steps know no time)
             steps = {wf: agent_steps for wf, agent_steps in steps.items() if wf not in sessions}
         self.book.apply(steps, prompts, retire, salts, elsewhere)
-        for tag, tokens, namespace in self.book.registered(prompts):
-            self.cache.tree.tag_prefix(tokens, tag, namespace=namespace)
+        if self.tags_ahead:
+            for tag, tokens, namespace in self.book.registered(prompts):
+                self.cache.tree.tag_prefix(tokens, tag, namespace=namespace)
         self.retire(retire, book=False)
         self.plan_prefetch()
 
@@ -690,9 +693,9 @@ class ReplicaScheduler:
             fixed = req.tokens[:req.fixed_len]
             tree = self.cache.tree
             fixed_path = tree.tag_prefix(fixed, (req.workflow, req.agent), namespace=req.cache_salt)
-            # the same prompt's agents in other live instances: its new nodes carry their steps too
-            for tag in self.book.sharing(req.cache_salt, fixed):
-                tree.tag_path(fixed_path, tag)
+            if self.tags_ahead:  # the same prompt's agents in other live instances: their steps too
+                for tag in self.book.sharing(req.cache_salt, fixed):
+                    tree.tag_path(fixed_path, tag)
         self.cache.tree.lock(path[-1] if path else None)
         self.cache.tree.unlock(req.locked)
         req.locked = path[-1] if path else None

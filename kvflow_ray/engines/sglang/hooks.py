@@ -22,6 +22,7 @@ from sglang.srt.mem_cache.common import match_kv_cache
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+from kvflow_ray.core.policies import ranks_by_agents
 from kvflow_ray.core.prefetch import Load, PrefetchTarget, plan_loads, queued_need
 from kvflow_ray.core.radix import Namespace
 from kvflow_ray.core.snapshot import EngineSnapshot
@@ -142,9 +143,9 @@ def after_checkpoint(result: Any, cache: Any, req: Any, *args: Any, **kwargs: An
     fixed = min(st.book.fixed_length(tag, prompt, explicit), up_to)
     salt = getattr(req, "cache_salt", None)
     path = stamp_fixed_prefix(cache, prompt, fixed, tag, extra_key=getattr(req, "extra_key", None), cache_salt=salt)
-    # the same prompt's agents in other live instances: its nodes carry their steps too
-    for sharer in st.book.sharing(salt or "", prompt[:fixed]):
-        st.tag(path, sharer)
+    if ranks_by_agents(st.eviction):  # the same prompt's agents in other live instances: their steps too
+        for sharer in st.book.sharing(salt or "", prompt[:fixed]):
+            st.tag(path, sharer)
 
 
 # -------------------------------------------------------------------------------------- admission
@@ -233,7 +234,7 @@ def scheduler_apply_hints(scheduler: Any, payload: str) -> None:
     st = state()
     prompts = st.apply_hints(payload)
     cache = scheduler.tree_cache
-    if uses_kvflow(cache):
+    if uses_kvflow(cache) and ranks_by_agents(st.eviction):
         for tag, tokens, salt in st.book.registered(prompts):
             stamp_fixed_prefix(cache, tokens, len(tokens), tag, cache_salt=salt or None)
 
