@@ -177,7 +177,7 @@ class StepBook:
         else:
             self._salts.pop(workflow, None)
         for agent, tokens in self._prompts.get(workflow, {}).items():
-            self._sharing.setdefault((salt, tokens), set()).add((workflow, agent))
+            self._share((salt, tokens), (workflow, agent))
         self.version += 1  # prefetch plans look its prompts up elsewhere now
 
     def salt(self, workflow: str) -> str:
@@ -191,19 +191,22 @@ class StepBook:
         if old is not None:
             self._drop_sharer((salt, old), tag)
         prompts[tag[1]] = prompt = tuple(tokens)
-        self._sharing.setdefault((salt, prompt), set()).add(tag)
+        self._share((salt, prompt), tag)
 
     def registered(self, prompts: Mapping[Tag, Sequence[int]]) -> Iterator[tuple[Tag, Sequence[int], str]]:
         """Of a hint batch's `prompts` (after `apply`), those of live instances, with their namespace:
         a cache tags what it holds of each now, so an agent's prompt carries its steps from the
         moment they are known, not from its first call (docs/design.md §3)."""
         for tag, tokens in prompts.items():
-            if tag[0] in self._steps:
+            if self.live(tag[0]):
                 yield tag, tokens, self.salt(tag[0])
 
     def sharing(self, namespace: str, prompt: Sequence[int]) -> AbstractSet[Tag]:
         """The agents whose fixed prompt is `prompt` in `namespace` (in every live instance)."""
         return self._sharing.get((namespace, tuple(prompt)), frozenset())
+
+    def _share(self, key: tuple[str, tuple[int, ...]], tag: Tag) -> None:
+        self._sharing.setdefault(key, set()).add(tag)
 
     def _drop_sharer(self, key: tuple[str, tuple[int, ...]], tag: Tag) -> None:
         sharers = self._sharing.get(key)
