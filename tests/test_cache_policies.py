@@ -172,10 +172,14 @@ class CacheMachine(RuleBasedStateMachine):
             assert not ok and not writebacks
             assert (self.tree.gpu_tokens, self.tree.cpu_tokens, self.cache.pending_free) == before
         elif not ok:
-            # it stopped because enough is on its way, or because nothing evictable was left
+            # it stopped because enough is on its way, because nothing evictable was left, or (policies
+            # that rank the host by their key) because a leaf's copy in flight makes host room for the
+            # next write-back when it lands, and the caller retries then
             leftover = [node for node in self.tree.gpu_leaves
                         if not (node.lock_ref or node.offloading or node.evict_pending)]
-            assert self.cache.free_tokens + self.cache.pending_free >= n or not leftover, leftover
+            landing = not self.cache.host_duplicates_first and any(
+                not node.children for node in self.cache.offloading_nodes)
+            assert self.cache.free_tokens + self.cache.pending_free >= n or not leftover or landing, leftover
         return ok, writebacks
 
     # -------------------------------------------------------------- rules
@@ -343,6 +347,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert cache.used_tokens <= cache.gpu_capacity
         offloading = sum(len(n) for n in nodes if n.offloading)
         assert cpu + offloading <= cache.cpu_capacity  # a write-back in flight holds its host space
+        assert set(cache.offloading_nodes) == {n for n in nodes if n.offloading}
         assert cache.pending_free == sum(len(n) for n in nodes if n.evict_pending)
         for n in nodes:
             if n.evict_pending:  # it leaves once its copy lands and its device children (all leaving) go
@@ -367,7 +372,7 @@ class CacheMachine(RuleBasedStateMachine):
             else:
                 cache.finish_load(busy[0], busy[0].key)
         assert cache.pending_free == 0, [n for n in cache.tree.nodes() if n.evict_pending]
-        assert cache.offloading_tokens == 0
+        assert cache.offloading_tokens == 0 and not cache.offloading_nodes  # nothing left to wait for
         cache.tree.check_invariants()
 
     @invariant()
@@ -740,6 +745,38 @@ def test_a_write_back_never_drops_a_host_copy_needed_sooner_than_the_node_it_sav
         assert kept_host is not x_saved, host_agent
         assert cache.counters.dropped_tokens == 4  # one of the two is lost either way
         cache.tree.check_invariants()
+
+
+def test_a_write_back_waits_for_host_room_that_a_lower_ranked_copy_in_flight_holds() -> None:
+    """The host holds agent b's prompt (needed in 1 step) and a call's untagged tail is on its way
+    there, taking the last free room. The device must evict agent x's prompt (needed in 8), which
+    has no host copy. Dropping b would lose the sooner of the two, and the room the tail holds is
+    enough: x waits for the tail to land, which then makes way for it, instead of leaving the device
+    without a backup for want of what a small copy holds for a moment."""
+    book = StepBook()
+    book.set_steps("w", {"b": 1, "x": 8, "y": 0})
+    cache = TieredCache(12, KVFlowPolicy(book), cpu_capacity=8, host_tier=True)
+    prompts = {"b": (1,) * 4, "x": (2,) * 4, "y": (3,) * 4}
+    for agent, prompt in prompts.items():
+        put(cache, prompt)
+        cache.tree.tag_prefix(prompt, ("w", agent))
+    to_host(cache, prompts["b"])
+    tail = put(cache, (9, 9))[-1]  # a call's private tail: no agent ranks it
+    ok, writebacks = cache.make_room(4)  # the tail goes first, written back into the host's free room
+    assert (ok, writebacks) == (False, [tail]) and cache._host_free() == 2
+    ok, writebacks = cache.make_room(6)  # x must go too: its write-back waits for the tail's copy
+    assert (ok, writebacks) == (False, [])
+    x = cache.tree.match_prefix(prompts["x"]).last
+    assert x.gpu is GpuState.READY and not x.evict_pending
+    cache.finish_offload(tail, tail.gpu_value)
+    ok, writebacks = cache.make_room(6)  # the landed tail makes way for x's copy
+    assert (ok, writebacks) == (False, [x])
+    cache.finish_offload(x, x.gpu_value)
+    assert cache.make_room(6) == (True, [])
+    assert cache.tree.match_prefix(prompts["x"]).length == 4 and x.cpu and x.gpu is GpuState.NONE
+    assert cache.tree.match_prefix(prompts["b"]).length == 4  # b kept its host copy
+    assert cache.counters.dropped_tokens == 2  # only the tail is lost
+    cache.tree.check_invariants()
 
 
 # ---------------------------------------------------------------------- prefetch

@@ -174,3 +174,21 @@ def test_profile_override_changes_cost_model() -> None:
     faster = load_profile("a10g-llama3.1-8b", {"peak_flops": "125e12"})
     assert faster.peak_flops == 125e12
     assert faster.step_time([(8192, 0)], []) < base.step_time([(8192, 0)], [])
+
+
+def test_a_small_host_tier_costs_kvflow_no_prompt_that_both_tiers_have_room_for() -> None:
+    """The paper's single workflow with a host tier of 7 of its 10 prompts: between the tiers there
+    is room for every prompt, so kvflow recomputes only the dynamic suffixes, as hicache does. (A
+    call's untagged output tail, written back into the host's last free room, once made the next
+    prompt's write-back a few tokens short while its copy was in flight, and that prompt was lost
+    every pass.) With less host room, kvflow recomputes less than hicache, and far less than lru."""
+    scenario = workload.single(agents=10, fixed=2048, dynamic=32, output=8, iterations=2)
+    suffixes = 10 * 2 * 32
+    recomputed = {}
+    for host in (14_336, 12_288):
+        profile = load_profile("a10g-llama3.1-8b", {"host_kv_tokens": str(host)})
+        out = run_policies(scenario, profile, ["lru", "hicache", "kvflow"], gpu_capacity=12_288)
+        recomputed[host] = {p: r["recomputed_tokens"] for p, r in out["results"].items()}
+    assert recomputed[14_336]["kvflow"] == recomputed[14_336]["hicache"] == suffixes
+    small = recomputed[12_288]
+    assert suffixes < small["kvflow"] < small["hicache"] / 4 < small["lru"]

@@ -13,12 +13,21 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 from kvflow_ray.core.policies import EvictionPolicy
 from kvflow_ray.core.prefetch import PrefetchLedger
 from kvflow_ray.core.radix import GpuState, Match, Namespace, RadixNode, RadixTree, Tag
 
 Rank = tuple[float, ...]  # an eviction key (`EvictionPolicy.priority`): smallest goes first
+
+
+class HostRoom(Enum):
+    """What a write-back finds on the host (`TieredCache._host_room_for`)."""
+
+    FREE = "free"  # room now: the copy starts
+    LANDING = "landing"  # room once lower-ranked copies in flight land: the eviction waits
+    NONE = "none"  # the node leaves the device without a backup
 
 
 @dataclass
@@ -50,6 +59,7 @@ class TieredCache:
         # host space reserved by device -> host copies in flight (they count in `tree.cpu_tokens` only
         # once they land): host use = tree.cpu_tokens + offloading_tokens <= cpu_capacity, always
         self.offloading_tokens = 0
+        self.offloading_nodes: dict[RadixNode, None] = {}  # the nodes of those copies
         self.counters = EvictionCounters()
         self.prefetches = PrefetchLedger()
         # last node of each agent's fixed prompt once fully cached: device residency is prefix-closed,
@@ -152,7 +162,9 @@ class TieredCache:
         needed as soon as the agent it loads for: `needed_by(steps)` of a distance policy).
 
         With a host tier, a node without a host copy is written back first and its device copy freed
-        when the engine reports the copy done; callers wait for that (free now = False) and retry.
+        when the engine reports the copy done; callers wait for that (free now = False) and retry. A
+        write-back whose host room a lower-ranked copy in flight holds stops the eviction there
+        (`_host_room_for`): callers retry when that copy lands.
         A node above such a node is evicted in policy order too: it is freed as soon as its last
         device child is (the device tier stays prefix-closed)."""
         if self.free_tokens >= n:
@@ -207,10 +219,15 @@ class TieredCache:
             above = parent
             while above is not None and above.evict_pending and not above.offloading:
                 above = above.parent
-            if self.host_tier and not node.cpu and self._make_host_room(len(node.key), saving=pri(node)):
+            backup = self.host_tier and not node.cpu
+            room = self._host_room_for(node, pri(node), writebacks) if backup else HostRoom.NONE
+            if room is HostRoom.LANDING:
+                break  # copies in flight make the room when they land: the caller retries then
+            if room is HostRoom.FREE:
                 node.offloading = True
                 node.evict_pending = True
                 self.offloading_tokens += len(node.key)
+                self.offloading_nodes[node] = None
                 self.pending_free += len(node.key)
                 self.counters.written_back_tokens += len(node.key)
                 writebacks.append(node)
@@ -369,6 +386,49 @@ class TieredCache:
             heapq.heappush(self._host_heap, entry)
         return self._host_free() >= n
 
+    def _host_room_for(self, node: RadixNode, key: Rank, planned: list[RadixNode]) -> HostRoom:
+        """Host room for `node`'s write-back (`key`: its eviction key; `planned`: the write-backs this
+        decision chose so far, none started). Host copies ranked below it go first
+        (`_make_host_room`). If they are not enough, the copies of nodes ranked below it still give
+        way, under the policies that rank the host by their key (not SGLang's order,
+        `host_duplicates_first`):
+        - write-backs planned in this decision are called off, lowest first (those nodes leave the
+          device without a backup, as they would have had this node been evicted first): host room
+          goes to the evicted nodes the policy values most, not to those it evicts first;
+        - leaves whose copies are in flight are dropped once they land: the node waits for them
+          (LANDING) rather than leave the device without a backup for want of the room a small copy
+          holds for a moment.
+        O(copies in flight)."""
+        n = len(node.key)
+        if self._make_host_room(n, saving=key):
+            return HostRoom.FREE
+        if self.host_duplicates_first or n > self.cpu_capacity:
+            return HostRoom.NONE
+        pri = self.eviction.priority
+        chosen = sorted((w for w in planned if pri(w) < key), key=pri)
+        started = self.offloading_nodes.keys() - set(planned)
+        landing = sum(len(w.key) for w in started if not w.children and pri(w) < key)
+        free = self._host_free()
+        if free + sum(len(w.key) for w in chosen) >= n:
+            for w in chosen:
+                if self._host_free() >= n:
+                    break
+                planned.remove(w)
+                self._call_off_write_back(w)
+            return HostRoom.FREE
+        return HostRoom.LANDING if landing and free + landing >= n else HostRoom.NONE
+
+    def _call_off_write_back(self, node: RadixNode) -> None:
+        """A write-back planned in this decision (its copy not started) is not made: the node leaves the
+        device without a backup, now, or once its device children are gone."""
+        node.offloading = False
+        self.offloading_tokens -= len(node.key)
+        self.offloading_nodes.pop(node, None)
+        self.counters.written_back_tokens -= len(node.key)
+        if node.n_gpu_children == 0 and node.lock_ref == 0:
+            self._unpend(node)
+            self._drop_gpu(node)
+
     def _reclaim_duplicates(self, n: int) -> None:
         """SGLang's `_reclaim_full_host_duplicates`: free the host copies of nodes on both tiers, in
         the order they became so (`RadixTree.host_duplicates`), until `n` host tokens are free; a
@@ -441,6 +501,7 @@ class TieredCache:
         assert node.offloading, node
         node.offloading = False
         self.offloading_tokens -= len(node.key)
+        self.offloading_nodes.pop(node, None)
         self.tree.set_cpu(node, True, cpu_value)
         # A request may have matched the node while its copy was in flight: then it stays. A node
         # whose device children are still being written back stays pending until they are freed.
@@ -458,6 +519,7 @@ class TieredCache:
             return False
         node.offloading = True
         self.offloading_tokens += len(node.key)
+        self.offloading_nodes[node] = None
         return True
 
 
