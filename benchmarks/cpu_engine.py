@@ -8,7 +8,10 @@
    engine; prints RSS growth beyond the KV pools.
    (1-3 run the seeded random model: its compute and KV are real, its weights do not matter here.)
 4. real model (SmolLM2-135M-Instruct, `--sections real`): `single` as in 1 under lru, hicache and
-   kvflow (what `kvflow-ray bench cpu` runs by default), then the engine side by side with Hugging Face
+   kvflow (what `kvflow-ray bench cpu` runs by default), twice: with the default host tier, which holds
+   every prompt (both host-tier policies then recompute only the dynamic suffixes, which no cache can
+   save), and with a host tier the size of the device pool, where the two tiers together cannot hold
+   every prompt and the policies' choices decide what is recomputed; then the engine side by side with Hugging Face
    `generate` on the same model in the same process, same prompts, greedy: single-stream decode
    tokens/s, 8 concurrent streams' aggregate decode tokens/s (against `generate` on the 8 prompts as
    one left-padded batch), and prefill tokens/s of a 2,048-token prompt. Decode rates leave the
@@ -27,6 +30,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -187,17 +191,23 @@ def real_model_speed(path: str, repeats: int) -> dict[str, Any]:
                        "prefill_vs_hf": median["engine_prefill"] / median["hf_prefill"]}}
 
 
-def print_real_model(r: dict[str, Any]) -> None:
-    p = r["policies"]
+def print_policies(p: dict[str, Any]) -> None:
     print(f"real model, single 10x2048/32/8, {p['params']['iterations']} measured passes (device pool "
-          f"{p['config']['device_kv_tokens']} tokens):")
-    print(f"{'policy':<10}{'latency s':>11}{'vs lru':>8}{'recomputed':>12}{'vs lru':>8}{'gpu hit':>9}{'cpu hit':>9}")
+          f"{p['config']['device_kv_tokens']} tokens, host pool {p['config']['host_kv_tokens']}):")
+    print(f"{'policy':<10}{'latency s':>11}{'vs lru':>8}{'recomputed':>12}{'vs lru':>8}{'loaded':>9}"
+          f"{'gpu hit':>9}{'cpu hit':>9}")
     lru = p["results"]["lru"]
     for name in POLICIES:
         q = p["results"][name]
         print(f"{name:<10}{q['latency_s']:>11.2f}{lru['latency_s'] / q['latency_s']:>7.2f}x"
               f"{q['recomputed_tokens']:>12}{q['recomputed_tokens'] / lru['recomputed_tokens']:>7.2f}x"
-              f"{q['gpu_hit_ratio']:>9.3f}{q['cpu_hit_ratio']:>9.3f}")
+              f"{q['loaded_tokens']:>9}{q['gpu_hit_ratio']:>9.3f}{q['cpu_hit_ratio']:>9.3f}")
+
+
+def print_real_model(r: dict[str, Any]) -> None:
+    print_policies(r["policies"])
+    if "policies_small_host" in r:
+        print_policies(r["policies_small_host"])
     t, x = r["tokens_per_s"], r["ratios"]
     print(f"real model ({r['params'] / 1e6:.1f}M params), engine vs Hugging Face generate, same process, greedy, "
           f"median of {r['repeats']}:")
@@ -232,10 +242,16 @@ def main() -> int:
         assert path is not None
         config = CpuEngineConfig(model=ModelConfig(path=path))
         scenario = workload.single(agents=10, fixed=2048, dynamic=32, output=8, iterations=1 if args.quick else 2)
+        model = CpuModel(config.model, threads=config.threads)
         with policy_progress("real model single") as progress:
-            policies = run_cpu_policies(scenario, config, POLICIES, progress=progress)
+            policies = run_cpu_policies(scenario, config, POLICIES, model=model, progress=progress)
+        small_host = replace(config, host_kv_tokens=config.device_kv_tokens)
+        with policy_progress("real model single, small host tier") as progress:
+            host_bound = run_cpu_policies(scenario, small_host, POLICIES, model=model, progress=progress)
+        del model
         out["real_model"] = real_model_speed(path, repeats=1 if args.quick else 3)
         out["real_model"]["policies"] = policies
+        out["real_model"]["policies_small_host"] = host_bound
         print_real_model(out["real_model"])
     out["wall_s"] = time.perf_counter() - started
     results_file.write_json(args.out, "cpu_engine", out)
