@@ -224,10 +224,8 @@ class TieredCache:
             if room is HostRoom.LANDING:
                 break  # copies in flight make the room when they land: the caller retries then
             if room is HostRoom.FREE:
-                node.offloading = True
+                self._offload_starts(node)
                 node.evict_pending = True
-                self.offloading_tokens += len(node.key)
-                self.offloading_nodes[node] = None
                 self.pending_free += len(node.key)
                 self.counters.written_back_tokens += len(node.key)
                 writebacks.append(node)
@@ -406,8 +404,6 @@ class TieredCache:
             return HostRoom.NONE
         pri = self.eviction.priority
         chosen = sorted((w for w in planned if pri(w) < key), key=pri)
-        started = self.offloading_nodes.keys() - set(planned)
-        landing = sum(len(w.key) for w in started if not w.children and pri(w) < key)
         free = self._host_free()
         if free + sum(len(w.key) for w in chosen) >= n:
             for w in chosen:
@@ -416,14 +412,14 @@ class TieredCache:
                 planned.remove(w)
                 self._call_off_write_back(w)
             return HostRoom.FREE
+        started = self.offloading_nodes.keys() - set(planned)
+        landing = sum(len(w.key) for w in started if not w.children and pri(w) < key)
         return HostRoom.LANDING if landing and free + landing >= n else HostRoom.NONE
 
     def _call_off_write_back(self, node: RadixNode) -> None:
         """A write-back planned in this decision (its copy not started) is not made: the node leaves the
         device without a backup, now, or once its device children are gone."""
-        node.offloading = False
-        self.offloading_tokens -= len(node.key)
-        self.offloading_nodes.pop(node, None)
+        self._offload_ends(node)
         self.counters.written_back_tokens -= len(node.key)
         if node.n_gpu_children == 0 and node.lock_ref == 0:
             self._unpend(node)
@@ -499,9 +495,7 @@ class TieredCache:
 
     def finish_offload(self, node: RadixNode, cpu_value: object = None) -> None:
         assert node.offloading, node
-        node.offloading = False
-        self.offloading_tokens -= len(node.key)
-        self.offloading_nodes.pop(node, None)
+        self._offload_ends(node)
         self.tree.set_cpu(node, True, cpu_value)
         # A request may have matched the node while its copy was in flight: then it stays. A node
         # whose device children are still being written back stays pending until they are freed.
@@ -517,10 +511,20 @@ class TieredCache:
         self._end_host_round()
         if not room:
             return False
+        self._offload_starts(node)
+        return True
+
+    def _offload_starts(self, node: RadixNode) -> None:
+        """A device -> host copy of `node` is on its way: it holds its host space until it lands."""
         node.offloading = True
         self.offloading_tokens += len(node.key)
         self.offloading_nodes[node] = None
-        return True
+
+    def _offload_ends(self, node: RadixNode) -> None:
+        """The copy landed or was called off before it started."""
+        node.offloading = False
+        self.offloading_tokens -= len(node.key)
+        del self.offloading_nodes[node]
 
 
 
