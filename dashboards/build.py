@@ -444,10 +444,13 @@ def workflows() -> dict[str, Any]:
                    "back (early: the history was on its way) or after (late: the turn waited for it), per second.",
                    "ops", Target(or_zero(sum_by(["timing"], rate("kvflow_session_prefetch_total", REPLICA)),
                                          label="timing"), "{{timing}}"), width=8, stacking="normal"),
-        timeseries("Retained session history by tenant", "History tokens of paused sessions ranked as needed, per "
-                   "tenant (bounded by tenant_retain_tokens: a pause never pins memory).", "short",
-                   Target(or_zero(sum_by(["tenant"], selector("kvflow_session_retained_tokens", REPLICA, TENANT)),
-                                  label="tenant"), "{{tenant}}"), width=8, stacking="normal"),
+        timeseries("Retained and pinned session history by tenant", "KV bytes of paused sessions' histories, per "
+                   "tenant: retained (ranked as needed, bounded by tenant_retain_tokens; kvflow never pins) and "
+                   "pinned (held whatever its rank: Continuum's pins, SGLang's retention_seconds).", "bytes",
+                   Target(or_zero(sum_by(["tenant"], selector("kvflow_session_retained_bytes", REPLICA, TENANT)),
+                                  label="tenant"), "{{tenant}} retained"),
+                   Target(or_zero(sum_by(["tenant"], selector("kvflow_session_pinned_bytes", REPLICA, TENANT)),
+                                  label="tenant"), "{{tenant}} pinned"), width=8, stacking="normal"),
     ]
     layer_tokens = "kvflow_reuse_layer_tokens_total"
     reuse = [

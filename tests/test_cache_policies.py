@@ -293,6 +293,21 @@ class CacheMachine(RuleBasedStateMachine):
         self.tree.untag_workflow(wf)
         assert all(t[0] != wf for n in self.tree.nodes() for t in n.tags)
 
+    @rule(wf=st.sampled_from(WFS), keep=st.integers(0, 12))
+    def free_private(self, wf: str, keep: int) -> None:
+        """A session ended: its history's unshared nodes past `keep` tokens leave both tiers at once."""
+        history = list(self.tree.workflow_nodes(wf))
+        self.book.retire(wf)
+        self.tree.untag_workflow(wf)
+        before = self.cache.counters.released_tokens
+        freed = self.cache.free_private(history, keep)
+        assert self.cache.counters.released_tokens - before == freed
+        page = self.tree.page_size
+        for node in history:
+            if node.parent is not None and not node.children and not node.lock_ref and not node.in_flight \
+                    and not node.evict_pending and not node.demand and not node.tags:
+                assert len(node.sequence()) <= -(-keep // page) * page, node  # what could go went
+
     @rule(k=st.integers(0, 16))
     def alloc(self, k: int) -> None:
         if k <= self.cache.free_tokens:

@@ -69,11 +69,15 @@ def test_a_pause_that_outlives_its_prediction_is_predicted_from_the_longer_ones(
     assert later == Forecast(200.0, 100.0)
 
 
-def test_learned_pauses_are_bounded_per_tool_and_in_keys() -> None:
+def test_learned_pauses_are_bounded_per_tool_and_in_keys_per_tenant() -> None:
     model = LearnedPauses(window=4, max_keys=8)
-    for i in range(100):
-        model.observe(("t", "a", f"tool{i}"), float(i))
-    assert len(model._gaps) <= 8
+    other = ("t-other", "coder", "run_tests")
+    model.observe(other, 7.0)
+    for i in range(100):  # one tenant sends many agent and tool names
+        model.observe(("t", f"agent{i}", f"tool{i}"), float(i))
+    assert model.keys("t") == 8
+    assert model.mean(other) == 7.0  # the other tenant's learning is untouched
+    assert model.forecast(other, None, None).expected == 7.0
     for gap in (1.0, 2.0, 3.0, 4.0, 100.0):
         model.observe(KEY, gap)
     assert model.mean(KEY) == pytest.approx((2 + 3 + 4 + 100) / 4)  # the last 4 only
@@ -249,6 +253,26 @@ def test_continuum_pins_short_tools_for_two_seconds_and_orders_jobs_first_come()
     clock.now = 1.0
     queue = [Req("late", 0.9, 1), Req("slow", 0.9, 2), Req("fast", 1.0, 3)]
     assert [r.workflow for r in admission.order(queue, [])] == ["fast", "slow", "late"]
+
+
+def test_pinned_and_retained_history_is_reported_per_tenant() -> None:
+    """`SessionBook.report`: per tenant, paused history ranked as needed (retained) and paused history
+    the eviction policy holds whatever its rank (pinned: Continuum's pin, SGLang's retention); kvflow
+    pins nothing. A tenant's gauge stays, at 0, once its pins end."""
+    _steps, book, _ = session_book()
+    clock = Clock()
+    book.pause("fast", turn(tool="ls", tenant="t0"), 400, 0.0)  # no mean seen: Continuum pins it for 2 s
+    book.pause("other", turn(tool="ls", tenant="t1"), 100, 0.0)
+    continuum, retention = ContinuumPolicy(book, clock), RetentionPolicy(book, clock, retention_s=30.0)
+    clock.now = 1.0
+    assert book.report()["pinned_tokens"] == {}  # kvflow's ranking holds nothing
+    assert book.report(continuum.pins)["pinned_tokens"] == {"t0": 400, "t1": 100}
+    assert book.report()["retained_tokens"] == {"t0": 400, "t1": 100}
+    clock.now = 3.0  # Continuum's pins ended; SGLang's retention (30 s) still holds both
+    assert book.report(continuum.pins)["pinned_tokens"] == {"t0": 0, "t1": 0}
+    assert book.report(retention.pins)["pinned_tokens"] == {"t0": 400, "t1": 100}
+    book.resumed("fast", turn(tool="ls", tenant="t0"), 3.0)  # running again: not paused, not pinned
+    assert book.report(retention.pins)["pinned_tokens"] == {"t0": 0, "t1": 100}
 
 
 def test_status_aware_admission_orders_session_turns_by_their_job() -> None:

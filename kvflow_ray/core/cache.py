@@ -36,6 +36,7 @@ class EvictionCounters:
     written_back_tokens: int = 0  # device -> host copies started by eviction
     dropped_tokens: int = 0  # KV that left both tiers (recompute on next use)
     evicted_cpu_tokens: int = 0  # host copies freed to make room on the host
+    released_tokens: int = 0  # KV freed from both tiers because its owner ended (`free_private`)
 
 
 class TieredCache:
@@ -144,6 +145,36 @@ class TieredCache:
         """A finished workflow instance: its prompts lose their tags (they go before live ones)."""
         self.tree.untag_workflow(workflow)
         self.prompt_tails.pop(workflow, None)
+
+    def free_private(self, nodes: Iterable[RadixNode], keep: int) -> int:
+        """Free at once, from both tiers and with no write-back, the KV among `nodes` (a finished
+        session's history) that nothing else uses: a node goes when it is a leaf (nothing builds on
+        it), untagged, unlocked, with no copy in flight and no queued request reaching it, as far as
+        it lies past the first `keep` tokens of its sequence (the prompt its session began with, which
+        holds what its application's sessions share: that stays cached, ranked as any untagged
+        prefix; a node across that boundary is split there, at a page). Deepest first, so a freed
+        leaf's parent may go next. Returns the tokens freed."""
+        depth = {node: len(node.sequence()) for node in nodes if node.parent is not None}
+        freed = 0
+        for node in sorted(depth, key=depth.__getitem__, reverse=True):
+            if (node.parent is None or node.children or node.tags or node.lock_ref or node.in_flight
+                    or node.evict_pending or node.demand):
+                continue
+            start = depth[node] - len(node.key)
+            if start < keep:
+                page = self.tree.page_size
+                at = -(-(keep - start) // page) * page
+                if at >= len(node.key):
+                    continue
+                self.tree.split(node, at)  # `node` keeps the part past `keep`
+            n = len(node.key)
+            if node.cpu:
+                self.tree.drop_cpu(node)  # a node with a device copy stays in the tree until that goes
+            if node.gpu is GpuState.READY:
+                self._free_gpu(node)
+            self.counters.released_tokens += n
+            freed += n
+        return freed
 
     # ------------------------------------------------------------------ eviction
     def _evictable(self, node: RadixNode) -> bool:
@@ -278,7 +309,6 @@ class TieredCache:
             self.host_index.check()
 
     def _drop_gpu(self, node: RadixNode) -> None:
-        self.prefetches.left_device(node)
         self.counters.evicted_gpu_tokens += len(node.key)
         if not node.cpu:
             self.counters.dropped_tokens += len(node.key)
@@ -286,6 +316,11 @@ class TieredCache:
             # node left anywhere they can never be loaded again, so they go too (a node stays in the
             # tree only while it holds KV somewhere).
             self._drop_host_subtree(node)
+        self._free_gpu(node)
+
+    def _free_gpu(self, node: RadixNode) -> None:
+        """Free the device copy of `node`, a device leaf with nothing host-only below it."""
+        self.prefetches.left_device(node)
         parent = node.parent
         self.tree.drop_gpu(node)
         # an ancestor waiting for this child to go is freed now (or kept, if a request locked it)

@@ -333,7 +333,7 @@ class ReplicaScheduler:
         self.check(req)
         req.arrival = self.clock()
         if req.session is not None and req.workflow is not None:
-            self.sessions.resumed(req.workflow, req.session, req.arrival)
+            self.sessions.resumed(req.workflow, req.session, req.arrival, len(req.tokens))
         # split: a prefix that ends inside a node (a preamble shared by other agents) counts too
         match = self.cache.tree.match_prefix(req.tokens, namespace=req.cache_salt)
         ready, loading, host = match.split_by_tier()
@@ -391,13 +391,18 @@ class ReplicaScheduler:
 
     def retire(self, workflows: Iterable[str], *, book: bool = True) -> None:
         """Finished workflow instances: their prompts lose their tags here (and their steps and
-        prompts leave the book, unless `apply_hints` already took them out)."""
+        prompts leave the book, unless `apply_hints` already took them out). A finished session's
+        history past its first prompt is freed at once (`TieredCache.free_private`): no one reads it
+        again, so it neither waits for eviction nor costs a write-back."""
         self._changes += 1
         for workflow in workflows:
-            self.sessions.close(workflow)
+            first_prompt = self.sessions.close(workflow)
+            history = list(self.cache.tree.workflow_nodes(workflow)) if first_prompt is not None else []
             if book:
                 self.book.retire(workflow)
             self.cache.retire_workflow(workflow)
+            if first_prompt is not None:
+                self.cache.free_private(history, first_prompt)
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self) -> EngineSnapshot:
@@ -415,7 +420,7 @@ class ReplicaScheduler:
             cache_tokens={"gpu": self.cache.tree.gpu_tokens, "cpu": self.cache.tree.cpu_tokens,
                           "private": self.cache.private_tokens},
             capacity_tokens={"gpu": self.cache.gpu_capacity, "cpu": self.cache.cpu_capacity},
-            sessions=self.sessions.report(),
+            sessions=self.sessions.report(getattr(self.cache.eviction, "pins", None)),
         )
 
     # ------------------------------------------------------------------ prefetch
@@ -751,18 +756,19 @@ class ReplicaScheduler:
     # ------------------------------------------------------------------ sessions
     def _turn_ended(self, req: CacheRequest, sequence: tuple[int, ...]) -> None:
         """A session's turn ended: its history (prompt and output) is the session's prompt now. The
-        final turn releases it at once; otherwise its pause is predicted, and a replica that prefetches
-        writes a history whose pause is long against its copy (`WRITE_AHEAD_FACTOR` times) to the host
-        now, off the critical path: its eviction later frees the device at once. A shorter pause keeps
-        the link for the write-backs and loads that requests wait on."""
+        final turn frees it at once (past the first prompt, `retire`). Otherwise its pause is
+        predicted, and a replica that prefetches writes a history whose pause is long against its copy
+        (`WRITE_AHEAD_FACTOR` times) to the host now, off the critical path: its eviction later frees
+        the device at once. A shorter pause keeps the link for the write-backs and loads that requests
+        wait on."""
         assert req.session is not None and req.workflow is not None
         key, turn = req.workflow, req.session
-        if turn.final:
-            self.retire([key])  # closes the session too
-            return
         tag = (key, SESSION_AGENT)
-        self.book.register_prompt(tag, sequence)
         self.cache.tree.tag_prefix(sequence, tag, namespace=req.cache_salt)
+        if turn.final:
+            self.retire([key])  # closes the session and frees its history (tagged whole just now)
+            return
+        self.book.register_prompt(tag, sequence)
         forecast = self.sessions.pause(key, turn, len(sequence), self.clock())
         writes_ahead = self.cache.host_tier and self.prefetcher.max_inflight
         if writes_ahead and forecast.expected > WRITE_AHEAD_FACTOR * self.sessions.load_seconds(len(sequence)):

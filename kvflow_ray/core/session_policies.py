@@ -76,6 +76,10 @@ class RetentionPolicy:
                        for s in _sessions_of(node, self.sessions))
         return (1 if retained else 0, node.last_access)
 
+    def pins(self, state: SessionState) -> bool:
+        """A paused history held (ranked last) until its retention passes."""
+        return state.paused_at is not None and self.clock() - state.paused_at < self.retention_s
+
 
 def continuum_pinned(state: SessionState, now: float) -> float | None:
     """When session `state`'s pin ends (None: not pinned). Its latest turn called a known tool whose
@@ -97,6 +101,9 @@ class ContinuumPolicy:
         now = self.clock()
         ends = [end for s in _sessions_of(node, self.sessions) if (end := continuum_pinned(s, now)) is not None]
         return (1, -max(ends)) if ends else (0, node.last_access)
+
+    def pins(self, state: SessionState) -> bool:
+        return state.paused_at is not None and continuum_pinned(state, self.clock()) is not None
 
 
 class ContinuumAdmission(ArrivalAdmission):

@@ -63,6 +63,7 @@ class SessionTurn:
     final: bool = False  # the session ends with this turn: its KV is released at once
     true_pause_s: float | None = None
     tool_parser: str | None = None  # serving: the format its output calls tools in (the tool is read from it)
+    tool_names: tuple[str, ...] | None = None  # serving: the request's tools (a call to another name is text)
 
 
 class PauseModel(Protocol):
@@ -85,33 +86,43 @@ class LearnedPauses:
     """Online per (tenant, agent, tool): the last `window` observed gaps. Expected = their median
     (of those longer than the time already elapsed), early = their `early_q` quantile. Without
     observations of the tool, the client's hint, else the agent's gaps over every tool, else
-    `default_s`. Bounded: `max_keys` keys per level, least recently used go first."""
+    `default_s`. Bounded per tenant: `max_keys` (agent, tool) keys each, its least recently used going
+    first, so the agent and tool names one tenant sends never displace another tenant's."""
 
     name = "learned"
 
-    def __init__(self, window: int = 32, default_s: float = 5.0, early_q: float = 0.2, max_keys: int = 65_536) -> None:
+    def __init__(self, window: int = 32, default_s: float = 5.0, early_q: float = 0.2, max_keys: int = 4_096) -> None:
         if window < 1 or default_s <= 0 or not 0 <= early_q <= 0.5:
             raise ValueError("learned pauses need window >= 1, default_s > 0 and 0 <= early_q <= 0.5")
         self.window, self.default_s, self.early_q, self.max_keys = window, default_s, early_q, max_keys
-        self._gaps: OrderedDict[ToolKey, deque[float]] = OrderedDict()
+        self._gaps: dict[str, OrderedDict[tuple[str, str], deque[float]]] = {}  # tenant -> (agent, tool) -> gaps
 
     def _seen(self, key: ToolKey) -> deque[float] | None:
-        gaps = self._gaps.get(key)
+        tenant = self._gaps.get(key[0])
+        gaps = tenant.get(key[1:]) if tenant is not None else None
         if gaps is not None:
-            self._gaps.move_to_end(key)
+            tenant.move_to_end(key[1:])  # type: ignore[union-attr]
         return gaps
 
     def observe(self, key: ToolKey, gap: float) -> None:
-        for k in (key, (key[0], key[1], "*")):
-            gaps = self._seen(k)
+        tenant = self._gaps.setdefault(key[0], OrderedDict())
+        for k in (key[1:], (key[1], "*")):
+            gaps = tenant.get(k)
             if gaps is None:
-                gaps = self._gaps[k] = deque(maxlen=self.window)
-                if len(self._gaps) > self.max_keys:
-                    self._gaps.popitem(last=False)
+                gaps = tenant[k] = deque(maxlen=self.window)
+                if len(tenant) > self.max_keys:
+                    tenant.popitem(last=False)
+            else:
+                tenant.move_to_end(k)
             gaps.append(max(0.0, gap))
 
+    def keys(self, tenant: str) -> int:
+        """How many (agent, tool) keys `tenant` has gaps for (at most `max_keys`)."""
+        return len(self._gaps.get(tenant, ()))
+
     def mean(self, key: ToolKey) -> float | None:
-        gaps = self._gaps.get(key)
+        tenant = self._gaps.get(key[0])
+        gaps = tenant.get(key[1:]) if tenant is not None else None
         return statistics.fmean(gaps) if gaps else None
 
     def forecast(self, key: ToolKey, hint: float | None, truth: float | None, elapsed: float = 0.0) -> Forecast:
@@ -160,6 +171,9 @@ class SessionState:
     key: str
     turn: SessionTurn
     opened: float  # the session's first turn arrived (job-level FCFS orders by it)
+    # its first turn's prompt, in tokens: what it shares with its application's sessions (the system
+    # prompt and tools) lies within it, and stays cached when the session ends
+    first_prompt: int = 0
     tokens: int = 0  # history tokens (prompt and output of its turns so far)
     paused_at: float | None = None
     forecast: Forecast | None = None
@@ -206,17 +220,19 @@ class SessionBook:
         self.paused: dict[str, SessionState] = {}
         self.retained: dict[str, int] = {}  # tenant -> paused history tokens ranked as needed
         self._tenants: set[str] = set()  # tenants that ever retained (their gauge reads 0 when none now)
+        self._pinning: set[str] = set()  # tenants that ever had a pinned history (the same, for pins)
         self.origin = 0.0
         self._wakes: list[tuple[float, int, str, int]] = []
         self._seq = 0
         self.stats = PauseStats()
 
     # ------------------------------------------------------------------ turns
-    def resumed(self, key: str, turn: SessionTurn, now: float) -> None:
-        """A turn of session `key` arrived: a pause ended (learned from), its history is in use."""
+    def resumed(self, key: str, turn: SessionTurn, now: float, prompt_tokens: int = 0) -> None:
+        """A turn of session `key` arrived with a prompt of `prompt_tokens`: a pause ended (learned
+        from), its history is in use."""
         state = self.sessions.get(key)
         if state is None:
-            state = self.sessions[key] = SessionState(key, turn, opened=now)
+            state = self.sessions[key] = SessionState(key, turn, opened=now, first_prompt=prompt_tokens)
         elif state.paused_at is not None:
             gap = now - state.paused_at
             self.pauses.observe(self._tool_key(state), gap)
@@ -250,12 +266,15 @@ class SessionBook:
         assert state.forecast is not None
         return state.forecast
 
-    def close(self, key: str) -> None:
-        """The session ended (its final turn, or the client said so): forget it."""
+    def close(self, key: str) -> int | None:
+        """The session ended (its final turn, or the client said so): forget it. Returns its first
+        prompt's length (None: no such session)."""
         state = self.sessions.pop(key, None)
-        if state is not None:
-            self._unpause(state)
-            state.generation += 1
+        if state is None:
+            return None
+        self._unpause(state)
+        state.generation += 1
+        return state.first_prompt
 
     # ------------------------------------------------------------------ time
     def next_wake(self) -> float | None:
@@ -285,13 +304,23 @@ class SessionBook:
             self._rank(state, now)
 
     # ------------------------------------------------------------------ reading
-    def report(self) -> dict[str, object]:
-        """What metrics read (`EngineSnapshot.sessions`): cumulative pause counts and errors, and the
-        retained tokens per tenant now."""
+    def report(self, pins: Callable[[SessionState], bool] | None = None) -> dict[str, object]:
+        """What metrics read (`EngineSnapshot.sessions`): cumulative pause counts and errors, and per
+        tenant now the retained tokens (paused histories ranked as needed) and the pinned ones (paused
+        histories the eviction policy holds whatever their rank, `pins`: Continuum's pins, SGLang's
+        retention; kvflow pins nothing). O(paused sessions)."""
         s = self.stats
+        pinned: dict[str, int] = dict.fromkeys(self._pinning, 0)
+        if pins is not None:
+            for state in self.paused.values():
+                if pins(state):
+                    tenant = state.turn.tenant
+                    self._pinning.add(tenant)
+                    pinned[tenant] = pinned.get(tenant, 0) + state.tokens
         return {"pauses": s.pauses, "abs_error_s": s.abs_error_s, "due_early": s.due_before_return,
                 "due_late": s.due_after_return,
-                "retained_tokens": {tenant: self.retained.get(tenant, 0) for tenant in self._tenants}}
+                "retained_tokens": {tenant: self.retained.get(tenant, 0) for tenant in self._tenants},
+                "pinned_tokens": pinned}
 
     def state(self, key: str) -> SessionState | None:
         return self.sessions.get(key)

@@ -32,9 +32,11 @@ class EngineSnapshot:
     compute_cpu_s: float | None = None
     # agent sessions in tool pauses (docs/design.md §11): pauses ended, the sum of their prediction
     # errors (|predicted - actual| seconds), prefetches due before / after the client came back, and
-    # per tenant the paused history tokens ranked as needed (retained)
+    # per tenant the paused history tokens ranked as needed (retained) and held whatever their rank
+    # (pinned: Continuum's pins, SGLang's retention)
     sessions: dict[str, Any] = field(default_factory=lambda: {
-        "pauses": 0, "abs_error_s": 0.0, "due_early": 0, "due_late": 0, "retained_tokens": {}})
+        "pauses": 0, "abs_error_s": 0.0, "due_early": 0, "due_late": 0, "retained_tokens": {}, "pinned_tokens": {}})
+    kv_bytes_per_token: float = 0.0  # the engine's KV bytes per token (0: not known), for gauges in bytes
     # reuse of kept outputs beyond the prefix (docs/design.md §12): prompt tokens placed and not
     # recomputed (reused), and (token, layer) pairs the reusing prefills computed against a dense
     # prefill's (layer_tokens / dense_layer_tokens); segments kept and their KV bytes (gauges)

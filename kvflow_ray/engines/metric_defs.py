@@ -104,6 +104,20 @@ SESSION_RETAINED = MetricDef(
     "by tenant_retain_tokens)", "gauge", ("tenant",),
     read=lambda s: {(tenant,): float(n) for tenant, n in s.sessions.get("retained_tokens", {}).items()},
     multiprocess_mode="livemax")
+SESSION_RETAINED_BYTES = MetricDef(
+    "kvflow_session_retained_bytes", "KV bytes of the paused session histories ranked as needed, per tenant "
+    "(kvflow_session_retained_tokens x the engine's KV bytes per token; 0 where the engine does not say)",
+    "gauge", ("tenant",),
+    read=lambda s: {(tenant,): float(n) * s.kv_bytes_per_token
+                    for tenant, n in s.sessions.get("retained_tokens", {}).items()},
+    multiprocess_mode="livemax")
+SESSION_PINNED_BYTES = MetricDef(
+    "kvflow_session_pinned_bytes", "KV bytes of the paused session histories the eviction policy holds whatever "
+    "their rank, per tenant (Continuum's pins, SGLang's retention_seconds; kvflow pins nothing)",
+    "gauge", ("tenant",),
+    read=lambda s: {(tenant,): float(n) * s.kv_bytes_per_token
+                    for tenant, n in s.sessions.get("pinned_tokens", {}).items()},
+    multiprocess_mode="livemax")
 
 # Reuse of kept outputs beyond the prefix (docs/design.md §12); an engine without it reports zeros.
 REUSED_TOKENS = MetricDef(
@@ -134,7 +148,8 @@ KV_COMPACTION_SECONDS = MetricDef(
 ENGINE_METRICS: tuple[MetricDef, ...] = (PROMPT_TOKENS, PREFETCH, PREFETCH_STALL, EVICTED_TOKENS, CACHE_TOKENS,
                                          QUEUE_LENGTH, SESSION_PAUSES, SESSION_PAUSE_ERROR, SESSION_PREFETCH,
                                          REUSED_TOKENS, REUSE_LAYER_TOKENS, SEGMENT_KV_BYTES,
-                                         SESSION_RETAINED, KV_COMPACTIONS, KV_DROPPED_TOKENS, KV_COMPACTION_SECONDS)
+                                         SESSION_RETAINED, SESSION_RETAINED_BYTES,
+                                         SESSION_PINNED_BYTES, KV_COMPACTIONS, KV_DROPPED_TOKENS, KV_COMPACTION_SECONDS)
 
 
 def make_metric(definition: MetricDef, extra_labels: tuple[str, ...] = (), registry: Any = None) -> Any:

@@ -185,6 +185,7 @@ class CpuEngine(BackgroundEngine):
             "requests_failed": self.requests_failed,
             "requests_rejected": self.requests_rejected,
             **self.scheduler.snapshot().to_dict(),
+            "kv_bytes_per_token": float(self.model.kv_bytes_per_token),
             "reuse": {"reused_tokens": self.reuse_counts.reused - self.reuse_counts.recomputed,
                       "layer_tokens": self.reuse_counts.layer_tokens,
                       "dense_layer_tokens": self.reuse_counts.dense_layer_tokens,

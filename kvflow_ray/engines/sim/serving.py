@@ -212,7 +212,8 @@ class SimEngine(BackgroundEngine):
     def stats(self) -> dict[str, Any]:
         return {"policy": self.policy, "profile": self.profile.name, "requests_done": self.requests_done,
                 "requests_failed": 0, "requests_rejected": self.requests_rejected,
-                **self.scheduler.snapshot().to_dict(), "compute_cpu_s": self.clock.cpu_seconds()}
+                **self.scheduler.snapshot().to_dict(), "kv_bytes_per_token": self.profile.kv_bytes_per_token,
+                "compute_cpu_s": self.clock.cpu_seconds()}
 
     def start(self) -> SimEngine:
         return self  # the clock thread runs from construction
