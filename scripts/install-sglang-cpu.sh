@@ -34,6 +34,8 @@ PINNED=(
     gguf==0.19.0                        # sglang/srt/layers/quantization/gguf.py
     compressed-tensors==0.18.0          # sglang/srt/layers/quantization (SGLang's pin; requires torch, hence --no-deps)
     loguru==0.7.3                       # needed by compressed-tensors (its logger)
+    xgrammar==0.2.7                     # sglang/srt/function_call (its tool-call parsers; SGLang's pin, CPU wheel;
+                                        #   requires torch, hence --no-deps; the rest it needs is here already)
 )
 # Needed by SGLang's imports too, but any installed version does: not part of kvflow-ray[dev], so installed
 # (at these versions, with their own dependencies, which never include torch) only when missing.

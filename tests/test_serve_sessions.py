@@ -77,6 +77,13 @@ def test_a_session_stays_on_its_replica_reuses_its_history_and_is_released(serve
         body, replica = turn(url, messages, {"X-Session-ID": "fix-parser-1", **A},
                              {"expected_pause_s": 0.5, **({"final_turn": True} if last else {})})
         replicas.append(replica)
+        if i == 0:  # paused now: its history is retained, in bytes too (replicas report every second)
+            deadline = time.monotonic() + 30
+            while metric(metrics_text(url), "kvflow_session_retained_bytes") <= 0 and time.monotonic() < deadline:
+                time.sleep(0.25)
+            paused = metrics_text(url)
+            assert metric(paused, "kvflow_session_retained_bytes") > 0
+            assert metric(paused, "kvflow_session_pinned_bytes") == 0  # kvflow ranks a pause, never pins it
         usage = body["usage"]
         cached.append(usage["prompt_tokens_details"]["cached_tokens"])
         prompts.append(usage["prompt_tokens"])
@@ -100,6 +107,7 @@ def test_a_session_stays_on_its_replica_reuses_its_history_and_is_released(serve
         time.sleep(0.5)
     assert pauses == 2
     assert metric(after, "kvflow_session_retained_tokens") == 0
+    assert metric(after, "kvflow_session_retained_bytes") == 0
 
 
 def test_bad_session_fields_are_refused_by_name(server: Any) -> None:
@@ -128,17 +136,25 @@ def test_session_specs_load_and_bad_ones_name_the_field(tmp_path: Any) -> None:
         load_session_spec(bad)
 
 
-def test_kvflow_run_drives_sessions_with_tool_pauses(server: Any) -> None:
-    """`kvflow-ray run SESSION.yaml`'s driver: each session forces a tool call per turn (constrained
+def test_kvflow_run_drives_sessions_with_tool_pauses(server: Any, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvflow-ray run SESSION.yaml --url`: each session forces a tool call per turn (constrained
     decoding), waits the tool's drawn duration, sends the history back with the result, and ends with
     a final turn; the server keeps each session on one replica and predicts its pauses."""
-    from kvflow_ray.client.sessions import load_session_spec, run_sessions, summarise_sessions
+    import yaml
 
-    spec = load_session_spec(ROOT / "workflows" / "sessions" / "coder.yaml")
-    spec = spec.model_copy(update={"turns": 3, "tools": [t.model_copy(update={"duration_s": (0.05, 0.2)})
-                                                         for t in spec.tools]})
-    summary = summarise_sessions(run_sessions(spec, server.url, 2, api_key="key-a", progress=False), spec, 2)
-    assert summary["errors"] == 0, summary["first_error"]
+    from kvflow_ray.cli import main
+
+    spec = yaml.safe_load((ROOT / "workflows" / "sessions" / "coder.yaml").read_text())
+    spec["turns"] = 3
+    for tool in spec["tools"]:
+        tool["duration_s"] = [0.05, 0.2]
+    path = tmp_path / "coder.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    capsys.readouterr()
+    rc = main(["run", str(path), "--url", server.url, "--clients", "2", "--key", "key-a", "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert rc == 0 and summary["errors"] == 0, summary["first_error"]
     assert summary["turns"] == 6 and summary["replicas_per_session"] == 1
     assert summary["pauses"]["ended"] == 4  # two pauses per session, each predicted and scored
     assert summary["cached_ratio"] > 0.3  # later turns find the history in the prefix cache

@@ -141,7 +141,7 @@ def test_object_fields_keep_each_values_spelling() -> None:
 
 
 def test_an_unknown_parser_name_lists_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown tool-call parser 'pythonic' \(known: hermes\)"):
+    with pytest.raises(ValueError, match=r"unknown tool-call parser 'pythonic' \(known: hermes, or sglang:<name>"):
         get_parser("pythonic")
 
 
@@ -402,8 +402,15 @@ BAD: dict[str, tuple[dict[str, Any], str, str]] = {
     "pause a day and more": ({**BASE, "kvflow": {"expected_pause_s": 86400.5}}, "kvflow.expected_pause_s",
                              "greater than 0 and at most 86400"),
     "pause text": ({**BASE, "kvflow": {"expected_pause_s": "5"}}, "kvflow.expected_pause_s", "must be a number"),
-    "workflow field without client": ({**BASE, "kvflow": {"session": "s", "agent": "a"}}, "kvflow.client_id",
-                                      "is required"),
+    "agent without client": ({**BASE, "kvflow": {"agent": "a"}}, "kvflow.client_id", "is required"),
+    "workflow field in a session turn": ({**BASE, "kvflow": {"session": "s", "client_id": "c", "agent": "a"}},
+                                         "kvflow.client_id", "belongs to a workflow call"),
+    "reuse in a session turn": ({**BASE, "kvflow": {"session": "s", "reuse": "exact"}}, "kvflow.reuse",
+                                "belongs to a workflow call"),
+    "final turn of no session": ({**BASE, "kvflow": {"final_turn": True}}, "kvflow.final_turn",
+                                 "is a session field"),
+    "pause of no session": ({**BASE, "custom_params": {"kvflow": {"expected_pause_s": 3.0}}},
+                            "custom_params.kvflow.expected_pause_s", "is a session field"),
 }
 
 
@@ -437,9 +444,16 @@ def test_a_valid_tool_conversation_parses() -> None:
             session.cache_ttl_s) == ("chat-7", "kvflow.session", False, 30.0, 3600.0)
     assert parse_request({**BASE, "tools": TOOLS, "tool_choice": "none"}, chat=True).tools.render is None  # type: ignore[union-attr]
     assert parse_request({**BASE, "tools": TOOLS, "tool_choice": "required"}, chat=True).tools.forced == NAMES  # type: ignore[union-attr]
-    # the workflow metadata still comes with session fields beside it
-    both = parse_request({**BASE, "kvflow": {"client_id": "c", "agent": "a", "session": "s"}}, chat=True)
-    assert both.meta is not None and both.meta.client_id == "c" and both.session.session == "s"
+    # a session turn may name the agent it runs (its pauses are learned per agent)
+    named = parse_request({**BASE, "kvflow": {"session": "s", "agent": "reviewer"}}, chat=True)
+    assert named.meta is None and (named.session.session, named.session.agent) == ("s", "reviewer")
+    by_header = parse_request({**BASE, "kvflow": {"agent": "reviewer"}}, chat=True, headers={"x-session-id": "s"})
+    assert by_header.meta is None and (by_header.session.session, by_header.session.agent) == ("s", "reviewer")
+    # a session id in a header and workflow metadata in the body: refused, naming the header
+    with pytest.raises(ApiError) as info:
+        parse_request({**BASE, "kvflow": {"client_id": "c", "agent": "a"}}, chat=True, headers={"x-session-id": "s"})
+    assert info.value.status == 400 and info.value.param == "X-Session-ID"
+    assert "kvflow.client_id" in info.value.message
 
 
 @pytest.mark.parametrize(("headers", "session", "error"), [

@@ -6,7 +6,8 @@ forces a call of a tool drawn from the spec (`tool_choice` naming it), the clien
 waiting a duration drawn from the tool's two modes, and sends the whole history back with the
 tool's result; the last turn answers in text with `kvflow.final_turn`. The session id goes in the
 `X-Session-ID` header, so the server keeps the history's KV across each pause
-(docs/serving.md#agent-sessions-docsdesignmd-11).
+(docs/serving.md#agent-sessions-docsdesignmd-11); `kvflow.agent`, the spec's name, is what the server
+learns its tool pauses under.
 
 ```yaml
 session: coder                 # names the sessions (a session spec: no `agents`)
@@ -148,7 +149,8 @@ class _Session:
                 raw = self.client.chat.completions.with_raw_response.create(
                     model=self.model, messages=messages, tools=tools, tool_choice=choice, max_tokens=spec.max_tokens,
                     temperature=0, extra_headers={"X-Session-ID": self.id},
-                    extra_body={"kvflow": {"final_turn": True}} if last else None)
+                    # the agent names what the server learns this session's tool pauses under
+                    extra_body={"kvflow": {"agent": spec.session, **({"final_turn": True} if last else {})}})
                 response = raw.parse()
             except Exception as exc:
                 self._record(TurnRecord(self.index, turn, time.perf_counter() - t0, 0, 0, "?",

@@ -72,7 +72,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--engine sim: wall seconds per simulated second (default 1; 0.1 = 10x faster)")
     parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
                         help="how the model's output holds tool calls (default hermes: <tool_call>{json}</tool_call>, "
-                             "the fallback rendering's format; docs/serving.md, Tool calls)")
+                             "the fallback rendering's format; sglang:<name>: SGLang's own parser of that name, e.g. "
+                             "sglang:qwen25, sglang:llama3, sglang:mistral; docs/serving.md, Tool calls)")
     parser.add_argument("--session-retain-tokens", type=int, default=None, metavar="N",
                         help="agent sessions: per tenant and replica, at most N tokens of paused histories rank as "
                              "needed (docs/design.md §11; default unbounded: a pause never pins memory either way)")

@@ -73,9 +73,10 @@ class GenerateRequest:
     # [kind, value] segments; a forced tool call). Only engines that honour it accept it (`request_tokens`)
     constraint: Sequence[Sequence[Any]] | None = None
     # a turn of an agent session (docs/design.md §11; `workflow` is the session's key, `agent` "session"):
-    # {"tenant": str, "hint_s": float | None, "final": bool, "tool_parser": str | None}; a benchmark
-    # driver may also name the turn's "agent" and "tool" and give "true_pause_s" (the pause oracle's).
-    # The ingress builds this itself: no client field reaches it. None: not a session turn
+    # {"tenant": str, "agent": str, "hint_s": float | None, "final": bool, "tool_parser": str | None,
+    # "tools": [tool names] | None}; a benchmark driver may also name the turn's "tool" and give
+    # "true_pause_s" (the pause oracle's). The ingress builds this from validated fields (the agent's
+    # name, the request's tools). None: not a session turn
     session: Mapping[str, Any] | None = None
     # reuse of kept segments (agents' outputs, registered documents) found in the prompt past its
     # cached prefix (docs/design.md §12; `core.reuse`): "exact" (none, the default), "position",
@@ -305,12 +306,16 @@ def session_turn(request: GenerateRequest) -> SessionTurn | None:
     if hint is not None and not (isinstance(hint, int | float) and 0 < hint <= 86_400):
         raise ValueError("session hint_s must be a number of seconds in (0, 86400]")
     tenant, agent, tool = meta.get("tenant", ""), meta.get("agent", SESSION_AGENT), meta.get("tool", "")
-    parser, truth = meta.get("tool_parser"), meta.get("true_pause_s")
+    parser, truth, tools = meta.get("tool_parser"), meta.get("true_pause_s"), meta.get("tools")
+    names_ok = tools is None or (isinstance(tools, list) and all(isinstance(t, str) for t in tools))
     if not all(isinstance(v, str) for v in (tenant, agent, tool)) or not isinstance(meta.get("final", False), bool) \
-            or not (parser is None or isinstance(parser, str)) or not (truth is None or isinstance(truth, int | float)):
-        raise ValueError("session: tenant, agent and tool are strings, final a boolean, tool_parser a parser name")
+            or not (parser is None or isinstance(parser, str)) or not names_ok \
+            or not (truth is None or isinstance(truth, int | float)):
+        raise ValueError("session: tenant, agent and tool are strings, final a boolean, tool_parser a parser name, "
+                         "tools a list of tool names")
     return SessionTurn(tenant=tenant, agent=agent, tool=tool, hint_s=None if hint is None else float(hint),
                        final=bool(meta.get("final", False)), tool_parser=parser,
+                       tool_names=None if tools is None else tuple(tools),
                        true_pause_s=None if truth is None else float(truth))
 
 
@@ -318,5 +323,5 @@ def ended_turn(turn: SessionTurn, output: str) -> SessionTurn:
     """`turn` with the tool its `output` calls (the first call's name, by the turn's parser; "" if none)."""
     if turn.tool_parser is None:
         return turn
-    calls = get_parser(turn.tool_parser).parse(output).calls
+    calls = get_parser(turn.tool_parser).parse(output, turn.tool_names).calls
     return replace(turn, tool=calls[0].name[:128] if calls else "")

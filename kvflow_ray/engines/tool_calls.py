@@ -159,6 +159,7 @@ class ToolCallParser:
     format writes it, for rendering a conversation's history)."""
 
     name: ClassVar[str]
+    constrains: ClassVar[bool] = True  # `forced_call` spells its calls: a forced tool choice can be decoded
 
     def stream(self, names: Iterable[str] | None = None, max_calls: int | None = None) -> ToolCallStream:
         """An incremental parser; `names`: the request's tools (a call to another name stays text);
@@ -245,10 +246,17 @@ def register_parser(parser: type[ToolCallParser]) -> type[ToolCallParser]:
 
 
 def get_parser(name: str) -> ToolCallParser:
+    """The parser called `name`: a registered format, or `sglang:<detector>`, SGLang's own parser for the
+    format its `--tool-call-parser <detector>` names (`engines.sglang.tool_parser`; needs SGLang)."""
+    if name.startswith("sglang:"):
+        from kvflow_ray.engines.sglang.tool_parser import SGLangToolParser
+
+        return SGLangToolParser(name.removeprefix("sglang:"))
     try:
         return TOOL_CALL_PARSERS[name]()
     except KeyError:
-        raise ValueError(f"unknown tool-call parser {name[:64]!r} (known: {', '.join(TOOL_CALL_PARSERS)})") from None
+        raise ValueError(f"unknown tool-call parser {name[:64]!r} (known: {', '.join(TOOL_CALL_PARSERS)}, or "
+                         "sglang:<name> for SGLang's own parser of that name)") from None
 
 
 register_parser(HermesParser)

@@ -414,6 +414,10 @@ class Ingress:
             raise ApiError(400, f"this engine ({self.config.engine}) does not support forced tool choice "
                                 "('tool_choice' \"required\" or a named function); use \"auto\" or \"none\"",
                            "tool_choice", code="unsupported_parameter")
+        if not self.tool_parser.constrains:
+            raise ApiError(400, f"the tool-call parser ({self.tool_parser.name}) cannot constrain a forced tool "
+                                "choice ('tool_choice' \"required\" or a named function); use \"auto\" or \"none\"",
+                           "tool_choice", code="unsupported_parameter")
         schemas = {t["function"]["name"]: t["function"].get("parameters") for t in tools.tools}
         grammar = self.tool_parser.forced_call([(name, schemas[name]) for name in tools.forced])
         need = Grammar(grammar).min_chars()
@@ -507,8 +511,9 @@ class Ingress:
         tools = parsed.tools
         hint = meta.expected_pause_s if meta.expected_pause_s is not None else meta.cache_ttl_s
         engine_request.update(workflow=route.workflow_key, agent=SESSION_AGENT, call=route.call, session={
-            "tenant": tenant, "hint_s": hint, "final": bool(meta.final_turn),
-            "tool_parser": self.tool_parser.name if tools is not None and tools.active else None})
+            "tenant": tenant, "agent": meta.agent or SESSION_AGENT, "hint_s": hint, "final": bool(meta.final_turn),
+            "tool_parser": self.tool_parser.name if tools is not None and tools.active else None,
+            "tools": list(tools.names) if tools is not None and tools.active else None})
         call = _Call(tenant, meta.session, SESSION_AGENT, SESSION_SPEC["name"], route.replica, route.outcome,
                      None, 0, salt, tokens, parsed.max_tokens)
         call.final = bool(meta.final_turn)

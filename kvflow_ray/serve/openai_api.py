@@ -107,13 +107,17 @@ def session_problem(value: object) -> str | None:
     return meta_problem("client_id", value) or (None if is_name(value, KEY_PART_RE) else SESSION_RULE)
 
 
+# the fields that make a request a workflow agent call (with `agent`, which a session turn may name too)
+WORKFLOW_FIELDS = ("client_id", "workflow", "fixed_prefix_tokens", "workflow_spec", "reuse", "documents")
+
+
 class KvflowMeta(_Strict):
     """The `kvflow` object of a request (docs/design.md §7). The types and length bounds are this door's;
     what client_id, agent and fixed_prefix_tokens may hold is `engines.base.meta_problem`'s rule,
     shared with every engine. `workflow` and `workflow_spec` are for the router alone. The workflow
-    fields are optional as a group: a request may carry only the session fields (`session`,
-    `final_turn`, `expected_pause_s`: validated metadata, not used for routing), and one that names
-    any workflow field needs `client_id` and `agent`."""
+    fields are optional as a group, and one that names any of them needs `client_id` and `agent`. A
+    session turn carries the session fields instead (`session`, `final_turn`, `expected_pause_s`, and
+    `agent`, the agent the session runs), never workflow fields (`WORKFLOW_FIELDS`)."""
 
     client_id: StrictStr | None = Field(None, max_length=128)
     agent: StrictStr | None = Field(None, max_length=128)
@@ -157,10 +161,13 @@ class KvflowMeta(_Strict):
 
     @model_validator(mode="after")
     def _workflow_fields(self) -> KvflowMeta:
-        named = [f for f in ("client_id", "agent", "workflow", "fixed_prefix_tokens", "workflow_spec", "reuse",
-                             "documents")
-                 if getattr(self, f) is not None]
-        if named:
+        named = [f for f in WORKFLOW_FIELDS if getattr(self, f) is not None]
+        if self.session is not None:  # a session turn: `agent` names the session's agent, nothing else applies
+            if named:
+                raise FieldProblem((named[0],), "belongs to a workflow call, and this request is a session turn "
+                                   "('kvflow.session'): send one or the other", "invalid_value")
+            return self
+        if named:  # `agent` alone may name the agent of a session whose id is in a header (`ParsedRequest`)
             for required in ("client_id", "agent"):
                 if getattr(self, required) is None:
                     raise _required(required)
@@ -337,14 +344,17 @@ class CompletionRequest(_Completion):
 
 @dataclass(frozen=True)
 class SessionMeta:
-    """A request's session metadata (docs/design.md §7), validated and carried for the layers that use
-    it; nothing here changes routing or the engines. `session`: `kvflow.session`, else the
-    `X-Session-ID` / `X-Dynamo-Session-ID` header; `final_turn`: the session's last call;
-    `expected_pause_s`: how long the client expects to pause before its next call; `cache_ttl_s`: the
-    longest `cache_control` ttl on the messages, in seconds (a pause hint too)."""
+    """A request's session metadata (docs/design.md §7, §11), validated: a request with a `session` is a
+    turn of that agent session (the ingress routes it to the replica holding its history, and the
+    engine ranks the history by the pause that follows). `session`: `kvflow.session`, else the
+    `X-Session-ID` / `X-Dynamo-Session-ID` header; `agent`: `kvflow.agent`, the agent the session runs;
+    `final_turn`: the session's last call; `expected_pause_s`: how long the client expects to pause
+    before its next call; `cache_ttl_s`: the longest `cache_control` ttl on the messages, in seconds
+    (a pause hint too)."""
 
     session: str | None = None
     session_source: str | None = None  # "kvflow.session" | the header's name
+    agent: str | None = None  # `kvflow.agent`: the agent the session runs (its pauses are learned per agent)
     final_turn: bool | None = None
     expected_pause_s: float | None = None
     cache_ttl_s: float | None = None
@@ -410,9 +420,21 @@ class ParsedRequest:
         self.meta: KvflowMeta | None = kvflow if kvflow is not None and kvflow.workflow_call else None
         self.kv_budget = kvflow.kv_budget if kvflow is not None else None
         self.kv_scorer = kvflow.kv_scorer if kvflow is not None else None
-        self.session = _session_meta(kvflow, "custom_params.kvflow" if body.custom_params and not body.kvflow
-                                     else "kvflow", headers or {},
+        where = "custom_params.kvflow" if body.custom_params and not body.kvflow else "kvflow"
+        self.session = _session_meta(kvflow, where, headers or {},
                                      body.messages if isinstance(body, ChatCompletionRequest) else [])
+        if self.session.session is None and kvflow is not None:
+            if kvflow.agent is not None and kvflow.client_id is None:  # neither a workflow call nor a session turn
+                raise ApiError(400, f"'{where}.client_id' is required", f"{where}.client_id",
+                               code="missing_required_parameter")
+            for name in ("final_turn", "expected_pause_s"):
+                if getattr(kvflow, name) is not None:
+                    raise ApiError(400, f"'{where}.{name}' is a session field: name the session too "
+                                        f"('{where}.session', or the 'X-Session-ID' header)", f"{where}.{name}")
+        if self.session.session is not None and self.meta is not None:  # the id came in a header
+            raise ApiError(400, f"'{self.session.session_source}' makes this request a session turn, and "
+                                f"'{where}.client_id' a workflow call: send one or the other",
+                           self.session.session_source, code="invalid_value")
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:
@@ -454,6 +476,7 @@ def _session_meta(kvflow: KvflowMeta | None, where: str, headers: Mapping[str, s
                 session, source = value, name
     ttls = [CACHE_TTL_S[m.cache_control.ttl] for m in messages if m.cache_control is not None]
     return SessionMeta(session=session, session_source=source,
+                       agent=kvflow.agent if kvflow is not None and kvflow.client_id is None else None,
                        final_turn=kvflow.final_turn if kvflow is not None else None,
                        expected_pause_s=kvflow.expected_pause_s if kvflow is not None else None,
                        cache_ttl_s=max(ttls) if ttls else None)

@@ -21,12 +21,13 @@ Why in-process (`sglang.Engine`) and not `sglang serve` / `launch_server` as a s
 
 Tool calls (docs/serving.md "Tool calls"): requests reach SGLang as token ids through
 `async_generate`, not through SGLang's OpenAI layer (`serving_chat`), so SGLang's own chat
-templating and tool parsers (`--tool-call-parser`) never see `tools`. The ingress renders them with the
-model's own chat template (the tokenizer files SGLang loads) and parses the output with kvflow's parser
-named by `tool_call_parser`, as for every engine. Forced tool choice needs constrained decoding:
-SGLang has it (`ebnf` / `json_schema` sampling params, xgrammar), but this adapter sends no grammar,
-so a request with a `GenerateRequest.constraint` is refused (`request_tokens`), and the ingress
-answers `tool_choice` "required" or named with a 400 on this engine.
+templating never sees `tools`. The ingress renders them with the model's own chat template (the
+tokenizer files SGLang loads) and parses the output with the parser `tool_call_parser` names, as for
+every engine: `sglang:<name>` is SGLang's own (`engines/sglang/tool_parser.py`). Forced tool
+choice needs constrained decoding: SGLang has it (`ebnf` / `json_schema` sampling params, xgrammar),
+but this adapter sends no grammar, so a request with a `GenerateRequest.constraint` is refused
+(`request_tokens`), and the ingress answers `tool_choice` "required" or named with a 400 on this
+engine.
 
 Threading: the `sglang.Engine` is built on, and every request runs on, one private asyncio loop
 thread ("kvflow-sglang-loop"). SGLang binds its TokenizerManager to the loop that first uses it, and
