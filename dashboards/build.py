@@ -440,10 +440,14 @@ def workflows() -> dict[str, Any]:
                    "Large errors on one tool mean its durations are bimodal: prefetch still errs early.", "s",
                    Target(or_zero(ratio(sum_by((), rate("kvflow_session_pause_error_seconds_total", REPLICA)),
                                         pauses)), "mean error"), width=8, min=0),
-        timeseries("Session prefetch timing", "Paused histories whose prefetch fell due before the client came "
-                   "back (early: the history was on its way) or after (late: the turn waited for it), per second.",
-                   "ops", Target(or_zero(sum_by(["timing"], rate("kvflow_session_prefetch_total", REPLICA)),
-                                         label="timing"), "{{timing}}"), width=8, stacking="normal"),
+        timeseries("Session prefetch timing", "Per second: paused histories whose prefetch fell due before the "
+                   "client came back (due early) or after (due late); and where each history was when its client "
+                   "came back: all on the device (ready), part still loading (the prefetch arrived late), or part "
+                   "on the host or gone (missed).", "ops",
+                   Target(or_zero(sum_by(["timing"], rate("kvflow_session_prefetch_total", REPLICA)),
+                                  label="timing"), "due {{timing}}"),
+                   Target(or_zero(sum_by(["history"], rate("kvflow_session_returns_total", REPLICA)),
+                                  label="history"), "returned: {{history}}"), width=8),
         timeseries("Retained and pinned session history by tenant", "KV bytes of paused sessions' histories, per "
                    "tenant: retained (ranked as needed, bounded by tenant_retain_tokens; kvflow never pins) and "
                    "pinned (held whatever its rank: Continuum's pins, SGLang's retention_seconds).", "bytes",

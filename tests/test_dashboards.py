@@ -35,7 +35,7 @@ KNOWN_SERIES = frozenset({
     "kvflow_store_up", "kvflow_store_pending_writes", "kvflow_store_reconciles_total",
     "kvflow_prediction_accuracy", "kvflow_predictions", "kvflow_session_pauses_total",
     "kvflow_session_pause_error_seconds_total", "kvflow_session_prefetch_total", "kvflow_session_retained_tokens",
-    "kvflow_session_retained_bytes", "kvflow_session_pinned_bytes",
+    "kvflow_session_retained_bytes", "kvflow_session_pinned_bytes", "kvflow_session_returns_total",
     "kvflow_reused_tokens_total", "kvflow_reuse_layer_tokens_total", "kvflow_segment_kv_bytes",
     "kvflow_kv_compactions_total", "kvflow_kv_dropped_tokens_total", "kvflow_kv_compaction_seconds_total",
     *(h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")),

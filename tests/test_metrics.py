@@ -226,9 +226,11 @@ def test_sglangs_metrics_are_the_serving_layers_for_the_same_snapshot(tmp_path: 
     serve.observe_stats(_snapshot(5))
     serving = {f.name: f for f in text_string_to_metric_families(serve.exposition().decode())}
     # the same families, kinds and labels (the serving layer adds `replica`), no eviction counts; the
-    # per-tenant retained-history gauge has no series until a session pauses (the plugin runs none)
-    assert set(plugin) == {d.name for d in defs.ENGINE_METRICS} - {defs.EVICTED_TOKENS.name,
-                                                                    defs.SESSION_RETAINED.name}
+    # per-tenant retained and pinned history gauges have no series until a session pauses (the plugin
+    # runs none)
+    assert set(plugin) == {d.name for d in defs.ENGINE_METRICS} - {
+        defs.EVICTED_TOKENS.name, defs.SESSION_RETAINED.name, defs.SESSION_RETAINED_BYTES.name,
+        defs.SESSION_PINNED_BYTES.name}
     for name, family in plugin.items():
         assert family.type == serving[name].type
         assert {frozenset(s.labels) | {"replica"} for s in family.samples} == \

@@ -106,6 +106,8 @@ def test_a_session_stays_on_its_replica_reuses_its_history_and_is_released(serve
             break
         time.sleep(0.5)
     assert pauses == 2
+    returns = metric(after, "kvflow_session_returns_total") - metric(before, "kvflow_session_returns_total")
+    assert returns == 2  # each return is counted by where the history was then
     assert metric(after, "kvflow_session_retained_tokens") == 0
     assert metric(after, "kvflow_session_retained_bytes") == 0
 

@@ -339,6 +339,12 @@ def test_agentic_run_sets_the_pool_by_pressure_and_reports_pauses() -> None:
     oracle, learned = results["pause-oracle"]["pauses"], results["kvflow"]["pauses"]
     assert oracle["mean_abs_error_s"] < 1e-6 < learned["mean_abs_error_s"]
     assert oracle["prefetch_due_late"] == 0 and oracle["pauses"] == learned["pauses"] > 0
+    # where each history was when its client came back: every ended pause counted once
+    for result in results.values():
+        assert sum(result["pauses"]["history_at_return"].values()) == oracle["pauses"]
+    lru_returns, oracle_returns = results["lru"]["pauses"]["history_at_return"], oracle["history_at_return"]
+    assert lru_returns["loading"] == 0  # nothing is ever loaded back without a host tier
+    assert oracle_returns["ready"] > lru_returns["ready"]  # prefetched ahead of each return
 
 
 def test_agentic_planner_variant_completes_every_session() -> None:

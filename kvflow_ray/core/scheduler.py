@@ -332,11 +332,15 @@ class ReplicaScheduler:
                              if req.workflow is not None and req.agent is not None else 0)
         self.check(req)
         req.arrival = self.clock()
+        history = None
         if req.session is not None and req.workflow is not None:
-            self.sessions.resumed(req.workflow, req.session, req.arrival, len(req.tokens))
+            history = self.sessions.resumed(req.workflow, req.session, req.arrival, len(req.tokens))
         # split: a prefix that ends inside a node (a preamble shared by other agents) counts too
         match = self.cache.tree.match_prefix(req.tokens, namespace=req.cache_salt)
         ready, loading, host = match.split_by_tier()
+        if history is not None:  # a paused session's client came back: was its history on the device?
+            whole = min(history, len(req.tokens)) - self.cache.tree.page_size  # its last token may have no KV
+            self.sessions.returned(ready >= whole, bool(loading))
         req.ready_at_arrival = ready
         req.cached_at_arrival = match.length
         req.pending_nodes = loading + host

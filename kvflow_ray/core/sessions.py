@@ -196,6 +196,10 @@ class PauseStats:
     signed_error_s: float = 0.0  # sum of expected - actual (> 0: predicted too long)
     due_before_return: int = 0  # prefetch became due before the client came back
     due_after_return: int = 0  # the client came back before its history was due (late)
+    # where the history was when the client came back: all on the device (kept, or its prefetch had
+    # landed), part of it still loading (the prefetch arrived late), or part of it on the host or gone
+    # (loaded on demand or computed again)
+    returned: dict[str, int] = field(default_factory=lambda: {"ready": 0, "loading": 0, "missed": 0})
     errors: list[float] = field(default_factory=list)  # |expected - actual| per pause, the latest 10,000
 
 
@@ -227,10 +231,12 @@ class SessionBook:
         self.stats = PauseStats()
 
     # ------------------------------------------------------------------ turns
-    def resumed(self, key: str, turn: SessionTurn, now: float, prompt_tokens: int = 0) -> None:
+    def resumed(self, key: str, turn: SessionTurn, now: float, prompt_tokens: int = 0) -> int | None:
         """A turn of session `key` arrived with a prompt of `prompt_tokens`: a pause ended (learned
-        from), its history is in use."""
+        from), its history is in use. Returns the history's tokens when a pause ended (the caller
+        says where they were: `returned`), else None."""
         state = self.sessions.get(key)
+        history = None
         if state is None:
             state = self.sessions[key] = SessionState(key, turn, opened=now, first_prompt=prompt_tokens)
         elif state.paused_at is not None:
@@ -238,9 +244,16 @@ class SessionBook:
             self.pauses.observe(self._tool_key(state), gap)
             self._score(state, gap, now)
             self._unpause(state)
+            history = state.tokens
         state.turn = turn
         state.generation += 1
         self._publish(state, 0.0)
+        return history
+
+    def returned(self, on_device: bool, loading: bool) -> None:
+        """Where the history of a session whose client just came back was: all `on_device`, else part
+        of it still `loading` (a prefetch in flight), else part of it on the host or gone."""
+        self.stats.returned["ready" if on_device else "loading" if loading else "missed"] += 1
 
     def pause(self, key: str, turn: SessionTurn, tokens: int, now: float) -> Forecast:
         """Session `key`'s turn ended with `tokens` of history and a tool call: predict the pause,
@@ -318,7 +331,7 @@ class SessionBook:
                     self._pinning.add(tenant)
                     pinned[tenant] = pinned.get(tenant, 0) + state.tokens
         return {"pauses": s.pauses, "abs_error_s": s.abs_error_s, "due_early": s.due_before_return,
-                "due_late": s.due_after_return,
+                "due_late": s.due_after_return, "returned": dict(s.returned),
                 "retained_tokens": {tenant: self.retained.get(tenant, 0) for tenant in self._tenants},
                 "pinned_tokens": pinned}
 

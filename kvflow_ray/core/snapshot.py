@@ -35,7 +35,8 @@ class EngineSnapshot:
     # per tenant the paused history tokens ranked as needed (retained) and held whatever their rank
     # (pinned: Continuum's pins, SGLang's retention)
     sessions: dict[str, Any] = field(default_factory=lambda: {
-        "pauses": 0, "abs_error_s": 0.0, "due_early": 0, "due_late": 0, "retained_tokens": {}, "pinned_tokens": {}})
+        "pauses": 0, "abs_error_s": 0.0, "due_early": 0, "due_late": 0,
+        "returned": {"ready": 0, "loading": 0, "missed": 0}, "retained_tokens": {}, "pinned_tokens": {}})
     kv_bytes_per_token: float = 0.0  # the engine's KV bytes per token (0: not known), for gauges in bytes
     # reuse of kept outputs beyond the prefix (docs/design.md §12): prompt tokens placed and not
     # recomputed (reused), and (token, layer) pairs the reusing prefills computed against a dense

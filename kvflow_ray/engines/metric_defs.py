@@ -99,6 +99,11 @@ SESSION_PREFETCH = MetricDef(
     "kvflow_session_prefetch", "Paused histories whose prefetch fell due before the client came back (early) "
     "or not (late)", "counter", ("timing",),
     read=lambda s: {("early",): float(s.sessions.get("due_early", 0)), ("late",): float(s.sessions.get("due_late", 0))})
+SESSION_RETURNS = MetricDef(
+    "kvflow_session_returns", "Paused sessions whose client came back, by where the history was then: all on "
+    "the device (ready: kept, or its prefetch had landed), part of it still loading (the prefetch arrived "
+    "late), or part of it on the host or gone (missed: loaded on demand or computed again)", "counter",
+    ("history",), read=lambda s: {(where,): float(n) for where, n in s.sessions.get("returned", {}).items()})
 SESSION_RETAINED = MetricDef(
     "kvflow_session_retained_tokens", "History tokens of paused sessions ranked as needed, per tenant (bounded "
     "by tenant_retain_tokens)", "gauge", ("tenant",),
@@ -147,7 +152,7 @@ KV_COMPACTION_SECONDS = MetricDef(
 # Every engine metric, in exposition order.
 ENGINE_METRICS: tuple[MetricDef, ...] = (PROMPT_TOKENS, PREFETCH, PREFETCH_STALL, EVICTED_TOKENS, CACHE_TOKENS,
                                          QUEUE_LENGTH, SESSION_PAUSES, SESSION_PAUSE_ERROR, SESSION_PREFETCH,
-                                         REUSED_TOKENS, REUSE_LAYER_TOKENS, SEGMENT_KV_BYTES,
+                                         SESSION_RETURNS, REUSED_TOKENS, REUSE_LAYER_TOKENS, SEGMENT_KV_BYTES,
                                          SESSION_RETAINED, SESSION_RETAINED_BYTES,
                                          SESSION_PINNED_BYTES, KV_COMPACTIONS, KV_DROPPED_TOKENS, KV_COMPACTION_SECONDS)
 

@@ -89,7 +89,10 @@ def pause_measures(stats: Sequence[PauseStats]) -> dict[str, float]:
             "mean_signed_error_s": sum(s.signed_error_s for s in stats) / pauses if pauses else 0.0,
             # prefetch due (started) before the client came back, and after it (too late)
             "prefetch_due_early": sum(s.due_before_return for s in stats),
-            "prefetch_due_late": sum(s.due_after_return for s in stats)}
+            "prefetch_due_late": sum(s.due_after_return for s in stats),
+            # where the history was when the client came back (`PauseStats.returned`)
+            "history_at_return": {where: sum(s.returned[where] for s in stats) for where in ("ready", "loading",
+                                                                                         "missed")}}
 
 
 def fleet_measures(sim: Simulation) -> dict[str, Any]:
