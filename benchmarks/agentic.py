@@ -16,7 +16,10 @@ same run (at pressure <= 0.5: kvflow within 2% of the best baseline instead).
 
 On the CPU engine (real compute on real KV tensors, SmolLM2-135M, wall clock) a small agentic run
 (the `small` shape: short prompts, pauses / 20) compares the same policies, recomputed tokens beside
-job completion time.
+job completion time, in --cpu-rounds rounds (each in a rotated policy order; the median round per
+policy is reported), beside the simulator's prediction of the same run on the `cpu-reference` profile
+calibrated in the same run: the pairs the rounds resolve (one policy faster in every round) are
+checked against the simulator's order.
 
 Run: python benchmarks/agentic.py [--quick] [--no-cpu] [--out DIR]. Progress on stderr, tables on stdout,
 agentic.json and agentic.png in DIR (default benchmarks/out; the committed figures come from
@@ -73,21 +76,80 @@ def cell(replicas: int, sessions: int, pressure: float, variant: str, bar: tqdm)
             "mean": target(results, "latency_s", pressure), "p99": target(results, "p99_latency_s", pressure)}
 
 
-def cpu_cell(model: str, sessions: int, device_tokens: int, shape: str = "small") -> dict[str, Any]:
-    """A small agentic run on the CPU engine (real compute on real KV, wall clock), every policy."""
-    from kvflow_ray.engines.cpu.bench import run_cpu_policies
+def cpu_cell(model: str, sessions: int, device_tokens: int, shape: str = "small", rounds: int = 3,
+             progress: bool = True) -> dict[str, Any]:
+    """A small agentic run on the CPU engine (real compute on real KV, wall clock), every policy, in
+    `rounds` rounds (each in a rotated policy order, so no policy always runs first or last on a
+    machine that warms up or drifts); and the simulator's prediction of the same run, from the
+    `cpu-reference` profile calibrated on this machine with the same model and pools. Each policy's
+    figures are those of its median round by mean JCT; `agreement` compares the two orders."""
+    import tempfile
+
+    from kvflow_ray.engines.cpu.bench import policy_progress, run_cpu_policies
+    from kvflow_ray.engines.cpu.calibrate import calibrate, write_profile
     from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig
+    from kvflow_ray.engines.cpu.model import CpuModel
     from kvflow_ray.engines.cpu.weights import resolve_model
 
     scenario = agentic(sessions=sessions, shape=shape, seed=SEED)
-    path = resolve_model(model)
-    config = CpuEngineConfig(model=ModelConfig(path=path), device_kv_tokens=device_tokens,
+    config = CpuEngineConfig(model=ModelConfig(path=resolve_model(model)), device_kv_tokens=device_tokens,
                              host_kv_tokens=8 * device_tokens, max_running=8)
-    out = run_cpu_policies(scenario, config, POLICIES)
-    results = out["results"]
-    order = sorted(POLICIES, key=lambda name: results[name]["latency_s"])
+    engine_model = CpuModel(config.model, threads=config.threads)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in POLICIES}
+    for r in range(rounds):
+        rotated = POLICIES[r % len(POLICIES):] + POLICIES[:r % len(POLICIES)]
+        with policy_progress(f"cpu agentic round {r + 1}/{rounds}") as tick:
+            out = run_cpu_policies(scenario, config, rotated, model=engine_model,
+                                   progress=tick if progress else None)
+        for name in POLICIES:
+            runs[name].append(out["results"][name])
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = load_profile(str(write_profile(calibrate(config, model=engine_model),
+                                                 str(Path(tmp) / "cpu-reference.yaml"))))
+    simulated = run_policies(scenario, profile, POLICIES, gpu_capacity=device_tokens)["results"]
+    results = {name: median_run(rs) for name, rs in runs.items()}
     return {"model": model, "sessions": sessions, "shape": shape, "device_kv_tokens": device_tokens,
-            "results": results, "order_by_jct": order}
+            "host_kv_tokens": config.host_kv_tokens, "rounds": rounds, "results": results,
+            "round_latency_s": {name: [r["latency_s"] for r in rs] for name, rs in runs.items()},
+            "simulated": {name: {k: r[k] for k in ("latency_s", "p99_latency_s", "recomputed_tokens",
+                                                   "loaded_tokens")} for name, r in simulated.items()},
+            "order_by_jct": sorted(POLICIES, key=lambda name: results[name]["latency_s"]),
+            "simulated_order": sorted(POLICIES, key=lambda name: simulated[name]["latency_s"]),
+            "agreement": agreement({n: r["latency_s"] for n, r in simulated.items()},
+                                   {n: [r["latency_s"] for r in rs] for n, rs in runs.items()})}
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run whose mean JCT is the median (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r["latency_s"])[(len(runs) - 1) // 2]
+
+
+def agreement(simulated: dict[str, float], measured: dict[str, list[float]]) -> dict[str, Any]:
+    """How the measured order (rounds of wall clock per policy) matches the simulator's: Kendall's tau
+    between the medians and the simulated latencies, and the pairs the measurement *resolves* (one
+    policy faster than the other in every round) with those of them ordered as the simulator orders
+    them. A pair the rounds do not resolve is within the machine's run-to-run spread."""
+    names = sorted(simulated)
+    medians = {n: sorted(ls)[(len(ls) - 1) // 2] for n, ls in measured.items()}
+    concordant = discordant = 0
+    resolved: list[list[str]] = []
+    contrary: list[list[str]] = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            sim_sign = (simulated[a] > simulated[b]) - (simulated[a] < simulated[b])
+            med_sign = (medians[a] > medians[b]) - (medians[a] < medians[b])
+            concordant += sim_sign * med_sign > 0
+            discordant += sim_sign * med_sign < 0
+            faster = a if all(x < y for x, y in zip(measured[a], measured[b], strict=True)) else (
+                b if all(y < x for x, y in zip(measured[a], measured[b], strict=True)) else None)
+            if faster is not None:
+                slower = b if faster == a else a
+                resolved.append([faster, slower])
+                if simulated[faster] > simulated[slower]:
+                    contrary.append([faster, slower])
+    pairs = len(names) * (len(names) - 1) // 2
+    return {"kendall_tau": (concordant - discordant) / pairs if pairs else 1.0, "pairs": pairs,
+            "resolved": resolved, "resolved_against_simulator": contrary}
 
 
 def tables(report: dict[str, Any]) -> str:
@@ -119,7 +181,12 @@ def tables(report: dict[str, Any]) -> str:
         for name, r in row["results"].items():
             lines.append(f"{name:<14}{r['latency_s']:>9.2f}{r['p99_latency_s']:>9.2f}{r['recomputed_tokens']:>12,}"
                          f"{r['loaded_tokens']:>11,}{r['gpu_hit_ratio']:>9.3f}")
-        lines.append(f"  order by mean JCT: {', '.join(row['order_by_jct'])}")
+        lines.append(f"  order by median mean JCT of {row['rounds']} round(s): {', '.join(row['order_by_jct'])}")
+        lines.append(f"  the simulator's order (cpu-reference calibrated here): {', '.join(row['simulated_order'])}")
+        a = row["agreement"]
+        lines.append(f"  Kendall tau {a['kendall_tau']:.2f}; {len(a['resolved'])} of {a['pairs']} pairs resolved "
+                     f"(one faster in every round), {len(a['resolved_against_simulator'])} of them against the "
+                     f"simulator" + "".join(f"; {x} < {y}" for x, y in a["resolved_against_simulator"]))
     met = sum(row[k]["met"] for row in report["cells"] for k in ("mean", "p99"))
     lines.append(f"\ntargets met: {met} of {2 * len(report['cells'])}")
     return "\n".join(lines)
@@ -151,15 +218,21 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = results_file.parser(__doc__, "agentic", "two small single-replica cells, the CPU run on the random model "
                                                  "and the tiny shape (a smoke run)")
-    ap.add_argument("--no-cpu", action="store_true", help="skip the CPU engine run (SmolLM2: about 10 minutes)")
+    ap.add_argument("--no-cpu", action="store_true",
+                    help="skip the CPU engine run (SmolLM2: about 10 minutes a round, and a calibration)")
+    ap.add_argument("--cpu-rounds", type=int, default=3, metavar="N",
+                    help="rounds of the CPU engine run, each policy once per round in a rotated order; the "
+                         "median round per policy is reported (--quick runs 1)")
     args = ap.parse_args(argv)
+    if args.cpu_rounds < 1:
+        ap.error(f"--cpu-rounds must be at least 1, got {args.cpu_rounds}")
     results_file.require("matplotlib")
     grid = QUICK if args.quick else FULL
     started = time.perf_counter()
     with tqdm(total=len(grid), disable=args.no_progress, file=sys.stderr, unit="cell") as bar:
         cells = [cell(*spec, bar) for spec in grid]
-    spec = ("random", 4, 1024, "tiny") if args.quick else ("smollm2-135m", 8, 3072, "small")
-    cpu = [] if args.no_cpu else [cpu_cell(*spec)]
+    spec = ("random", 4, 1024, "tiny", 1) if args.quick else ("smollm2-135m", 8, 3072, "small", args.cpu_rounds)
+    cpu = [] if args.no_cpu else [cpu_cell(*spec, progress=not args.no_progress)]
     report = {"generated_by": "python benchmarks/agentic.py" + (" --quick" if args.quick else "")
               + (" --no-cpu" if args.no_cpu else ""),
               "machine": results_file.machine(), "profile": PROFILE, "seed": SEED,

@@ -283,7 +283,34 @@ def test_agentic_quick(tmp_path: Path) -> None:
     assert set(cpu["results"]) == set(report["cells"][0]["results"]) == set(cpu["order_by_jct"])
     for result in cpu["results"].values():
         assert result["workflows_measured"] == cpu["sessions"] and result["latency_s"] > 0
+    # beside it, the simulator's prediction of the same run, and how the two orders compare
+    assert sorted(cpu["simulated_order"]) == sorted(cpu["order_by_jct"])
+    assert all(cpu["simulated"][name]["latency_s"] > 0 for name in cpu["simulated_order"])
+    assert cpu["round_latency_s"]["kvflow"] == [cpu["results"]["kvflow"]["latency_s"]]  # --quick: one round
+    agreement = cpu["agreement"]
+    assert agreement["pairs"] == 21 and -1.0 <= agreement["kendall_tau"] <= 1.0
+    assert len(agreement["resolved"]) == 21  # one round resolves every pair (no ties in wall clock)
     assert (tmp_path / "agentic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_agentic_cpu_agreement_counts_only_pairs_every_round_orders_alike() -> None:
+    """The CPU run's comparison with the simulator: a pair counts as resolved only when one policy is
+    faster in every round, and it is against the simulator when the simulator orders it the other way."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import agentic
+    finally:
+        sys.path.pop(0)
+
+    simulated = {"a": 1.0, "b": 2.0, "c": 3.0}
+    measured = {"a": [1.0, 1.1, 0.9], "b": [2.0, 0.8, 2.1], "c": [0.5, 0.6, 0.7]}
+    out = agentic.agreement(simulated, measured)
+    # medians a 1.0, b 2.0, c 0.6: (a, b) concordant, (a, c) and (b, c) discordant
+    assert out["pairs"] == 3 and out["kendall_tau"] == pytest.approx(-1 / 3)
+    # a vs b: a faster in rounds 1 and 3 only (unresolved); c faster than a and b in every round
+    assert sorted(map(tuple, out["resolved"])) == [("c", "a"), ("c", "b")]
+    assert sorted(map(tuple, out["resolved_against_simulator"])) == [("c", "a"), ("c", "b")]
+    assert agentic.median_run([{"latency_s": 3.0}, {"latency_s": 1.0}, {"latency_s": 2.0}]) == {"latency_s": 2.0}
 
 
 @pytest.mark.slow

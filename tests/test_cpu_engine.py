@@ -4,7 +4,9 @@ engine; pools and the cache's books agree after heavy eviction; hints, cache eve
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -758,6 +760,88 @@ def test_cli_bench_cpu() -> None:
     stdout, stderr, rc = out["no pool"]
     assert rc == 2 and stdout == ""
     assert "device_kv_tokens must be positive" in stderr and "Traceback" not in stderr
+
+
+def test_cli_bench_cpu_sets_an_agentic_pool_by_pressure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench cpu --scenario agentic --pressure X`: the device pool at which the sessions' live histories
+    are X times it, as the simulator measures them on the profile calibrated here (first, when missing);
+    --pressure and --device-kv-tokens exclude each other, and --pressure needs the agentic scenario."""
+    from kvflow_ray.commands.sim import add_scenario_arguments, build_scenario
+    from kvflow_ray.engines.sim.profile import load_profile
+    from kvflow_ray.engines.sim.runner import pressure_capacity
+
+    env = {**os.environ, "KVFLOW_RAY_PROFILES": str(tmp_path)}
+    agentic = ["--model", "random", "--scenario", "agentic", "--sessions", "2", "--shape", "tiny"]
+    runs = {
+        "ok": [*agentic, "--pressure", "2", "--policies", "kvflow", "--json"],
+        "both": [*agentic, "--pressure", "2", "--device-kv-tokens", "4096"],
+        "not agentic": ["--model", "random", "--scenario", "single", "--pressure", "2"],
+    }
+    out = {}
+    for name, args in runs.items():  # one after another: the first writes the profile the others would read
+        done = subprocess.run([sys.executable, "-m", "kvflow_ray.cli", "bench", "cpu", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=600)
+        out[name] = done.stdout, done.stderr, done.returncode
+    stdout, stderr, rc = out["ok"]
+    assert rc == 0, stderr
+    assert (tmp_path / "cpu-reference.yaml").exists()  # calibrated first
+    result = json.loads(stdout)
+    parser = argparse.ArgumentParser()
+    add_scenario_arguments(parser, fleet=True)  # the simulator's flags: the same scenario, seed 0
+    scenario = build_scenario(parser.parse_args(["--scenario", "agentic", "--sessions", "2", "--shape", "tiny",
+                                                 "--pressure", "2"]))
+    monkeypatch.setenv("KVFLOW_RAY_PROFILES", str(tmp_path))
+    pool, _live = pressure_capacity(scenario, load_profile("cpu-reference"), replicas=1)
+    assert result["config"]["device_kv_tokens"] == pool and result["params"]["pressure"] == 2.0
+    assert f"device pool {pool:,} tokens" in stderr
+    assert result["results"]["kvflow"]["workflows_measured"] == 2
+    for name, message in (("both", "give it or --device-kv-tokens, not both"),
+                          ("not agentic", "--pressure goes with --scenario")):
+        stdout, stderr, rc = out[name]
+        assert rc == 2 and stdout == "" and message in stderr and "Traceback" not in stderr, (name, stderr)
+
+
+def test_a_sessions_final_turn_frees_its_history_past_its_first_prompt(model: CpuModel) -> None:
+    """docs/design.md §11, Release: the final turn frees the session's history at once, from both tiers
+    and with no write-back, except its first prompt (the system prompt its application's sessions
+    share lies there: it stays cached, and another live session's tag on it is kept)."""
+    from kvflow_ray.core.sessions import SESSION_AGENT
+
+    system = _tokens(64, 70)
+    with CpuEngine(_config("kvflow", 2_000, host=8_000), model=model) as engine:
+        def turn(key: str, tokens: Sequence[int], final: bool = False) -> tuple[int, ...]:
+            result = engine.generate(GenerateRequest(tokens=list(tokens), max_tokens=4, ignore_eos=True, workflow=key,
+                                                     agent=SESSION_AGENT, session={"tenant": "t", "final": final}))
+            _drain(engine)  # the write-ahead of a paused history lands
+            return tuple(result.tokens)
+
+        first = system + _tokens(8, 71)
+        second = first + turn("s1", first) + _tokens(40, 72)  # the first output, then a tool's result
+        other = system + _tokens(8, 73)
+        other_history = other + turn("s2", other)  # another session of the application, left paused
+        third = second + turn("s1", second) + _tokens(30, 74)
+        assert engine.cache.tree.match_prefix(third, split=False).length > len(second)  # the history is cached
+        written = engine.cache.counters.written_back_tokens
+        device_before = engine.cache.tree.gpu_tokens
+        final = third + turn("s1", third, final=True)
+
+        kept = engine.cache.tree.match_prefix(final, split=False).length
+        assert kept == len(first)  # the first prompt only
+        released = engine.cache.counters.released_tokens
+        assert released >= len(final) - len(second)
+        assert engine.cache.tree.gpu_tokens < device_before
+        assert engine.cache.counters.written_back_tokens == written  # freed, not written back
+        system_node = engine.cache.tree.match_prefix(system, split=False).path[-1]
+        assert ("s2", SESSION_AGENT) in system_node.tags  # the live session keeps its history's rank
+        _check_pool_contents(engine, model)
+
+        # the other session is finished by the client (`POST /v1/clients/s2/finish`: a retire hint)
+        assert engine.cache.tree.match_prefix(other_history, split=False).length > len(other)  # its output
+        engine.apply_hints(Hints(retire=["s2"]))
+        _drain(engine)
+        assert engine.cache.tree.match_prefix(other_history, split=False).length == len(other)
+        assert engine.cache.counters.released_tokens > released and not system_node.tags
+        _check_pool_contents(engine, model)
 
 
 def test_a_prompt_diverging_inside_a_node_in_flight_keeps_its_uncached_tail(model: CpuModel,

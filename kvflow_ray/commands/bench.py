@@ -29,6 +29,7 @@ from typing import Any
 
 from kvflow_ray.commands.sim import add_scenario_arguments, build_scenario, format_table
 from kvflow_ray.core.graph import SpecError
+from kvflow_ray.core.scheduler import engine_policies
 from kvflow_ray.engines.cpu.config import DEFAULT_PROFILE
 
 DEFAULT_POLICIES = "lru,hicache,kvflow"
@@ -41,8 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cpu = sub.add_parser("cpu", help="a scenario on the CPU engine, policies side by side",
                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_scenario_arguments(cpu, single_iterations=CPU_ITERATIONS)
+    cpu.add_argument("--pressure", type=float, default=None, metavar="X",
+                     help="agentic: set the device pool so that the live session histories (time-averaged, "
+                          f"simulated without capacity limit on the {DEFAULT_PROFILE} profile, calibrated first "
+                          "when missing) are X times it; instead of --device-kv-tokens")
     cpu.add_argument("--policies", default=DEFAULT_POLICIES,
-                     help=f"comma-separated, of lru,hicache,kvflow,kvflow-noprefetch (default {DEFAULT_POLICIES})")
+                     help=f"comma-separated, of {', '.join(engine_policies())} (default {DEFAULT_POLICIES})")
     _engine_arguments(cpu)
     cpu.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     cpu.set_defaults(_bench=_run_cpu)
@@ -76,7 +81,7 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=m.device,
                    help=f"where the model and device KV pool live: {DEVICES} (default {m.device}: cuda when "
                         "torch sees a GPU)")
-    g.add_argument("--device-kv-tokens", type=int, default=e.device_kv_tokens,
+    g.add_argument("--device-kv-tokens", type=int, default=None,
                    help=f"device KV pool capacity in tokens (default {e.device_kv_tokens})")
     g.add_argument("--host-kv-tokens", type=int, default=e.host_kv_tokens,
                    help=f"host KV pool capacity in tokens (default {e.host_kv_tokens})")
@@ -106,7 +111,8 @@ def _engine_config(args: argparse.Namespace) -> Any:
 
     path = resolve_model(args.model, model_path=args.model_path, gguf=args.gguf, cache=args.model_cache)
     model = ModelConfig.named(args.model, dtype=args.dtype, seed=args.seed, path=path, device=args.device)
-    return CpuEngineConfig(model=model, device_kv_tokens=args.device_kv_tokens, host_kv_tokens=args.host_kv_tokens,
+    device = CpuEngineConfig.device_kv_tokens if args.device_kv_tokens is None else args.device_kv_tokens
+    return CpuEngineConfig(model=model, device_kv_tokens=device, host_kv_tokens=args.host_kv_tokens,
                            link_gbps=args.link_gbps or None, chunk_tokens=args.chunk_tokens,
                            max_running=args.max_running, horizon=args.horizon, max_inflight=args.max_inflight,
                            threads=args.threads)
@@ -132,10 +138,36 @@ def _run_cpu(args: argparse.Namespace) -> int:
     policies = _policies(args.policies)
     scenario = build_scenario(args)
     config = _engine_config(args)
+    if args.pressure is not None:
+        config = _pool_for_pressure(args, scenario, config)
     with policy_progress(f"cpu {scenario.name}") as progress:
         out = run_cpu_policies(scenario, config, policies, progress=progress)
     print(json.dumps(out) if args.json else format_table(out))
     return 0
+
+
+def _pool_for_pressure(args: argparse.Namespace, scenario: Any, config: Any) -> Any:
+    """`config` with the device pool at which the agentic sessions' live histories are `--pressure`
+    times it, measured as the simulator measures them (`runner.pressure_capacity`) on this machine's
+    calibrated profile."""
+    from dataclasses import replace
+
+    from kvflow_ray.engines.cpu.calibrate import calibrate, profile_path, write_profile
+    from kvflow_ray.engines.sim.profile import load_profile
+    from kvflow_ray.engines.sim.runner import pressure_capacity
+
+    if args.scenario != "agentic":
+        raise ValueError("--pressure goes with --scenario agentic")
+    if args.device_kv_tokens is not None:
+        raise ValueError("--pressure sets the device pool: give it or --device-kv-tokens, not both")
+    if args.pressure <= 0:
+        raise ValueError(f"--pressure must be positive, got {args.pressure}")
+    if not profile_path().exists():
+        write_profile(calibrate(config, log=lambda msg: print(msg, file=sys.stderr)))
+    pool, live = pressure_capacity(scenario, load_profile(DEFAULT_PROFILE), replicas=1)
+    print(f"pressure {args.pressure}: device pool {pool:,} tokens (live histories {live:,.0f} tokens, "
+          f"simulated on {DEFAULT_PROFILE})", file=sys.stderr)
+    return replace(config, device_kv_tokens=pool)
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:

@@ -163,10 +163,12 @@ def build_scenario(args: argparse.Namespace, fleet_kv_tokens: int | None = None)
         raise ValueError("--pressure goes with --scenario fleet or agentic")
     if args.scenario == "agentic":
         pressure = getattr(args, "pressure", None)
-        return agentic.agentic(sessions=args.sessions, pressure=2.0 if pressure is None else pressure,
+        if pressure is None and args._scenario_seeded:  # the simulator sets its pool by the pressure (default 2)
+            pressure = 2.0
+        return agentic.agentic(sessions=args.sessions, pressure=pressure,
                                apps=pick(args.apps, 4), tenants=pick(getattr(args, "tenants", None), 2),
                                rate=getattr(args, "rate", None), variant=args.variant, shape=args.shape,
-                               hint_s=args.pause_hint, seed=getattr(args, "seed", 0))
+                               hint_s=args.pause_hint, seed=args.seed if args._scenario_seeded else 0)
     if args.scenario == "fleet":
         rate = args.rate
         if args.preset == "llmd":

@@ -234,9 +234,12 @@ def live_tokens_mean(records: list[tuple[float, int]]) -> float:
     return area / span if span > 0 else 0.0
 
 
-def agentic(sessions: int = 64, pressure: float = 2.0, apps: int = 4, tenants: int = 2, rate: float | None = None,
-            variant: str = "single", shape: str = "standard", hint_s: float | None = None, seed: int = 0) -> Scenario:
-    if pressure <= 0:
+def agentic(sessions: int = 64, pressure: float | None = 2.0, apps: int = 4, tenants: int = 2,
+            rate: float | None = None, variant: str = "single", shape: str = "standard", hint_s: float | None = None,
+            seed: int = 0) -> Scenario:
+    """The scenario; `pressure`: the simulator sets the device pool from it (`runner.pressure_capacity`)
+    unless given one; None: the pool is the engine's own."""
+    if pressure is not None and pressure <= 0:
         raise ValueError(f"--pressure must be positive, got {pressure}")
     plans = agentic_sessions(sessions, apps, tenants, rate, variant, shape, hint_s, seed)
     return Scenario("agentic", [], dict(sessions=sessions, pressure=pressure, apps=apps, tenants=tenants,
