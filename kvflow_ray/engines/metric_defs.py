@@ -104,24 +104,26 @@ SESSION_RETURNS = MetricDef(
     "the device (ready: kept, or its prefetch had landed), part of it still loading (the prefetch arrived "
     "late), or part of it on the host or gone (missed: loaded on demand or computed again)", "counter",
     ("history",), read=lambda s: {(where,): float(n) for where, n in s.sessions.get("returned", {}).items()})
+
+
+def _per_tenant(key: str, scale: Callable[[EngineSnapshot], float] = lambda s: 1.0) -> Callable[[EngineSnapshot], Any]:
+    """A per-tenant session gauge's reading: `sessions[key]` by tenant, times `scale(snapshot)`."""
+    return lambda s: {(tenant,): float(n) * scale(s) for tenant, n in s.sessions.get(key, {}).items()}
+
+
 SESSION_RETAINED = MetricDef(
     "kvflow_session_retained_tokens", "History tokens of paused sessions ranked as needed, per tenant (bounded "
-    "by tenant_retain_tokens)", "gauge", ("tenant",),
-    read=lambda s: {(tenant,): float(n) for tenant, n in s.sessions.get("retained_tokens", {}).items()},
+    "by tenant_retain_tokens)", "gauge", ("tenant",), read=_per_tenant("retained_tokens"),
     multiprocess_mode="livemax")
 SESSION_RETAINED_BYTES = MetricDef(
     "kvflow_session_retained_bytes", "KV bytes of the paused session histories ranked as needed, per tenant "
     "(kvflow_session_retained_tokens x the engine's KV bytes per token; 0 where the engine does not say)",
-    "gauge", ("tenant",),
-    read=lambda s: {(tenant,): float(n) * s.kv_bytes_per_token
-                    for tenant, n in s.sessions.get("retained_tokens", {}).items()},
+    "gauge", ("tenant",), read=_per_tenant("retained_tokens", lambda s: s.kv_bytes_per_token),
     multiprocess_mode="livemax")
 SESSION_PINNED_BYTES = MetricDef(
     "kvflow_session_pinned_bytes", "KV bytes of the paused session histories the eviction policy holds whatever "
     "their rank, per tenant (Continuum's pins, SGLang's retention_seconds; kvflow pins nothing)",
-    "gauge", ("tenant",),
-    read=lambda s: {(tenant,): float(n) * s.kv_bytes_per_token
-                    for tenant, n in s.sessions.get("pinned_tokens", {}).items()},
+    "gauge", ("tenant",), read=_per_tenant("pinned_tokens", lambda s: s.kv_bytes_per_token),
     multiprocess_mode="livemax")
 
 # Reuse of kept outputs beyond the prefix (docs/design.md §12); an engine without it reports zeros.
