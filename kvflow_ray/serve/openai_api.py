@@ -431,10 +431,8 @@ class ParsedRequest:
                 if getattr(kvflow, name) is not None:
                     raise ApiError(400, f"'{where}.{name}' is a session field: name the session too "
                                         f"('{where}.session', or the 'X-Session-ID' header)", f"{where}.{name}")
-        if self.session.session is not None and self.meta is not None:  # the id came in a header
-            raise ApiError(400, f"'{self.session.session_source}' makes this request a session turn, and "
-                                f"'{where}.client_id' a workflow call: send one or the other",
-                           self.session.session_source, code="invalid_value")
+        # a session header beside workflow metadata leaves the request a workflow call: the header (Ray
+        # Serve's session key) then only keeps the client's calls on one ingress replica
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:
