@@ -36,7 +36,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvflow_ray.engines.sim.agentic import agentic
-from kvflow_ray.engines.sim.profile import load_profile
+from kvflow_ray.engines.sim.profile import Profile, load_profile
 from kvflow_ray.engines.sim.runner import run_policies
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, wherever it is run from
@@ -83,10 +83,8 @@ def cpu_cell(model: str, sessions: int, device_tokens: int, shape: str = "small"
     machine that warms up or drifts); and the simulator's prediction of the same run, from the
     `cpu-reference` profile calibrated on this machine with the same model and pools. Each policy's
     figures are those of its median round by mean JCT; `agreement` compares the two orders."""
-    import tempfile
-
     from kvflow_ray.engines.cpu.bench import policy_progress, run_cpu_policies
-    from kvflow_ray.engines.cpu.calibrate import calibrate, write_profile
+    from kvflow_ray.engines.cpu.calibrate import calibrate
     from kvflow_ray.engines.cpu.config import CpuEngineConfig, ModelConfig
     from kvflow_ray.engines.cpu.model import CpuModel
     from kvflow_ray.engines.cpu.weights import resolve_model
@@ -103,9 +101,7 @@ def cpu_cell(model: str, sessions: int, device_tokens: int, shape: str = "small"
                                    progress=tick if progress else None)
         for name in POLICIES:
             runs[name].append(out["results"][name])
-    with tempfile.TemporaryDirectory() as tmp:
-        profile = load_profile(str(write_profile(calibrate(config, model=engine_model),
-                                                 str(Path(tmp) / "cpu-reference.yaml"))))
+    profile = Profile(**calibrate(config, model=engine_model)["values"])  # the fit, not written anywhere
     simulated = run_policies(scenario, profile, POLICIES, gpu_capacity=device_tokens)["results"]
     results = {name: median_run(rs) for name, rs in runs.items()}
     return {"model": model, "sessions": sessions, "shape": shape, "device_kv_tokens": device_tokens,

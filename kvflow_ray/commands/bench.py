@@ -152,22 +152,28 @@ def _pool_for_pressure(args: argparse.Namespace, scenario: Any, config: Any) -> 
     calibrated profile."""
     from dataclasses import replace
 
-    from kvflow_ray.engines.cpu.calibrate import calibrate, profile_path, write_profile
-    from kvflow_ray.engines.sim.profile import load_profile
     from kvflow_ray.engines.sim.runner import pressure_capacity
 
-    if args.scenario != "agentic":
-        raise ValueError("--pressure goes with --scenario agentic")
+    # build_scenario took --pressure for the agentic scenario only
     if args.device_kv_tokens is not None:
         raise ValueError("--pressure sets the device pool: give it or --device-kv-tokens, not both")
     if args.pressure <= 0:
         raise ValueError(f"--pressure must be positive, got {args.pressure}")
-    if not profile_path().exists():
-        write_profile(calibrate(config, log=lambda msg: print(msg, file=sys.stderr)))
-    pool, live = pressure_capacity(scenario, load_profile(DEFAULT_PROFILE), replicas=1)
+    pool, live = pressure_capacity(scenario, _measured_profile(config, DEFAULT_PROFILE), replicas=1)
     print(f"pressure {args.pressure}: device pool {pool:,} tokens (live histories {live:,.0f} tokens, "
           f"simulated on {DEFAULT_PROFILE})", file=sys.stderr)
     return replace(config, device_kv_tokens=pool)
+
+
+def _measured_profile(config: Any, name: str, *, recalibrate: bool = False) -> Any:
+    """The profile `name` measured on this machine, calibrated first (progress on stderr) when it is
+    missing or `recalibrate`."""
+    from kvflow_ray.engines.cpu.calibrate import calibrate, profile_path, write_profile
+    from kvflow_ray.engines.sim.profile import load_profile
+
+    if recalibrate or not profile_path(name=name).exists():
+        write_profile(calibrate(config, log=lambda msg: print(msg, file=sys.stderr), name=name))
+    return load_profile(name)
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
@@ -183,16 +189,12 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
 def _run_fidelity(args: argparse.Namespace) -> int:
     from kvflow_ray.engines.cpu.bench import policy_progress, run_cpu_policies
-    from kvflow_ray.engines.cpu.calibrate import calibrate, profile_path, write_profile
-    from kvflow_ray.engines.sim.profile import load_profile
     from kvflow_ray.engines.sim.runner import run_policies
 
     policies = _policies(args.policies)
     scenario = build_scenario(args)
     config = _engine_config(args)
-    if args.recalibrate or not profile_path(name=args.profile).exists():
-        write_profile(calibrate(config, log=lambda msg: print(msg, file=sys.stderr), name=args.profile))
-    profile = load_profile(args.profile)
+    profile = _measured_profile(config, args.profile, recalibrate=args.recalibrate)
     with policy_progress(f"cpu {scenario.name}") as progress:
         measured = run_cpu_policies(scenario, config, policies, progress=progress)
     simulated = run_policies(scenario, profile, policies, horizon=config.horizon,

@@ -154,7 +154,7 @@ class TieredCache:
         holds what its application's sessions share: that stays cached, ranked as any untagged
         prefix; a node across that boundary is split there, at a page). Deepest first, so a freed
         leaf's parent may go next. Returns the tokens freed."""
-        depth = {node: len(node.sequence()) for node in nodes if node.parent is not None}
+        depth = {node: node.end() for node in nodes if node.parent is not None}
         freed = 0
         for node in sorted(depth, key=depth.__getitem__, reverse=True):
             if (node.parent is None or node.children or node.tags or node.lock_ref or node.in_flight

@@ -119,6 +119,10 @@ class RadixNode:
         """The tokens from the root to the end of this node: the prefix whose KV it completes."""
         return tuple(itertools.chain.from_iterable(node.key for node in self.path()))
 
+    def end(self) -> int:
+        """The length of `sequence()`, without building it: where this node ends, in tokens."""
+        return sum(len(node.key) for node in self.path())
+
     @property
     def in_flight(self) -> bool:
         return self.gpu is GpuState.LOADING or self.offloading

@@ -58,7 +58,7 @@ class TLRUPolicy:
         self.next_prompt_estimate = next_prompt_estimate
 
     def priority(self, node: RadixNode) -> tuple[float, ...]:
-        start = sum(len(n.key) for n in node.path()) - len(node.key)  # tokens above the node
+        start = node.end() - len(node.key)  # tokens above the node
         history = max((s.tokens for s in _sessions_of(node, self.sessions)), default=start + len(node.key))
         budget = max(history + self.next_prompt_estimate - self.threshold, 0)
         return (-1 if start >= budget else 0, node.last_access)

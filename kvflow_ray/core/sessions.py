@@ -97,11 +97,15 @@ class LearnedPauses:
         self.window, self.default_s, self.early_q, self.max_keys = window, default_s, early_q, max_keys
         self._gaps: dict[str, OrderedDict[tuple[str, str], deque[float]]] = {}  # tenant -> (agent, tool) -> gaps
 
-    def _seen(self, key: ToolKey) -> deque[float] | None:
+    def _gaps_of(self, key: ToolKey) -> deque[float] | None:
         tenant = self._gaps.get(key[0])
-        gaps = tenant.get(key[1:]) if tenant is not None else None
+        return tenant.get(key[1:]) if tenant is not None else None
+
+    def _seen(self, key: ToolKey) -> deque[float] | None:
+        """`key`'s gaps, its tenant's most recently used key now."""
+        gaps = self._gaps_of(key)
         if gaps is not None:
-            tenant.move_to_end(key[1:])  # type: ignore[union-attr]
+            self._gaps[key[0]].move_to_end(key[1:])
         return gaps
 
     def observe(self, key: ToolKey, gap: float) -> None:
@@ -121,8 +125,7 @@ class LearnedPauses:
         return len(self._gaps.get(tenant, ()))
 
     def mean(self, key: ToolKey) -> float | None:
-        tenant = self._gaps.get(key[0])
-        gaps = tenant.get(key[1:]) if tenant is not None else None
+        gaps = self._gaps_of(key)
         return statistics.fmean(gaps) if gaps else None
 
     def forecast(self, key: ToolKey, hint: float | None, truth: float | None, elapsed: float = 0.0) -> Forecast:

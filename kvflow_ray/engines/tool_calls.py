@@ -146,11 +146,17 @@ class ToolCallStream:
     def _content(self, text: str, events: list[Event]) -> None:
         if not text:
             return
-        text = self._pending_ws + text
-        body = text.rstrip()
-        self._pending_ws = text[len(body):]
+        body, self._pending_ws = release_content(self._pending_ws, text)
         if body:
             events.append(ContentEvent(body))
+
+
+def release_content(held: str, text: str) -> tuple[str, str]:
+    """Content `text`, after the whitespace `held` back so far: (what a stream sends now, the trailing
+    whitespace it holds back, since it may end the content before a call)."""
+    text = held + text
+    body = text.rstrip()
+    return body, text[len(body):]
 
 
 class ToolCallParser:
@@ -370,4 +376,4 @@ def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
 
 __all__ = ["DEFAULT_TOOL_CALL_PARSER", "TOOL_CALL_PARSERS", "CallEvent", "ContentEvent", "HermesParser",
            "ParsedOutput", "ToolCall", "ToolCallParser", "ToolCallStream", "fallback_messages", "get_parser",
-           "new_call_id", "object_fields", "register_parser", "template_messages", "tools_block"]
+           "new_call_id", "object_fields", "register_parser", "release_content", "template_messages", "tools_block"]

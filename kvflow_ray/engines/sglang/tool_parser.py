@@ -31,6 +31,7 @@ from kvflow_ray.engines.tool_calls import (
     ToolCall,
     ToolCallParser,
     new_call_id,
+    release_content,
 )
 
 PREFIX = "sglang:"
@@ -107,9 +108,7 @@ class SGLangCallStream:
             return []
         normal, items = self._sglang.parse_stream_chunk(text)
         self._in_calls = bool(items)
-        body = self._pending_ws + normal
-        sent = body.rstrip()
-        self._pending_ws = body[len(sent):]
+        sent, self._pending_ws = release_content(self._pending_ws, normal)
         if not sent:
             return []
         self._streamed += sent
