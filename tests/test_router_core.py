@@ -3,6 +3,7 @@ cache events, advisory hints with deviations counted, restart from the store, re
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -80,6 +81,13 @@ def test_affinity_follows_cache_events(router: RouterCore) -> None:
     router.cache_events("r2", [CacheEvent("removed", "cpu", "h-planner", 20)])
     assert router.store.locations("h-planner") == {}
     assert router.decisions["affinity"] == 1
+
+
+def test_a_cache_event_crosses_the_feed_as_a_tuple_and_back_unchanged() -> None:
+    event = CacheEvent("stored", "cpu", "h-planner", 48, (11, 22, 33))
+    sent = event.as_tuple()
+    assert sent == dataclasses.astuple(event) and CacheEvent(*sent) == event
+    assert sent[-1] is event.blocks  # shallow: the block hashes are not copied per event
 
 
 def test_hints_carry_steps_and_deviations_are_served_and_counted(router: RouterCore) -> None:

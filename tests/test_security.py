@@ -203,6 +203,9 @@ def test_errors_are_openai_shaped_and_leak_nothing(server: LocalServer) -> None:
         (http(server, "GET", "/v1/models", key=None), 401, "API key"),
         (http(server, "POST", "/v1/chat/completions", raw=b"{not json"), 400, "JSON"),
         (http(server, "POST", "/v1/chat/completions", raw=b"[" * 100_000 + b"]" * 100_000), 400, "max_json_depth"),
+        # parses, yet nests past the limit (32)
+        (http(server, "POST", "/v1/chat/completions", raw=b'{"a": ' + b"[" * 40 + b"]" * 40 + b"}"), 400,
+         "max_json_depth"),
         (http(server, "POST", "/v1/chat/completions", raw=b'{"a": "' + b"x" * 300_000 + b'"}'), 413,
          "max_body_bytes"),
         (http(server, "POST", "/v1/workflows", body={"name": "bad name!", "agents": {}}), 400, "name"),

@@ -138,6 +138,11 @@ class CacheEvent:
     # router's block index (Dynamo's, llm-d's view) learns from them which blocks the replica holds
     blocks: tuple[int, ...] = ()
 
+    def as_tuple(self) -> tuple[str, str, str, int, tuple[int, ...]]:
+        """Its fields in order, as the feed sends it (`CacheEvent(*t)` reads it back); shallow, unlike
+        `dataclasses.astuple`, which copies each block hash."""
+        return self.kind, self.tier, self.prefix_hash, self.tokens, self.blocks
+
 
 def request_tokens(request: GenerateRequest, *, model_name: str, encode: Callable[[str], list[int]],
                    vocab_size: int, max_context: int, device_tokens: int, constrained: bool = False,
@@ -162,7 +167,7 @@ def request_tokens(request: GenerateRequest, *, model_name: str, encode: Callabl
     if (request.prompt is None) == (request.tokens is None):
         raise ValueError("give exactly one of prompt (text) or tokens (ids)")
     tokens = (tuple(encode(request.prompt)) if request.prompt is not None
-              else tuple(int(t) for t in request.tokens or ()))
+              else tuple(map(int, request.tokens or ())))
     if not tokens:
         raise ValueError("the prompt is empty")
     if request.max_tokens < 1:
@@ -177,8 +182,8 @@ def request_tokens(request: GenerateRequest, *, model_name: str, encode: Callabl
         raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
     if any(not isinstance(s, str) or not s for s in request.stop):
         raise ValueError("stop strings must be non-empty strings")
-    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    if min(tokens) < 0 or max(tokens) >= vocab_size:  # the scan in C; the culprit found only then
+        bad = next(t for t in tokens if not 0 <= t < vocab_size)
         raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})")
     need = len(tokens) + request.max_tokens
     if need > max_context:

@@ -27,7 +27,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from kvflow_ray.engines.base import GenerateRequest, Hints
+from kvflow_ray.engines.base import GenerateRequest, GenerateResult, Hints
 from kvflow_ray.serve.config import AppConfig
 from kvflow_ray.serve.metrics import ReplicaMetrics, as_snapshot
 from kvflow_ray.serve.openai_api import agent_prefix
@@ -38,6 +38,7 @@ REPORT_PERIOD_S = 1.0
 EVENTS_PERIOD_S = 0.25
 HINT_PULL_GAP_S = 0.1  # at most this often: with many ingresses syncing, pulls stay bounded (hints merge)
 PROMPT_CACHE_TOKENS = 1 << 21  # tokenized agent prompts kept (about 16 MB of ids)
+RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(GenerateResult))
 
 
 def make_engine(config: AppConfig) -> Any:
@@ -167,7 +168,8 @@ class EngineReplica:
             status = 400 if isinstance(req.error, ValueError) else 500
             return {"replica": self.name, "error": str(req.error), "status": status}
         self.metrics.observe_result(req.result)
-        return {"replica": self.name, "result": dataclasses.asdict(req.result)}
+        # a shallow copy: its fields are plain values (`dataclasses.asdict` deep-copies each one)
+        return {"replica": self.name, "result": {name: getattr(req.result, name) for name in RESULT_FIELDS}}
 
     def _first_token_hook(self, request: Mapping[str, Any]) -> Callable[[int], None] | None:
         """For a workflow call, an `on_token` that notes its first token (reported with the cache
@@ -198,7 +200,7 @@ class EngineReplica:
             if events or first:
                 self._events_sent += 1
                 try:
-                    self.router.cache_events.remote(self.name, [dataclasses.astuple(e) for e in events], first,
+                    self.router.cache_events.remote(self.name, [e.as_tuple() for e in events], first,
                                                     seq=self._events_sent)
                 except Exception:  # the router is restarting: the gap is repaired by a snapshot
                     logger.warning("could not send %d cache events to the router", len(events))
@@ -210,7 +212,7 @@ class EngineReplica:
             events = self.engine.cache_snapshot()
             self._events_sent += 1
             self.router.cache_snapshot.remote(
-                self.name, self._events_sent, None if events is None else [dataclasses.astuple(e) for e in events])
+                self.name, self._events_sent, None if events is None else [e.as_tuple() for e in events])
             logger.info("sent the router a snapshot of %s cache events",
                         "no" if events is None else len(events))
 
