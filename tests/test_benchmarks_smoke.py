@@ -350,8 +350,18 @@ def test_kv_budget_quick(tmp_path: Path) -> None:
     assert quality["trajectories"] == report["params"]["trajectories"]
     names = {"full"} | {f"{s}@{b}" for s in report["scorers"] for b in report["budgets"]}
     assert set(quality["mean_logprob"]) == names and set(quality["exact_match"]) == names
+    # full KV holds the gold fact; a budget above the trajectory's length compacts nothing, so keeps it too
+    assert quality["fact_kept"]["full"] == 1.0 and set(quality["fact_kept"]) == names
+    longest = max(report["budgets"])
+    assert report["trajectory_tokens"] < longest / 1.5  # the quick run's short trajectories fit in B + Δ
+    assert all(quality["fact_kept"][f"{s}@{longest}"] == 1.0 for s in report["scorers"])
+    phases = report["phases"]
+    assert phases["trajectories"] == report["params"]["trajectories"] and phases["comparisons"] > 0
+    assert set(phases["question_overlap"]) == set(report["scorers"])
+    assert all(0 <= v <= 1 for v in (phases["same_phase_later"], phases["other_phases_nearer"],
+                                     *phases["question_overlap"].values()))
     throughput = report["throughput"]
     budgeted = throughput[f"kv{throughput['budget']}"]
     assert budgeted["max_private_kv"] <= throughput["budget"] + report["params"]["interval"]
     assert budgeted["max_running"] > throughput["full"]["max_running"] and budgeted["compactions"] > 0
-    assert (tmp_path / "kv_budget.png").exists() and "agentkv - recent" in proc.stdout
+    assert (tmp_path / "kv_budget.png").exists() and "agentkv - recent" in proc.stdout and "same - other" in proc.stdout

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvflow_ray.core.kv_budget import DEFAULT_SCORER
+
 DTYPES = ("float32", "bfloat16")
 DEVICES = "auto, cpu, cuda or cuda:N"
 DEFAULT_PROFILE = "cpu-reference"  # the simulator profile `bench calibrate` writes unless named otherwise
@@ -92,5 +94,5 @@ class CpuEngineConfig:
     kv_budget: int | None = None
     kv_interval: int = 128
     kv_sinks: int = 32
-    kv_scorer: str = "agentkv"
+    kv_scorer: str = DEFAULT_SCORER
     kv_phase_markers: dict[str, str] | None = None  # marker -> phase, added to the template's (think/act/tool/other)

@@ -57,33 +57,36 @@ class KeyScores:
             return positions.float()
         queries = [q for buffer in self.buffers.values() for q in buffer]
         if not self.scorer.accumulates:  # no query yet: the latest keys win
-            return self._attention(pool, slots, positions, queries) if queries else positions.float()
-        fresh = self._attention(pool, slots, positions, queries) if queries else torch.zeros(len(slots))
+            return attention_paid(pool, slots, positions, queries, self.scale) if queries else positions.float()
+        fresh = attention_paid(pool, slots, positions, queries, self.scale) if queries else torch.zeros(len(slots))
         self.buffers.clear()  # H2O: each query's attention counts once
         before = self.accumulated if self.accumulated is not None else torch.zeros(0)
         self.accumulated = fresh + torch.cat([before, torch.zeros(len(slots) - len(before))])
         return self.accumulated
 
-    def _attention(self, pool: KVPool, slots: Tensor, positions: Tensor, queries: list[Query]) -> Tensor:
-        q = torch.stack([entry[1] for entry in queries])  # [m, L, Hq, D]
-        lse = torch.stack([entry[2] for entry in queries])  # [m, L, Hq]
-        visible = torch.tensor([entry[0] for entry in queries])[:, None] >= positions[None, :]  # [m, n]
-        m, layers, heads, dim = q.shape
-        kv_heads = pool.k.shape[1]
-        group = heads // kv_heads
-        total = torch.zeros(len(slots))
-        for layer in range(layers):
-            keys = pool.k[layer].index_select(1, slots).float()  # [Hkv, n, D]
-            qg = q[:, layer].reshape(m, kv_heads, group, dim).permute(1, 2, 0, 3)  # [Hkv, g, m, D]
-            logits = torch.matmul(qg, keys[:, None].transpose(-1, -2)) * self.scale  # [Hkv, g, m, n]
-            offsets = lse[:, layer].reshape(m, kv_heads, group).permute(1, 2, 0)[..., None]
-            probs = torch.exp(logits - offsets) * visible
-            total += probs.sum(dim=(0, 1, 2))
-        return total / (m * layers * heads)
-
     def kept(self, keep: Tensor) -> None:
         if self.accumulated is not None:
             self.accumulated = self.accumulated[keep]
+
+
+def attention_paid(pool: KVPool, slots: Tensor, positions: Tensor, queries: Sequence[Query], scale: float) -> Tensor:
+    """Per key (`slots`, at `positions`): the softmax attention the `queries` paid it, averaged over the
+    queries, layers and heads (a query pays nothing to a key after its own position)."""
+    q = torch.stack([entry[1] for entry in queries])  # [m, L, Hq, D]
+    lse = torch.stack([entry[2] for entry in queries])  # [m, L, Hq]
+    visible = torch.tensor([entry[0] for entry in queries])[:, None] >= positions[None, :]  # [m, n]
+    m, layers, heads, dim = q.shape
+    kv_heads = pool.k.shape[1]
+    group = heads // kv_heads
+    total = torch.zeros(len(slots))
+    for layer in range(layers):
+        keys = pool.k[layer].index_select(1, slots).float()  # [Hkv, n, D]
+        qg = q[:, layer].reshape(m, kv_heads, group, dim).permute(1, 2, 0, 3)  # [Hkv, g, m, D]
+        logits = torch.matmul(qg, keys[:, None].transpose(-1, -2)) * scale  # [Hkv, g, m, n]
+        offsets = lse[:, layer].reshape(m, kv_heads, group).permute(1, 2, 0)[..., None]
+        probs = torch.exp(logits - offsets) * visible
+        total += probs.sum(dim=(0, 1, 2))
+    return total / (m * layers * heads)
 
 
 @dataclass(eq=False)
