@@ -166,6 +166,8 @@ class Run:
         self.make_room(len(tokens) + room)
         capture = QueryCapture() if self.capture else None
         n = len(tokens)
+        if self.written + n > len(self.own):  # a shorter slot list would overwrite the end of the context
+            raise ValueError(f"the pool has {len(self.own)} slots; {self.written} are written, {n} more asked")
         logits = self.model.prefill(self.pool, list(tokens), self.own[:self.written + n], every, start=self.pos,
                                     capture=capture)
         stacked = capture.stacked() if capture is not None else None
@@ -348,7 +350,7 @@ def phase_effect(model: Any, tok: Any, trajectories: list[Trajectory], interval:
     question: dict[str, list[float]] = {}  # scorer -> per trajectory: its top keys against the question's
     pairs = 0
     for t in trajectories:
-        pool = model.pool("phases", len(t.context))
+        pool = model.pool("phases", len(t.context) + len(t.question))
         run = Run(model, pool, tok.piece, markers, capture=True)
         for chunk in chunked(t.context, interval):
             run.feed(chunk, keep=True)
