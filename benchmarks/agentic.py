@@ -28,6 +28,7 @@ agentic.json and agentic.png in DIR (default benchmarks/out; the committed figur
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -126,7 +127,7 @@ def agreement(simulated: dict[str, float], measured: dict[str, list[float]]) -> 
     policy faster than the other in every round) with those of them ordered as the simulator orders
     them. A pair the rounds do not resolve is within the machine's run-to-run spread."""
     names = sorted(simulated)
-    medians = {n: sorted(ls)[(len(ls) - 1) // 2] for n, ls in measured.items()}
+    medians = {n: statistics.median_low(ls) for n, ls in measured.items()}  # `median_run`'s rule: the lower middle
     concordant = discordant = 0
     resolved: list[list[str]] = []
     contrary: list[list[str]] = []
