@@ -49,7 +49,7 @@ POLICIES = ["lru", *BASELINES, "kvflow", "pause-oracle"]
 # (replicas, sessions, pressure, variant)
 FULL = [(1, 64, 0.5, "single"), (1, 64, 2.0, "single"), (1, 64, 4.0, "single"), (1, 48, 2.0, "planner"),
         (8, 256, 0.5, "single"), (8, 256, 2.0, "single"), (8, 400, 4.0, "single")]
-QUICK = [(1, 16, 0.5, "single"), (1, 16, 2.0, "single")]
+QUICK = [(1, 8, 0.5, "single"), (1, 8, 2.0, "single")]
 SEED = 7
 
 

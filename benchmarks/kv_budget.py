@@ -506,7 +506,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.trajectories, args.rounds, args.resamples = 3, 2, 100
-        args.prompt, args.generated, args.budget, args.requests = 128, 256, 128, 3
+        args.prompt, args.generated, args.budget, args.requests = 128, 128, MIN_BUDGET, 3
+        args.budgets = "128,768"  # one that compacts the short trajectories, one that keeps them whole
     budgets = [int(b) for b in args.budgets.split(",") if b]
     sections = set(args.sections.split(","))
 

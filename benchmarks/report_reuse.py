@@ -460,7 +460,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args()
     if args.quick:
-        args.queries, args.notes, args.kinds, args.cost_tokens, args.resamples = 4, 6, "templated", 512, 200
+        args.queries, args.notes, args.kinds, args.cost_tokens, args.resamples = 2, 4, "templated", 512, 200
         args.topics, args.workflow_tokens = 2, 32
     sections = set(args.sections.split(","))
 

@@ -298,8 +298,9 @@ def main() -> int:
                         help="--engine cpu: the model (default random: routing, not the text, is measured here, "
                              "and its compute leaves the two cores to the serving stack; smollm2-135m for real text)")
     parser.add_argument("--profile", default="a10g-llama3.1-8b", help="--engine sim: GPU cost profile")
-    parser.add_argument("--time-scale", type=float, default=0.25,
-                        help="--engine sim: wall seconds per simulated second (latencies are reported in wall s)")
+    parser.add_argument("--time-scale", type=float, default=None,
+                        help="--engine sim: wall seconds per simulated second (latencies are reported in wall s; "
+                             "default 0.25, 0.1 with --sim-parity --quick)")
     parser.add_argument("--policies", default="kvflow,lru",
                         help="engine cache policies to compare the routings under (default kvflow,lru)")
     parser.add_argument("--applications", type=int, default=6)
@@ -337,6 +338,8 @@ def main() -> int:
         args.replicas = 4 if args.engine == "sim" else 2
     if args.quick:
         args.applications, args.clients, args.iterations, args.router_clients = 2, 2, 2, 50
+    if args.time_scale is None:
+        args.time_scale = 0.1 if args.sim_parity and args.quick else 0.25
     if args.sim_parity:
         args.parity_ingress = [int(n) for n in args.parity_ingress.split(",")]
         if args.quick:

@@ -65,7 +65,9 @@ def test_calibrated_profile_drives_the_simulator(tmp_path: Path) -> None:
     assert out["results"]["lru"]["device_kv_tokens"] == config.device_kv_tokens
 
     # `bench fidelity` runs the engine and the simulator on the same scenario (the profile exists: no recalibration)
-    run = _cli(["bench", "fidelity", *TINY, "--model", "random", "--device-kv-tokens", "5000"], tmp_path)
+    # three measured passes: a pass takes ~50 ms of wall clock, so one stall of the machine would decide it
+    run = _cli(["bench", "fidelity", *TINY, "--iterations", "3", "--model", "random", "--device-kv-tokens", "5000"],
+               tmp_path)
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert set(report["results"]) == {"lru", "hicache", "kvflow"}
