@@ -133,10 +133,11 @@ def _policies(text: str) -> list[str]:
 
 
 def _run_cpu(args: argparse.Namespace) -> int:
-    from kvflow_ray.engines.cpu.bench import policy_progress, run_cpu_policies
-
     policies = _policies(args.policies)
     scenario = build_scenario(args)
+    _check_pressure(args)  # before the engine's imports: a wrong flag is refused at once
+    from kvflow_ray.engines.cpu.bench import policy_progress, run_cpu_policies
+
     config = _engine_config(args)
     if args.pressure is not None:
         config = _pool_for_pressure(args, scenario, config)
@@ -144,6 +145,16 @@ def _run_cpu(args: argparse.Namespace) -> int:
         out = run_cpu_policies(scenario, config, policies, progress=progress)
     print(json.dumps(out) if args.json else format_table(out))
     return 0
+
+
+def _check_pressure(args: argparse.Namespace) -> None:
+    """`--pressure` (which build_scenario took for the agentic scenario only) sets the device pool."""
+    if args.pressure is None:
+        return
+    if args.device_kv_tokens is not None:
+        raise ValueError("--pressure sets the device pool: give it or --device-kv-tokens, not both")
+    if args.pressure <= 0:
+        raise ValueError(f"--pressure must be positive, got {args.pressure}")
 
 
 def _pool_for_pressure(args: argparse.Namespace, scenario: Any, config: Any) -> Any:
@@ -154,11 +165,6 @@ def _pool_for_pressure(args: argparse.Namespace, scenario: Any, config: Any) -> 
 
     from kvflow_ray.engines.sim.runner import pressure_capacity
 
-    # build_scenario took --pressure for the agentic scenario only
-    if args.device_kv_tokens is not None:
-        raise ValueError("--pressure sets the device pool: give it or --device-kv-tokens, not both")
-    if args.pressure <= 0:
-        raise ValueError(f"--pressure must be positive, got {args.pressure}")
     pool, live = pressure_capacity(scenario, _measured_profile(config, DEFAULT_PROFILE), replicas=1)
     print(f"pressure {args.pressure}: device pool {pool:,} tokens (live histories {live:,.0f} tokens, "
           f"simulated on {DEFAULT_PROFILE})", file=sys.stderr)

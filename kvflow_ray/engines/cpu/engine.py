@@ -216,6 +216,9 @@ class CpuEngine(BackgroundEngine):
             self._loop = None
         self.h2d.close()
         self.d2h.close()
+        self.device.release()
+        if self.host is not None:
+            self.host.release()
 
     def __enter__(self) -> CpuEngine:
         return self

@@ -53,6 +53,15 @@ class KVPool:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def release(self) -> None:
+        """Give the pool's memory back now; the pool holds nothing after. An engine and its scheduler
+        refer to each other, so a closed engine lives until the cycle collector runs, which tensor
+        allocations hardly ever trigger, and its pools are gigabytes (SmolLM2's default host tier: 3 GB).
+        Only a closed engine's pools are released."""
+        self.k = self.k.new_empty((0,))
+        self.v = self.v.new_empty((0,))
+        self._np_k = self._np_v = None
+
     def alloc(self, n: int) -> torch.Tensor:
         """`n` free slots, as few contiguous runs as the free space allows, in ascending order within a
         run: the model attends over a sequence's runs in place (`CpuModel`), one view per run."""
