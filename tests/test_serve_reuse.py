@@ -135,12 +135,15 @@ def test_a_marked_document_is_reused_by_the_next_prompt_holding_it(server: Any) 
 
 def test_a_call_under_a_kv_budget_compacts_and_a_bad_budget_is_a_400(server: Any) -> None:
     before = metric(server.url, "kvflow_kv_compactions_total")
-    body = {"model": "default", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "Think step by step about how bread rises."}],
-            "kvflow": {"kv_budget": 64, "kv_scorer": "agentkv"}}
+    # a long question and a short answer: the private KV passes B + Δ (64 + 128) while decoding, and
+    # prompt tokens cost a fortieth of what decoded ones do here
+    question = ("Think step by step about how bread rises. " + "Yeast eats the sugars in the dough and gives off "
+                "carbon dioxide, which the gluten traps in small bubbles as the loaf proves and bakes. " * 3)
+    body = {"model": "default", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": question}], "kvflow": {"kv_budget": 64, "kv_scorer": "agentkv"}}
     status, answer = post(server.url, body, "key-a")
     assert status == 200, answer
-    assert answer["usage"]["completion_tokens"] == 240
+    assert answer["usage"]["completion_tokens"] == 100 and answer["usage"]["prompt_tokens"] + 100 > 64 + 128
     assert metric(server.url, "kvflow_kv_compactions_total") >= before + 1
     assert metric(server.url, "kvflow_kv_dropped_tokens_total") > 0
     for kvflow, field, named in (({"kv_budget": 8}, "kvflow.kv_budget", "must be >= 64"),
