@@ -78,7 +78,7 @@ def cell(replicas: int, sessions: int, pressure: float, variant: str, bar: tqdm)
 
 
 def cpu_cell(model: str, sessions: int, device_tokens: int, shape: str = "small", rounds: int = 3,
-             progress: bool = True) -> dict[str, Any]:
+             progress: bool = True, calibration_repeats: int = 3) -> dict[str, Any]:
     """A small agentic run on the CPU engine (real compute on real KV, wall clock), every policy, in
     `rounds` rounds (each in a rotated policy order, so no policy always runs first or last on a
     machine that warms up or drifts); and the simulator's prediction of the same run, from the
@@ -102,7 +102,8 @@ def cpu_cell(model: str, sessions: int, device_tokens: int, shape: str = "small"
                                    progress=tick if progress else None)
         for name in POLICIES:
             runs[name].append(out["results"][name])
-    profile = Profile(**calibrate(config, model=engine_model)["values"])  # the fit, not written anywhere
+    # the fit, not written anywhere
+    profile = Profile(**calibrate(config, model=engine_model, repeats=calibration_repeats)["values"])
     simulated = run_policies(scenario, profile, POLICIES, gpu_capacity=device_tokens)["results"]
     results = {name: median_run(rs) for name, rs in runs.items()}
     return {"model": model, "sessions": sessions, "shape": shape, "device_kv_tokens": device_tokens,
@@ -229,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(total=len(grid), disable=args.no_progress, file=sys.stderr, unit="cell") as bar:
         cells = [cell(*spec, bar) for spec in grid]
     spec = ("random", 4, 1024, "tiny", 1) if args.quick else ("smollm2-135m", 8, 3072, "small", args.cpu_rounds)
-    cpu = [] if args.no_cpu else [cpu_cell(*spec, progress=not args.no_progress)]
+    cpu = [] if args.no_cpu else [cpu_cell(*spec, progress=not args.no_progress,
+                                           calibration_repeats=1 if args.quick else 3)]
     report = {"generated_by": "python benchmarks/agentic.py" + (" --quick" if args.quick else "")
               + (" --no-cpu" if args.no_cpu else ""),
               "machine": results_file.machine(), "profile": PROFILE, "seed": SEED,

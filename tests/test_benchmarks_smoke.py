@@ -98,7 +98,8 @@ def test_soak_tiny(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "soak.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--workflows", "30", "--ttl-s", "3",
-                           "--drain-extra-s", "3", "--sample-s", "1", "--no-progress", "--out", str(tmp_path)],
+                           "--drain-extra-s", "3", "--sample-s", "1", "--scale-clients", "1000", "--no-progress",
+                           "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     assert proc.returncode == 0, proc.stderr[-3000:]
