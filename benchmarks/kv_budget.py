@@ -505,7 +505,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=11)
     args = ap.parse_args()
     if args.quick:
-        args.trajectories, args.rounds, args.resamples = 3, 2, 100
+        args.trajectories, args.rounds, args.resamples = 2, 2, 100
         args.prompt, args.generated, args.budget, args.requests = 128, 128, MIN_BUDGET, 3
         args.budgets = "128,768"  # one that compacts the short trajectories, one that keeps them whole
     budgets = [int(b) for b in args.budgets.split(",") if b]
