@@ -491,6 +491,15 @@ def test_memory_accounting_is_exact_after_many_requests(model: CpuModel, referen
         assert req.result.tokens == reference(tokens, n)
 
 
+def test_a_closed_engine_gives_its_pools_back(model: CpuModel) -> None:
+    """The engine and its scheduler refer to each other, so a closed engine may wait for the cycle
+    collector; its pools' memory must not wait with it."""
+    with CpuEngine(_config("kvflow", 300, host=2_000), model=model) as engine:
+        engine.generate(GenerateRequest(tokens=_tokens(40, 1), max_tokens=2, ignore_eos=True))
+        assert engine.device.nbytes > 0 and engine.host is not None and engine.host.nbytes > 0
+    assert engine.device.nbytes == engine.host.nbytes == 0
+
+
 @pytest.mark.parametrize("policy", ["kvflow", "kvflow-noprefetch"])
 def test_queued_load_does_not_block_admission(model: CpuModel, policy: str) -> None:
     """A (ready, needs 210 of 300 tokens) arrives with B (its 100-token fixed prompt on the host). B's queued load
