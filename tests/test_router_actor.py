@@ -63,7 +63,7 @@ async def _two_ingresses(router: object, settings: RouterSettings) -> None:
     assert route.workflow_key == "acme/c1" and route.replica in ("r1", "r2")
     a.end_call("acme", "c1", "planner", route.replica)
     await a.sync_now()  # the hints go up with the sync; the replica long-polls them
-    hints = await router.pull_hints.remote(route.replica, 5.0)
+    hints = (await router.exchange.remote(route.replica, 5.0))["hints"]
     assert hints["steps"]["acme/c1"]["executor"] == 1  # next
     route = a.start_call("acme", "c1", "executor")
     await _until(lambda: a.store.pending == 0, "ingress a never flushed its writes")
@@ -150,8 +150,33 @@ def test_what_a_replica_sent_before_it_died_does_not_bring_it_back(ray_cluster: 
         ray.get([router.add_replica.remote("r1"), router.add_replica.remote("r2")])
         ray.get(router.remove_replica.remote("r1"))
         ray.get([router.report.remote("r1"), router.cache_events.remote("r1", []),
-                 router.pull_hints.remote("r1", timeout_s=0.01), router.report.remote("r3")])
+                 router.exchange.remote("r1", 0.01, ([], [("acme/c1", "planner", 1)], 1), (None, None)),
+                 router.report.remote("r3")])
         assert sorted(ray.get(router.replicas.remote())) == ["r2", "r3"]
+    finally:
+        ray.kill(router, no_restart=True)
+
+
+def test_a_replicas_exchange_brings_its_feed_and_report_and_takes_its_hints(ray_cluster: None) -> None:
+    """One `exchange` does what a replica's event batch, report and hint poll did apart, in that
+    order: the batch's events place the prefix there, the report's load is read, a gap in the feed
+    asks for a snapshot in the same answer, and the poll is held for hints until its timeout."""
+    router = _fresh_router()
+    try:
+        ray.get(router.add_replica.remote("r1"))
+        load = {"capacity": 1000, "usage": 0.5, "waiting": 0}
+        stored = [("stored", "gpu", "h1", 400, (11, 12))]
+        started = time.monotonic()
+        assert ray.get(router.exchange.remote("r1", 0.3, (stored, [], 1), (None, load))) == {
+            "hints": None, "snapshot": False}
+        assert time.monotonic() - started >= 0.3  # held: no hints for r1
+        stats = ray.get(router.stats.remote())
+        assert stats["device_kv_tokens"] == 1000 and stats["locations"] == 1
+        assert stats["actor_calls"]["exchange"] == 1 and "report" not in stats["actor_calls"]
+        removed = [("removed", "gpu", "h1", 400, (11, 12))]
+        assert ray.get(router.exchange.remote("r1", 0.01, (removed, [], 3), (None, load)))["snapshot"]  # 2 is lost
+        assert ray.get(router.stats.remote())["locations"] == 0
+        assert not ray.get(router.exchange.remote("r1", 0.01))["snapshot"]  # no report: not asked
     finally:
         ray.kill(router, no_restart=True)
 

@@ -1,13 +1,17 @@
 """EngineReplica: one Ray Serve replica around one engine (one per GPU; CPU engines on CPU).
 
-The replica serves `generate` / `stream` calls from the ingress and keeps two conversations with
-the workflow router going on background threads:
-- hints: a long poll (`pull_hints`) that returns as soon as the router has new steps-to-execution,
-  agents' prompts or retired workflows for this replica; they go straight to `engine.apply_hints`;
-- reports: every second a heartbeat with this replica's metrics and its load (device KV pool, usage
-  and queue, which routing policies read); every 250 ms (when there are any)
-  the engine's cache events, so the router knows which prefixes live here.
-Router calls that fail (the router restarting) are retried; serving never waits on the router.
+The replica serves `generate` / `stream` calls from the ingress and keeps one conversation with the
+workflow router going on a background thread: a long poll (`exchange`), one at a time, that returns
+as soon as the router has new steps-to-execution, agents' prompts or retired workflows for this
+replica (they go straight to `engine.apply_hints`), else after a second. Each poll carries what the
+replica has to say:
+- the engine's cache events and its calls' first tokens since the last poll (the next numbered batch
+  of its feed), so the router knows which prefixes live here; while a poll is held at the router
+  (no hints coming), they go on their own every 250 ms;
+- once a second, its report: a heartbeat with its metrics and its load (device KV pool, usage and
+  queue, which routing policies read).
+A busy replica's events and reports thus ride the polls its hints need anyway. Router calls that fail
+(the router restarting) are retried; serving never waits on the router.
 
 Its name towards the router is Serve's replica id (`unique_id`), which is what the request router
 sees for each candidate replica, so a routing decision names a replica both sides recognise.
@@ -99,8 +103,9 @@ class EngineReplica:
         self._first_tokens: list[tuple[str, str, int | None]] = []
         self._first_lock = threading.Lock()
         self._events_sent = 0  # batches of cache events sent (the feed's sequence number)
+        self._polled_at = 0.0  # when the latest exchange went to the router (monotonic)
         self._register()
-        for target in (self._hint_loop, self._event_loop, self._report_loop):
+        for target in (self._hub_loop, self._event_loop):
             threading.Thread(target=target, name=f"kvflow-{target.__name__}", daemon=True).start()
         logger.info("EngineReplica %s serving %s (%s)", self.name, self.engine.model_name, self.config.policy)
 
@@ -188,22 +193,19 @@ class EngineReplica:
 
         return on_token
 
-    def _push_events(self) -> None:
-        """The engine's cache events and the calls' first tokens to the router, as numbered batches, in
-        order (one drain at a time, fire and forget: Ray runs one caller's calls to an actor in
-        submission order). A batch lost on its way (the router restarting) shows the router a gap;
-        it then asks for a snapshot (`_send_snapshot`)."""
-        with self._events_lock:
-            events = self.engine.cache_events()
-            with self._first_lock:
-                first, self._first_tokens = self._first_tokens, []
-            if events or first:
-                self._events_sent += 1
-                try:
-                    self.router.cache_events.remote(self.name, [e.as_tuple() for e in events], first,
-                                                    seq=self._events_sent)
-                except Exception:  # the router is restarting: the gap is repaired by a snapshot
-                    logger.warning("could not send %d cache events to the router", len(events))
+    def _next_batch(self) -> tuple[list[tuple[Any, ...]], list[tuple[str, str, int | None]], int] | None:
+        """The engine's cache events and the calls' first tokens since the last batch, as the feed's
+        next numbered batch (None: nothing new). The caller holds `_events_lock` and submits the batch
+        before releasing it, so batches reach the router in their order (Ray runs one caller's calls
+        to an actor in submission order); a batch lost on its way (the router restarting) shows the
+        router a gap, and it then asks for a snapshot (`_send_snapshot`)."""
+        events = self.engine.cache_events()
+        with self._first_lock:
+            first, self._first_tokens = self._first_tokens, []
+        if not events and not first:
+            return None
+        self._events_sent += 1
+        return [e.as_tuple() for e in events], first, self._events_sent
 
     def _send_snapshot(self) -> None:
         """What the engine's cache holds, as the next batch of the feed, in place of the events not
@@ -245,36 +247,46 @@ class EngineReplica:
         return Hints(steps=batch["steps"], prompts=prompts, retire=batch["retire"], salts=batch.get("salts", {}),
                      elsewhere=batch.get("elsewhere", {}))
 
-    def _hint_loop(self) -> None:
-        """Long-polls the router actor for hints, at most once per HINT_PULL_GAP_S: hints that come
-        meanwhile wait in the outbox and arrive merged with the next pull."""
+    def _hub_loop(self) -> None:
+        """The conversation with the router actor (module docstring): at most one `exchange` per
+        HINT_PULL_GAP_S, so that hints coming meanwhile arrive merged with the next."""
+        reported = -REPORT_PERIOD_S
         while not self._stop.is_set():
-            pulled = time.monotonic()
+            started = time.monotonic()
             try:
-                batch = ray.get(self.router.pull_hints.remote(self.name, 1.0), timeout=30)
-            except Exception:  # the router is restarting
+                report = self._report() if started - reported >= REPORT_PERIOD_S else None
+                with self._events_lock:  # the feed's batches are submitted in their order
+                    ref = self.router.exchange.remote(self.name, 1.0, self._next_batch(), report)
+                    self._polled_at = started
+                answer = ray.get(ref, timeout=30)
+                if report is not None:
+                    reported = started
+                if answer["hints"] is not None:
+                    self.engine.apply_hints(self._to_hints(answer["hints"]))
+                if answer["snapshot"]:
+                    self._send_snapshot()
+            except Exception as exc:  # the router is restarting (a batch lost with it shows it a gap)
+                logger.debug("exchange with the router failed: %s", exc)
                 time.sleep(0.5)
                 continue
-            if batch is not None:
-                self.engine.apply_hints(self._to_hints(batch))
-            self._stop.wait(max(0.0, HINT_PULL_GAP_S - (time.monotonic() - pulled)))
+            self._stop.wait(max(0.0, HINT_PULL_GAP_S - (time.monotonic() - started)))
 
     def _event_loop(self) -> None:
-        """The engine's cache events go to the router every EVENTS_PERIOD_S (when there are any): one
-        router call carries all the requests' events of that period. Until they arrive the router
-        counts a prefix as held where it sent the request."""
+        """Events wait for the next exchange, unless the last one has been held at the router for
+        EVENTS_PERIOD_S (no hints for this replica): then they go on their own."""
         while not self._stop.wait(EVENTS_PERIOD_S):
-            self._push_events()
+            with self._events_lock:
+                if time.monotonic() - self._polled_at < EVENTS_PERIOD_S:
+                    continue
+                batch = self._next_batch()
+                if batch is None:
+                    continue
+                try:
+                    self.router.cache_events.remote(self.name, *batch)
+                except Exception:  # the router is restarting: the gap is repaired by a snapshot
+                    logger.warning("could not send %d cache events to the router", len(batch[0]))
 
-    def _report_loop(self) -> None:
-        while not self._stop.wait(REPORT_PERIOD_S):
-            try:
-                self._push_events()
-                stats = self.engine.stats()  # once per report: the metrics and the load read the same
-                self.metrics.observe_stats(stats)
-                answer = ray.get(self.router.report.remote(self.name, self.metrics.exposition(),
-                                                           load_report(stats)), timeout=10)
-                if answer and answer.get("snapshot"):
-                    self._send_snapshot()
-            except Exception as exc:  # the router is restarting: report again next period
-                logger.debug("report to the router failed: %s", exc)
+    def _report(self) -> tuple[bytes | None, dict[str, float]]:
+        stats = self.engine.stats()  # once per report: the metrics and the load read the same
+        self.metrics.observe_stats(stats)
+        return self.metrics.exposition(), load_report(stats)

@@ -8,7 +8,7 @@ own `RouterCore` (`router/peers.py`), so no call waits on this actor. The actor 
 - the templates, as their one authority (registration, versions, rate limits): the ingresses keep
   copies and say which they use, so the ones in use stay alive;
 - the replicas' hint outboxes, which the ingresses' hints are merged into and which the replicas
-  long-poll (`pull_hints`);
+  long-poll (`exchange`, which also brings their event feeds and reports);
 - each ingress's queue of what changed in the fleet, sent with its next `sync`, and what each
   ingress last said (its calls and clients, stats and metrics), which `stats` and `/metrics` sum.
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import time
@@ -57,6 +56,9 @@ STALE_REPLICA_S = 15.0  # a live replica reports every second; this long without
 # its replacement has a new one).
 DEAD_QUIET_S = 5.0
 logger = logging.getLogger(__name__)
+# a batch of a replica's event feed: (cache events as tuples, first tokens, its number in the feed)
+EventBatch = tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], int]
+ReplicaReport = tuple[bytes | None, dict[str, float]]  # (its metrics exposition, `replica.load_report`)
 
 
 # no task events: at hundreds of calls a second they would fill the GCS with records nobody reads
@@ -90,7 +92,8 @@ class WorkflowRouterActor:
 
     # ------------------------------------------------------------------ replicas
     async def add_replica(self, name: str) -> None:
-        await self.report(name)
+        self.calls["add_replica"] += 1
+        self._report(name, None, None)
 
     async def remove_replica(self, name: str) -> None:
         """A replica that failed a call (an ingress saw it die): forgotten, by every ingress at its
@@ -105,35 +108,15 @@ class WorkflowRouterActor:
 
     async def report(self, name: str, exposition: bytes | None = None,
                      load: dict[str, float] | None = None) -> dict[str, bool]:
-        """A replica's periodic report: its heartbeat (which also re-registers it with a restarted
-        router), its metrics, which `/metrics` serves merged with the router's, and its load
-        (`replica.load_report`: device KV pool, usage, waiting queue), which routing policies read.
-        The answer asks for a snapshot of its cache when its event feed had a gap."""
+        """A replica's report on its own (a replica's `exchange` carries it once a second)."""
         self.calls["report"] += 1
-        if not self._heard_from(name):
-            return {"snapshot": False}
-        self.store.heartbeat(name, {"load": self.peers.load(name)})
-        if exposition is not None:
-            self.expositions[name] = exposition
-        if load is not None:
-            self.core.fleet.report(name, usage=float(load["usage"]), waiting=int(load["waiting"]),
-                                   capacity=int(load["capacity"]))
-        return {"snapshot": self.core.snapshot_due(name)}
+        return {"snapshot": self._report(name, exposition, load)}
 
     async def cache_events(self, replica: str, events: list[tuple[Any, ...]],
                            first_tokens: Sequence[Sequence[Any]] = (), seq: int | None = None) -> None:
-        """What `replica` did since its last report (batch `seq` of its feed): cache events, and the
-        calls ((workflow key, agent)) whose first token it produced (their prompts are computed:
-        prefill work in flight ends). Every ingress hears of both with its next sync."""
+        """A batch of a replica's event feed on its own (when no `exchange` is on its way to carry it)."""
         self.calls["cache_events"] += 1
-        if not self._heard_from(replica):  # a restarted router learns of it here too
-            return
-        self.core.cache_events(replica, [CacheEvent(*e) for e in events], seq)
-        self.core.first_tokens(replica, first_tokens)
-        if events:
-            self._release(self.peers.publish(("events", replica, events)))
-        if first_tokens:
-            self._release(self.peers.publish(("first", replica, list(first_tokens))))
+        self._cache_events(replica, events, first_tokens, seq)
 
     async def cache_snapshot(self, replica: str, seq: int, events: list[tuple[Any, ...]] | None) -> None:
         """What `replica` holds as of batch `seq`, asked for by `report` after a gap in its feed."""
@@ -143,19 +126,20 @@ class WorkflowRouterActor:
         self.core.cache_snapshot(replica, seq, None if events is None else [CacheEvent(*e) for e in events])
         self._release(self.peers.publish(("snapshot", replica, events)))
 
-    async def pull_hints(self, replica: str, timeout_s: float = 1.0) -> dict[str, Any] | None:
-        """Long poll: the replica's pending hints, at once when some wait, else as soon as an
-        ingress's sync brings some; None after `timeout_s` without any."""
-        self.calls["pull_hints"] += 1
-        if not self._heard_from(replica):
-            return None
-        if not self.core.has_hints(replica):
-            wakeup = self._wakeups.setdefault(replica, asyncio.Event())
-            wakeup.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wakeup.wait(), timeout_s)
-        batch = self.core.take_hints(replica)
-        return None if batch is None else dataclasses.asdict(batch)
+    async def exchange(self, replica: str, timeout_s: float = 1.0, feed: EventBatch | None = None,
+                       report: ReplicaReport | None = None) -> dict[str, Any]:
+        """A replica's one round trip with the hub (a long poll): what it has to say goes in at once
+        (`feed`: the next batch of its event feed, as `cache_events` takes it; `report`: exposition
+        and load, as `report` takes them); then its hints come back, at once when some wait, else as
+        soon as an ingress's sync brings some (None after `timeout_s` without any). So a busy
+        replica's events and reports ride the polls its hints need anyway: each actor call costs
+        both processes CPU. Returns {"hints": batch or None, "snapshot": whether to send a snapshot
+        of its cache (its feed had a gap)}."""
+        self.calls["exchange"] += 1
+        if feed is not None:  # before the report: a gap in this batch asks for the snapshot at once
+            self._cache_events(replica, *feed)
+        snapshot = self._report(replica, *report) if report is not None else False
+        return {"hints": await self._hints(replica, timeout_s), "snapshot": snapshot}
 
     # ------------------------------------------------------------------ templates and ingresses
     async def put_template(self, tenant: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -241,6 +225,47 @@ class WorkflowRouterActor:
         return self.instance
 
     # ------------------------------------------------------------------ helpers
+    def _report(self, name: str, exposition: bytes | None, load: dict[str, float] | None) -> bool:
+        """A replica's periodic report: its heartbeat (which also re-registers it with a restarted
+        router), its metrics, which `/metrics` serves merged with the router's, and its load
+        (`replica.load_report`: device KV pool, usage, waiting queue), which routing policies read.
+        Whether to ask it for a snapshot of its cache (its event feed had a gap)."""
+        if not self._heard_from(name):
+            return False
+        self.store.heartbeat(name, {"load": self.peers.load(name)})
+        if exposition is not None:
+            self.expositions[name] = exposition
+        if load is not None:
+            self.core.fleet.report(name, usage=float(load["usage"]), waiting=int(load["waiting"]),
+                                   capacity=int(load["capacity"]))
+        return self.core.snapshot_due(name)
+
+    def _cache_events(self, replica: str, events: list[tuple[Any, ...]], first_tokens: Sequence[Sequence[Any]],
+                      seq: int | None) -> None:
+        """What `replica` did since its last batch (batch `seq` of its feed): cache events, and the calls
+        ((workflow key, agent, call number)) whose first token it produced (their prompts are computed:
+        prefill work in flight ends). Every ingress hears of both with its next sync."""
+        if not self._heard_from(replica):  # a restarted router learns of it here too
+            return
+        self.core.cache_events(replica, [CacheEvent(*e) for e in events], seq)
+        self.core.first_tokens(replica, first_tokens)
+        if events:
+            self._release(self.peers.publish(("events", replica, events)))
+        if first_tokens:
+            self._release(self.peers.publish(("first", replica, list(first_tokens))))
+
+    async def _hints(self, replica: str, timeout_s: float) -> dict[str, Any] | None:
+        if not self._heard_from(replica):
+            return None
+        if not self.core.has_hints(replica):
+            wakeup = self._wakeups.setdefault(replica, asyncio.Event())
+            wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wakeup.wait(), timeout_s)
+        batch = self.core.take_hints(replica)
+        # its fields as they are (taken from the outbox: nobody else holds them); `asdict` would copy each
+        return None if batch is None else vars(batch)
+
     def _wake_replicas(self) -> None:
         """Wake the replicas that have hints waiting (an ingress's sync brings a period's worth)."""
         for replica in self.core.pending_hints():
