@@ -119,7 +119,7 @@ class WorkflowRouterActor:
         self._cache_events(replica, events, first_tokens, seq)
 
     async def cache_snapshot(self, replica: str, seq: int, events: list[tuple[Any, ...]] | None) -> None:
-        """What `replica` holds as of batch `seq`, asked for by `report` after a gap in its feed."""
+        """What `replica` holds as of batch `seq`, asked for by the answer to its report after a gap in its feed."""
         self.calls["cache_snapshot"] += 1
         if not self._heard_from(replica):
             return
