@@ -93,7 +93,8 @@ class WorkflowRouterActor:
     # ------------------------------------------------------------------ replicas
     async def add_replica(self, name: str) -> None:
         self.calls["add_replica"] += 1
-        self._report(name, None, None)
+        if self._heard_from(name):
+            self._report(name, None, None)
 
     async def remove_replica(self, name: str) -> None:
         """A replica that failed a call (an ingress saw it die): forgotten, by every ingress at its
@@ -110,13 +111,14 @@ class WorkflowRouterActor:
                      load: dict[str, float] | None = None) -> dict[str, bool]:
         """A replica's report on its own (a replica's `exchange` carries it once a second)."""
         self.calls["report"] += 1
-        return {"snapshot": self._report(name, exposition, load)}
+        return {"snapshot": self._heard_from(name) and self._report(name, exposition, load)}
 
     async def cache_events(self, replica: str, events: list[tuple[Any, ...]],
                            first_tokens: Sequence[Sequence[Any]] = (), seq: int | None = None) -> None:
         """A batch of a replica's event feed on its own (when no `exchange` is on its way to carry it)."""
         self.calls["cache_events"] += 1
-        self._cache_events(replica, events, first_tokens, seq)
+        if self._heard_from(replica):  # a restarted router learns of it here too
+            self._cache_events(replica, events, first_tokens, seq)
 
     async def cache_snapshot(self, replica: str, seq: int, events: list[tuple[Any, ...]] | None) -> None:
         """What `replica` holds as of batch `seq`, asked for by the answer to its report after a gap in its feed."""
@@ -136,6 +138,8 @@ class WorkflowRouterActor:
         both processes CPU. Returns {"hints": batch or None, "snapshot": whether to send a snapshot
         of its cache (its feed had a gap)}."""
         self.calls["exchange"] += 1
+        if not self._heard_from(replica):  # one an ingress just saw die: what it says was sent before
+            return {"hints": None, "snapshot": False}
         if feed is not None:  # before the report: a gap in this batch asks for the snapshot at once
             self._cache_events(replica, *feed)
         snapshot = self._report(replica, *report) if report is not None else False
@@ -229,9 +233,8 @@ class WorkflowRouterActor:
         """A replica's periodic report: its heartbeat (which also re-registers it with a restarted
         router), its metrics, which `/metrics` serves merged with the router's, and its load
         (`replica.load_report`: device KV pool, usage, waiting queue), which routing policies read.
-        Whether to ask it for a snapshot of its cache (its event feed had a gap)."""
-        if not self._heard_from(name):
-            return False
+        Whether to ask it for a snapshot of its cache (its event feed had a gap). The callers below
+        take it for live first (`_heard_from`), as they do for `_cache_events` and `_hints`."""
         self.store.heartbeat(name, {"load": self.peers.load(name)})
         if exposition is not None:
             self.expositions[name] = exposition
@@ -245,8 +248,6 @@ class WorkflowRouterActor:
         """What `replica` did since its last batch (batch `seq` of its feed): cache events, and the calls
         ((workflow key, agent, call number)) whose first token it produced (their prompts are computed:
         prefill work in flight ends). Every ingress hears of both with its next sync."""
-        if not self._heard_from(replica):  # a restarted router learns of it here too
-            return
         self.core.cache_events(replica, [CacheEvent(*e) for e in events], seq)
         self.core.first_tokens(replica, first_tokens)
         if events:
@@ -255,8 +256,6 @@ class WorkflowRouterActor:
             self._release(self.peers.publish(("first", replica, list(first_tokens))))
 
     async def _hints(self, replica: str, timeout_s: float) -> dict[str, Any] | None:
-        if not self._heard_from(replica):
-            return None
         if not self.core.has_hints(replica):
             wakeup = self._wakeups.setdefault(replica, asyncio.Event())
             wakeup.clear()
