@@ -29,13 +29,22 @@ python3 -m ruff check kvflow_ray tests benchmarks workflows dashboards deploy
 echo "== plain install"
 bash scripts/check-plain-install.sh
 
-echo "== pytest"
-# -v: each test's name as it starts, so a slow one (the end-to-end tests take a minute each) reads as slow, not stuck
-python3 -m pytest -v "$@"
+# Two workers by default (KVFLOW_TEST_WORKERS): most end-to-end tests wait on servers, Ray and the network
+# more than they compute. --dist loadfile keeps a file's tests (and its module fixtures: Ray clusters,
+# servers) on one worker. Tests marked `serial` compare two timings of this machine and run alone, after.
+# -v: each test's name as it ends, so a slow one (the end-to-end tests take a minute each) reads as slow, not stuck
+WORKERS="${KVFLOW_TEST_WORKERS:-2}"
+if [ "$#" -gt 0 ]; then
+    echo "== pytest $*"
+    exec python3 -m pytest -v "$@"
+fi
+echo "== pytest (${WORKERS} workers)"
+python3 -m pytest -v -n "$WORKERS" --dist loadfile -m "not serial"
+echo "== pytest (serial tests)"
+python3 -m pytest -v -m serial
 
 # The SGLang plugin tests run in their own process: they put a torchvision stand-in in sys.modules
-# (tests/sglang/conftest.py), which must not leak into the suite above. With arguments, only those run.
-if [ "$#" -eq 0 ]; then
-    echo "== pytest tests/sglang"
-    python3 -m pytest -v tests/sglang
-fi
+# (tests/sglang/conftest.py), which must not leak into the suite above. One worker: they compute
+# (differential fuzzing against SGLang's classes) and take no less time on two.
+echo "== pytest tests/sglang"
+python3 -m pytest -v tests/sglang

@@ -37,6 +37,7 @@ def test_missing_cpu_reference_says_how_to_make_it(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # the fit is checked against a later run of the engine: both must see the same machine
 def test_calibrated_profile_drives_the_simulator(tmp_path: Path) -> None:
     config = CpuEngineConfig(device_kv_tokens=5_000)
     profile = calibrate(config, repeats=1)
