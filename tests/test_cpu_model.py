@@ -73,6 +73,31 @@ def test_prefix_reuse_is_exact(model: CpuModel, split: int) -> None:
     torch.testing.assert_close(v, full_v, **TOL)
 
 
+@pytest.mark.parametrize("split", [0, 23])
+def test_a_prefill_reading_its_last_logits_skips_the_last_layer_for_the_rest_exactly(model: CpuModel,
+                                                                                  split: int) -> None:
+    """Where only the last position's logits are read, the last layer computes its attention and MLP
+    for that position alone (`model._last_position_only`); every position's KV and the last logits
+    are what a pass computing every position (`every=True`) gives, over a cached past or none."""
+    tokens = _tokens(50, 3)
+    skipped, full = _pool(model), _pool(model)
+    slots = _scattered(skipped, 50)
+    if split:
+        model.prefill(skipped, tokens[:split], slots[:split])
+        model.prefill(full, tokens[:split], slots[:split], every=True)
+    widths: list[int] = []  # positions the last layer's MLP computes, call by call
+    handle = model.hf.model.layers[-1].mlp.register_forward_hook(lambda _m, args, _out: widths.append(args[0].shape[1]))
+    try:
+        logits = model.prefill(skipped, tokens[split:], slots)
+        every = model.prefill(full, tokens[split:], slots, every=True)
+    finally:
+        handle.remove()
+    assert widths == [1, 50 - split] and every.shape[0] == 50 - split
+    torch.testing.assert_close(logits, every[-1], **TOL)
+    for mine, theirs in zip(skipped.gather(slots), full.gather(slots), strict=True):
+        torch.testing.assert_close(mine, theirs, **TOL)
+
+
 def test_batched_decode_equals_separate_calls(model: CpuModel) -> None:
     """Sequences of different lengths, one in one run of slots and others in several, decode together as alone."""
     seqs = [_tokens(n, 10 + n) for n in (5, 23, 11)]

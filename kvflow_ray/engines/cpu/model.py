@@ -19,7 +19,7 @@ path avoids the copy instead.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,8 @@ class _Pages:
     runs: list[list[tuple[int, int]]]  # per sequence: its context (new tokens included) as slot runs, in position order
     past: int  # a prefill's cached context before its new tokens (0 for decodes)
     capture: QueryCapture | None = None  # where each layer's queries and their log-sum-exps go (KV budgets)
+    last_only: bool = False  # only the last position's output is read: the last layer computes no other
+    write_only: bool = False  # the attention writes the new tokens' KV and returns nothing worth reading
 
 
 @dataclass
@@ -102,6 +104,8 @@ def _pool_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
     pages: _Pages = kwargs["kvflow_pages"]
     k, v = pages.k[module.layer_idx], pages.v[module.layer_idx]  # [H, S, D]
     batch, heads, t, dim = query.shape
+    if pages.write_only:
+        return query.new_zeros(batch, t, heads, dim), None
     out = query.new_empty(batch, t, heads, dim)
     capture = pages.capture
     lses = query.new_empty(batch, heads, t, dtype=torch.float32) if capture is not None else None
@@ -257,6 +261,41 @@ def _runs_attention_lse(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, i
 AttentionInterface.register(ATTENTION, _pool_attention)
 
 
+def _last_position_only(layer: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                        ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """A forward pre-hook on the last decoder layer: where only the last position's output is read (a
+    prefill chunk's logits; `_Pages.last_only`), the layer writes every new token's KV but computes its
+    attention, output projection and MLP for the last position alone. That is most of a layer's work
+    per token (its K and V projections are what the cache needs), so a prefill does 1/n_layers less."""
+    pages: _Pages | None = kwargs.get("kvflow_pages")
+    hidden: Tensor = args[0] if args else kwargs["hidden_states"]
+    t = hidden.shape[1]
+    if pages is None or not pages.last_only or t < 2:
+        return None
+    cos, sin = kwargs["position_embeddings"]
+    # the first t - 1 tokens: their K and V into the pool, nothing else read
+    head = replace(pages, new_slots=pages.new_slots[:-1], write_only=True)
+    layer.self_attn(hidden_states=layer.input_layernorm(hidden[:, :-1]), attention_mask=None,
+                    position_embeddings=(cos[:, :-1], sin[:, :-1]), cache=_PoolCache(head), kvflow_pages=head)
+    # the last token: the whole layer, over a context whose past now includes the others
+    tail = replace(pages, new_slots=pages.new_slots[-1:], past=pages.past + t - 1)
+    kwargs = {**kwargs, "hidden_states": hidden[:, -1:], "position_embeddings": (cos[:, -1:], sin[:, -1:]),
+              "cache": _PoolCache(tail), "kvflow_pages": tail}
+    if kwargs.get("position_ids") is not None:
+        kwargs["position_ids"] = kwargs["position_ids"][:, -1:]
+    return (), kwargs
+
+
+def _llama_style_last_layer(hf: PreTrainedModel) -> torch.nn.Module | None:
+    """The last decoder layer when it is Llama-style (`input_layernorm`, `self_attn` called with the
+    cache and position embeddings; Llama, Qwen, Mistral and SmolLM2 are), else None."""
+    layers = getattr(getattr(hf, "model", None), "layers", None)
+    if not layers:
+        return None
+    last = layers[-1]
+    return last if hasattr(last, "input_layernorm") and hasattr(last, "self_attn") else None
+
+
 def _random_llama(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     hf_config = LlamaConfig(
         vocab_size=config.vocab_size,
@@ -321,6 +360,9 @@ class CpuModel:
         else:
             hf = _pretrained(config.path, self.torch_dtype).to(self.device)
         self.hf: PreTrainedModel = hf.eval().requires_grad_(False)
+        last = _llama_style_last_layer(hf)
+        if last is not None:
+            last.register_forward_pre_hook(_last_position_only, with_kwargs=True)
 
         text = hf.config.get_text_config(decoder=True)
         self.n_layers: int = text.num_hidden_layers
@@ -400,7 +442,8 @@ class CpuModel:
             raise ValueError(f"sequence of {start + n_new} tokens exceeds max_context={self.max_context}")
         ids = self._input_ids(tokens, (1, n_new))
         positions = torch.arange(start, start + n_new).view(1, n_new)
-        pages = _Pages(pool.k, pool.v, slots[n_past:], [slot_runs(slots)], n_past, capture)
+        pages = _Pages(pool.k, pool.v, slots[n_past:], [slot_runs(slots)], n_past, capture,
+                       last_only=not every and capture is None)
         return self._forward(ids, positions, pages, every)[0]
 
     @torch.inference_mode()
