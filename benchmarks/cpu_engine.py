@@ -210,13 +210,20 @@ def print_real_model(r: dict[str, Any]) -> None:
         print_policies(r["policies_small_host"])
     t, x = r["tokens_per_s"], r["ratios"]
     print(f"real model ({r['params'] / 1e6:.1f}M params), engine vs Hugging Face generate, same process, greedy, "
-          f"median of {r['repeats']}:")
+          f"median of {r['repeats']} (pairs: each engine sample over the generate sample taken beside it):")
     print(f"  single-stream decode ({r['prompt_tokens']}-token prompt): {t['engine_decode']:.1f} vs "
-          f"{t['hf_decode']:.1f} tokens/s ({x['decode_vs_hf']:.2f}x)")
+          f"{t['hf_decode']:.1f} tokens/s ({x['decode_vs_hf']:.2f}x; pairs {_pairs(r, 'decode')})")
     print(f"  {r['streams']} streams, aggregate decode: {t['engine_batch']:.1f} vs {t['hf_batch']:.1f} tokens/s "
-          f"({x['batch_vs_hf']:.2f}x; {x['batch_vs_own_single_decode']:.2f}x the engine's single-stream decode)")
+          f"({x['batch_vs_hf']:.2f}x, pairs {_pairs(r, 'batch')}; {x['batch_vs_own_single_decode']:.2f}x the "
+          "engine's single-stream decode)")
     print(f"  prefill at {r['prefill_context']} tokens: {t['engine_prefill']:.0f} vs {t['hf_prefill']:.0f} tokens/s "
-          f"({x['prefill_vs_hf']:.2f}x)")
+          f"({x['prefill_vs_hf']:.2f}x; pairs {_pairs(r, 'prefill')})")
+
+
+def _pairs(r: dict[str, Any], kind: str) -> str:
+    """The range of the engine's samples over `generate`'s taken beside them (`runs`), e.g. 0.93-1.00x."""
+    ratios = [mine / theirs for mine, theirs in zip(r["runs"][f"engine_{kind}"], r["runs"][f"hf_{kind}"], strict=True)]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x"
 
 
 def main() -> int:
