@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import kvflow_ray.engines.cpu.model as model_module  # noqa: E402
 from kvflow_ray.engines.cpu.kv_pool import KVPool  # noqa: E402
 from kvflow_ray.engines.cpu.model import CpuModel, ModelConfig, sample  # noqa: E402
 from kvflow_ray.engines.tokenizer import ByteTokenizer, HFTokenizer, format_chat, load_tokenizer  # noqa: E402
@@ -115,6 +116,55 @@ def test_batched_decode_equals_separate_calls(model: CpuModel) -> None:
         full_logits, full_slots = _run(model, pool, s)
         torch.testing.assert_close(logits[i], full_logits, **TOL)
         torch.testing.assert_close(pool.gather(ctx)[0], pool.gather(full_slots)[0], **TOL)
+
+
+def test_sequences_sharing_a_cached_prefix_decode_together_as_alone(model: CpuModel) -> None:
+    """Three sequences whose contexts start with the same cached prefix (its slots shared, in the pool
+    once), then go on in one run or several, and one that shares nothing: decoding them together
+    scores and weights the shared prefix once for all three (`model._shared_runs_attention`) and gives
+    each the logits it gets alone and at the end of a prefill of its whole sequence."""
+    prefix = _tokens(model_module.SHARED_RUN_TOKENS + 2, 1)
+    pool = _pool(model)
+    shared = pool.alloc(len(prefix))
+    pool.alloc(1)  # held: no sequence's own slots continue the prefix's run
+    model.prefill(pool, prefix, shared)
+    tails = [_tokens(n, 20 + n) for n in (6, 17, 4)]
+    contexts = [torch.cat([shared, pool.alloc(6)]), torch.cat([shared, _scattered(pool, 17)]),
+                torch.cat([shared, pool.alloc(4)])]
+    alone = _tokens(12, 3)
+    contexts.append(pool.alloc(12))
+    seqs = [prefix + tail for tail in tails] + [alone]
+    for seq, ctx in zip(seqs, contexts, strict=True):
+        past = len(prefix) if seq is not alone else 0
+        model.prefill(pool, seq[past:-1], ctx[:-1])
+    groups: list[list[int]] = []  # the sequences each layer scored together over the shared prefix
+    original = model_module._shared_runs_attention
+
+    def recording(scaled: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list, members: list[int],
+                  out: torch.Tensor) -> None:
+        groups.append(members)
+        original(scaled, k, v, runs, members, out)
+
+    model_module._shared_runs_attention = recording
+    try:
+        logits = model.decode(pool, [seq[-1] for seq in seqs], contexts)
+    finally:
+        model_module._shared_runs_attention = original
+    assert groups == [[0, 1, 2]] * model.n_layers
+    for i, (seq, ctx) in enumerate(zip(seqs, contexts, strict=True)):
+        torch.testing.assert_close(logits[i], model.decode(pool, [seq[-1]], [ctx])[0], **TOL)
+        full_logits, _slots = _run(model, _pool(model), seq)
+        torch.testing.assert_close(logits[i], full_logits, **TOL)
+
+
+def test_a_short_shared_head_is_not_scored_together() -> None:
+    """Below `SHARED_RUN_TOKENS` a shared first run (a chat template's few tokens) is left to each
+    sequence's own pass; so are sequences that share nothing or have no run past the shared one."""
+    n = model_module.SHARED_RUN_TOKENS
+    long_head, short_head = (0, n), (n, n + 2)
+    runs = [[long_head, (500, 510)], [long_head, (600, 605), (700, 702)], [long_head],
+            [short_head, (800, 810)], [short_head, (900, 910)], [(1000, 1100)], [long_head, (1200, 1201)]]
+    assert model_module.sharing_first_run(runs) == [[0, 1, 6]]
 
 
 def test_attention_over_runs_with_and_without_its_log_sum_exp() -> None:
