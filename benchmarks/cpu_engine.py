@@ -14,7 +14,9 @@
    every prompt and the policies' choices decide what is recomputed; then the engine side by side with Hugging Face
    `generate` on the same model in the same process, same prompts, greedy: single-stream decode
    tokens/s, 8 concurrent streams' aggregate decode tokens/s (against `generate` on the 8 prompts as
-   one left-padded batch), and prefill tokens/s of a 2,048-token prompt. Decode rates leave the
+   one left-padded batch), the same for 8 streams that start with one cached 2,048-token agent prompt
+   (64 tokens of their own each; `generate` holds the prompt once per stream), and prefill tokens/s
+   of a 2,048-token prompt. Decode rates leave the
    prefill out: the engine's from the streams' first tokens to their end (it prefills waiting
    prompts before it decodes), generate's as the time for n tokens less the time for 1.
 
@@ -111,6 +113,7 @@ SPEED_PROMPT = 512  # tokens of each decode benchmark prompt (an agent prompt's 
 SPEED_NEW = 64  # tokens generated per stream
 STREAMS = 8
 PREFILL_CONTEXT = 2048
+SHARED_PROMPT, SHARED_OWN = 2048, 64  # 8 streams sharing an agent's cached prompt, each with its own input
 PREFILL_PAIRS = 3  # prefill samples per side and round
 
 
@@ -155,10 +158,13 @@ def real_model_speed(path: str, repeats: int) -> dict[str, Any]:
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
     config = CpuEngineConfig(model=ModelConfig(path=path), policy="lru", device_kv_tokens=16_384)
     rows: dict[str, list[float]] = {k: [] for k in ("engine_decode", "hf_decode", "engine_batch", "hf_batch",
-                                                    "engine_prefill", "hf_prefill")}
+                                                    "engine_shared", "hf_shared", "engine_prefill", "hf_prefill")}
     single = _prompt(tokenizer, SPEED_PROMPT, 1)
     batch = [_prompt(tokenizer, SPEED_PROMPT - 8 * i, 10 + i) for i in range(STREAMS)]  # unequal: padding is real
     long = _prompt(tokenizer, PREFILL_CONTEXT, 99)
+    # an agent's prompt that every stream starts with (cached before they arrive), then each stream's own input
+    agent_prompt = _prompt(tokenizer, SHARED_PROMPT, 7)
+    sharing = [agent_prompt + _prompt(tokenizer, SHARED_OWN, 30 + i) for i in range(STREAMS)]
     bar = tqdm(total=repeats, desc="real model", unit="round", file=sys.stderr, disable=None)
     for _ in range(repeats):
         with CpuEngine(config, model=model) as engine:
@@ -174,6 +180,13 @@ def real_model_speed(path: str, repeats: int) -> dict[str, Any]:
         rows["engine_batch"].append(STREAMS * (SPEED_NEW - 1) / window)
         rows["hf_batch"].append(STREAMS * (SPEED_NEW - 1) / (_hf_seconds(model.hf, batch, SPEED_NEW, pad)
                                                              - _hf_seconds(model.hf, batch, 1, pad)))
+        with CpuEngine(config, model=model) as engine:
+            _engine_results(engine, [agent_prompt], 1)
+            results = _engine_results(engine, sharing, SPEED_NEW)
+        window = max(r.latency_s for r in results) - max(r.ttft_s for r in results)
+        rows["engine_shared"].append(STREAMS * (SPEED_NEW - 1) / window)
+        rows["hf_shared"].append(STREAMS * (SPEED_NEW - 1) / (_hf_seconds(model.hf, sharing, SPEED_NEW, pad)
+                                                              - _hf_seconds(model.hf, sharing, 1, pad)))
         for _ in range(PREFILL_PAIRS):  # a few seconds each: more samples, alternating, steady the median
             with CpuEngine(config, model=model) as engine:
                 (first,) = _engine_results(engine, [long], 1)
@@ -183,11 +196,13 @@ def real_model_speed(path: str, repeats: int) -> dict[str, Any]:
     bar.close()
     median = {k: statistics.median(v) for k, v in rows.items()}
     return {"model": path, "params": model.n_params, "prompt_tokens": SPEED_PROMPT, "new_tokens": SPEED_NEW,
-            "streams": STREAMS, "prefill_context": PREFILL_CONTEXT, "repeats": repeats, "runs": rows,
+            "streams": STREAMS, "prefill_context": PREFILL_CONTEXT, "shared_prompt": SHARED_PROMPT,
+            "shared_own": SHARED_OWN, "repeats": repeats, "runs": rows,
             "tokens_per_s": median,
             "ratios": {"decode_vs_hf": median["engine_decode"] / median["hf_decode"],
                        "batch_vs_hf": median["engine_batch"] / median["hf_batch"],
                        "batch_vs_own_single_decode": median["engine_batch"] / median["engine_decode"],
+                       "shared_vs_hf": median["engine_shared"] / median["hf_shared"],
                        "prefill_vs_hf": median["engine_prefill"] / median["hf_prefill"]}}
 
 
@@ -216,6 +231,10 @@ def print_real_model(r: dict[str, Any]) -> None:
     print(f"  {r['streams']} streams, aggregate decode: {t['engine_batch']:.1f} vs {t['hf_batch']:.1f} tokens/s "
           f"({x['batch_vs_hf']:.2f}x, pairs {_pairs(r, 'batch')}; {x['batch_vs_own_single_decode']:.2f}x the "
           "engine's single-stream decode)")
+    if "shared_vs_hf" in x:
+        print(f"  {r['streams']} streams sharing a cached {r['shared_prompt']}-token prompt (+{r['shared_own']} own "
+              f"tokens each), aggregate decode: {t['engine_shared']:.1f} vs {t['hf_shared']:.1f} tokens/s "
+              f"({x['shared_vs_hf']:.2f}x; pairs {_pairs(r, 'shared')})")
     print(f"  prefill at {r['prefill_context']} tokens: {t['engine_prefill']:.0f} vs {t['hf_prefill']:.0f} tokens/s "
           f"({x['prefill_vs_hf']:.2f}x; pairs {_pairs(r, 'prefill')})")
 
