@@ -118,7 +118,8 @@ def test_batched_decode_equals_separate_calls(model: CpuModel) -> None:
         torch.testing.assert_close(pool.gather(ctx)[0], pool.gather(full_slots)[0], **TOL)
 
 
-def test_sequences_sharing_a_cached_prefix_decode_together_as_alone(model: CpuModel) -> None:
+def test_sequences_sharing_a_cached_prefix_decode_together_as_alone(model: CpuModel,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Three sequences whose contexts start with the same cached prefix (its slots shared, in the pool
     once), then go on in one run or several, and one that shares nothing: decoding them together
     scores and weights the shared prefix once for all three (`model._shared_runs_attention`) and gives
@@ -145,11 +146,9 @@ def test_sequences_sharing_a_cached_prefix_decode_together_as_alone(model: CpuMo
         groups.append(members)
         original(scaled, k, v, runs, members, out)
 
-    model_module._shared_runs_attention = recording
-    try:
-        logits = model.decode(pool, [seq[-1] for seq in seqs], contexts)
-    finally:
-        model_module._shared_runs_attention = original
+    monkeypatch.setattr(model_module, "_shared_runs_attention", recording)
+    logits = model.decode(pool, [seq[-1] for seq in seqs], contexts)
+    monkeypatch.undo()
     assert groups == [[0, 1, 2]] * model.n_layers
     for i, (seq, ctx) in enumerate(zip(seqs, contexts, strict=True)):
         torch.testing.assert_close(logits[i], model.decode(pool, [seq[-1]], [ctx])[0], **TOL)

@@ -21,7 +21,7 @@ path avoids the copy instead.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,9 @@ class _Pages:
     capture: QueryCapture | None = None  # where each layer's queries and their log-sum-exps go (KV budgets)
     last_only: bool = False  # only the last position's output is read: the last layer computes no other
     write_only: bool = False  # the attention writes the new tokens' KV and returns nothing worth reading
+    # decoding without a capture: the sequences that attend to their shared first run together, found once
+    # per forward (`sharing_first_run`), not once per layer
+    sharing: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -115,7 +118,7 @@ def _pool_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
     scaled = query * (scaling if scaling is not None else dim ** -0.5) if t == 1 and capture is None else None
     done: set[int] = set()
     if scaled is not None:
-        for members in sharing_first_run(pages.runs):
+        for members in pages.sharing:
             _shared_runs_attention(scaled, k, v, pages.runs, members, out)
             done.update(members)
     for i, runs in enumerate(pages.runs):
@@ -517,7 +520,9 @@ class CpuModel:
             raise ValueError(f"sequence of {max(at) + 1} tokens exceeds max_context={self.max_context}")
         ids = self._input_ids(tokens, (batch, 1))
         # each sequence's own position: RoPE must see what a batch-1 call would
-        pages = _Pages(pool.k, pool.v, torch.stack([s[-1] for s in slots]), [slot_runs(s) for s in slots], 0, capture)
+        runs = [slot_runs(s) for s in slots]
+        pages = _Pages(pool.k, pool.v, torch.stack([s[-1] for s in slots]), runs, 0, capture,
+                       sharing=sharing_first_run(runs) if capture is None else [])
         return self._forward(ids, torch.tensor(at, dtype=torch.long).view(batch, 1), pages)
 
 
