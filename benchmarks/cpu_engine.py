@@ -138,6 +138,20 @@ def _hf_seconds(hf: Any, prompts: list[list[int]], new_tokens: int, pad_id: int)
     return time.perf_counter() - started
 
 
+def _decode_rate(results: list[Any]) -> float:
+    """The engine's aggregate decode tokens/s over a run of `SPEED_NEW` tokens per stream: from the moment
+    every stream has its first token (it prefills waiting prompts before it decodes) until the last ends."""
+    window = max(r.latency_s for r in results) - max(r.ttft_s for r in results)
+    return len(results) * (SPEED_NEW - 1) / window
+
+
+def _hf_decode_rate(hf: Any, prompts: list[list[int]], pad_id: int) -> float:
+    """`generate`'s aggregate decode tokens/s on the prompts as one batch: `SPEED_NEW` tokens less 1 token
+    (the prefill and the first token)."""
+    seconds = _hf_seconds(hf, prompts, SPEED_NEW, pad_id) - _hf_seconds(hf, prompts, 1, pad_id)
+    return len(prompts) * (SPEED_NEW - 1) / seconds
+
+
 def _engine_results(engine: CpuEngine, prompts: list[list[int]], new_tokens: int) -> list[Any]:
     requests = [engine.submit(GenerateRequest(tokens=p, max_tokens=new_tokens, ignore_eos=True)) for p in prompts]
     while engine.busy:
@@ -147,8 +161,8 @@ def _engine_results(engine: CpuEngine, prompts: list[list[int]], new_tokens: int
 
 def real_model_speed(path: str, repeats: int) -> dict[str, Any]:
     """The engine and `generate`, alternately, `repeats` rounds (prefill: `PREFILL_PAIRS` samples each
-    per round); medians. Each engine run is on a fresh engine (no cached prefix: both sides compute
-    every prompt token)."""
+    per round); medians. Each engine run is on a fresh engine: both sides compute every prompt token,
+    except the agent prompt the sharing streams start with, which the engine caches first."""
     import statistics
 
     from kvflow_ray.engines.tokenizer import load_tokenizer
@@ -168,25 +182,15 @@ def real_model_speed(path: str, repeats: int) -> dict[str, Any]:
     bar = tqdm(total=repeats, desc="real model", unit="round", file=sys.stderr, disable=None)
     for _ in range(repeats):
         with CpuEngine(config, model=model) as engine:
-            (one,) = _engine_results(engine, [single], SPEED_NEW)
-        rows["engine_decode"].append((SPEED_NEW - 1) / (one.latency_s - one.ttft_s))
-        # generate's decode: n tokens minus 1 token (the prefill and the first token)
-        rows["hf_decode"].append((SPEED_NEW - 1) / (_hf_seconds(model.hf, [single], SPEED_NEW, pad)
-                                                     - _hf_seconds(model.hf, [single], 1, pad)))
+            rows["engine_decode"].append(_decode_rate(_engine_results(engine, [single], SPEED_NEW)))
+        rows["hf_decode"].append(_hf_decode_rate(model.hf, [single], pad))
         with CpuEngine(config, model=model) as engine:
-            results = _engine_results(engine, batch, SPEED_NEW)
-        # the decode phase: every stream has its first token (prefills run first) until the last one ends
-        window = max(r.latency_s for r in results) - max(r.ttft_s for r in results)
-        rows["engine_batch"].append(STREAMS * (SPEED_NEW - 1) / window)
-        rows["hf_batch"].append(STREAMS * (SPEED_NEW - 1) / (_hf_seconds(model.hf, batch, SPEED_NEW, pad)
-                                                             - _hf_seconds(model.hf, batch, 1, pad)))
+            rows["engine_batch"].append(_decode_rate(_engine_results(engine, batch, SPEED_NEW)))
+        rows["hf_batch"].append(_hf_decode_rate(model.hf, batch, pad))
         with CpuEngine(config, model=model) as engine:
             _engine_results(engine, [agent_prompt], 1)
-            results = _engine_results(engine, sharing, SPEED_NEW)
-        window = max(r.latency_s for r in results) - max(r.ttft_s for r in results)
-        rows["engine_shared"].append(STREAMS * (SPEED_NEW - 1) / window)
-        rows["hf_shared"].append(STREAMS * (SPEED_NEW - 1) / (_hf_seconds(model.hf, sharing, SPEED_NEW, pad)
-                                                              - _hf_seconds(model.hf, sharing, 1, pad)))
+            rows["engine_shared"].append(_decode_rate(_engine_results(engine, sharing, SPEED_NEW)))
+        rows["hf_shared"].append(_hf_decode_rate(model.hf, sharing, pad))
         for _ in range(PREFILL_PAIRS):  # a few seconds each: more samples, alternating, steady the median
             with CpuEngine(config, model=model) as engine:
                 (first,) = _engine_results(engine, [long], 1)
