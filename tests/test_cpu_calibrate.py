@@ -49,6 +49,9 @@ def test_calibrated_profile_drives_the_simulator(tmp_path: Path) -> None:
     loaded = load_profile(str(path))
     # the simulated device pool is the engine's, and the fit explains the measured steps
     assert loaded.gpu_kv_tokens == config.device_kv_tokens
+    # and so is its chunking: chunks beside decodes, a lone prompt's longer step
+    assert loaded.chunked_prefill_tokens == config.chunk_tokens
+    assert loaded.idle_prefill_tokens == config.idle_chunk_tokens
     assert loaded.attention_mfu > 0 and loaded.peak_flops > 0 and loaded.iteration_overhead_s >= 0
     # (a median, not every step: a timing taken while another process ran is an outlier, not a bad fit)
     ratios = [loaded.step_time([(n, ctx)], []) / seconds for n, ctx, seconds in measured["prefill"]]

@@ -173,13 +173,37 @@ def test_greedy_outputs_equal_the_no_cache_run(model: CpuModel, reference: Refer
 @pytest.mark.parametrize(("policy", "chunk"), [("hicache", 64), ("kvflow", 37)])
 def test_chunked_prefill_gives_the_same_tokens(model: CpuModel, reference: Reference, policy: str,
                                                chunk: int) -> None:
-    with CpuEngine(_config(policy, DEVICE_TOKENS, chunk_tokens=chunk), model=model) as engine:
+    with CpuEngine(_config(policy, DEVICE_TOKENS, chunk_tokens=chunk, idle_chunk_tokens=None), model=model) as engine:
         results = _run_workflow(engine)
         steps = engine.stats()["forward_steps"]
     for (_agent, tokens), result in zip(CALLS, results, strict=True):
         assert result.tokens == reference(tokens, MAX_TOKENS)
     # the first call alone (230 uncached tokens) needs several prefill chunks
     assert steps > len(CALLS) * MAX_TOKENS
+
+
+def test_a_lone_prompt_prefills_in_one_step_and_chunks_beside_decodes(model: CpuModel, reference: Reference) -> None:
+    """Chunks bound how long a prefill holds decodes back: a prompt with no decode beside it takes one
+    step up to `idle_chunk_tokens`; one that arrives while another request decodes takes `chunk_tokens`."""
+    first, second = _tokens(230, 900), _tokens(230, 901)
+    with CpuEngine(_config("lru", DEVICE_TOKENS, chunk_tokens=64), model=model) as engine:
+        alone = engine.submit(GenerateRequest(tokens=first, max_tokens=MAX_TOKENS, ignore_eos=True))
+        _drain(engine)
+        assert engine.stats()["forward_steps"] == MAX_TOKENS  # one prefill step, then a decode step per token
+        decoding = engine.submit(GenerateRequest(tokens=_tokens(20, 902), max_tokens=40, ignore_eos=True))
+        while not decoding.out:
+            engine.step()
+        beside = engine.submit(GenerateRequest(tokens=second, max_tokens=MAX_TOKENS, ignore_eos=True))
+        engine.step()
+        assert beside.prefill_pos == 64
+        _drain(engine)
+    assert alone.result is not None and alone.result.tokens == reference(first, MAX_TOKENS)
+    assert beside.result is not None and beside.result.tokens == reference(second, MAX_TOKENS)
+
+
+def test_idle_chunk_tokens_must_be_positive(model: CpuModel) -> None:
+    with pytest.raises(ValueError, match="idle_chunk_tokens must be positive or None, got 0"):
+        CpuEngine(_config("lru", DEVICE_TOKENS, idle_chunk_tokens=0), model=model)
 
 
 @pytest.mark.parametrize("policy", ["lru", "hicache"])

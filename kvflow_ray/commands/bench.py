@@ -88,7 +88,11 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--link-gbps", type=float, default=e.link_gbps,
                    help=f"pace device<->host copies to this many GB/s; 0 = unpaced (default {e.link_gbps}; "
                         "never paced on a GPU)")
-    g.add_argument("--chunk-tokens", type=int, default=e.chunk_tokens, help="chunked prefill size")
+    g.add_argument("--chunk-tokens", type=int, default=e.chunk_tokens,
+                   help=f"chunked prefill: prompt tokens per step while a request decodes (default {e.chunk_tokens})")
+    g.add_argument("--idle-chunk-tokens", type=int, default=e.idle_chunk_tokens,
+                   help=f"prompt tokens per step while no request decodes; 0 = --chunk-tokens (default "
+                        f"{e.idle_chunk_tokens})")
     g.add_argument("--max-running", type=int, default=e.max_running, help="requests in the running batch")
     g.add_argument("--horizon", type=int, default=e.horizon, help="prefetch agents at most this many steps ahead")
     g.add_argument("--max-inflight", type=int, default=e.max_inflight, help="concurrent prefetch loads")
@@ -114,6 +118,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
     device = CpuEngineConfig.device_kv_tokens if args.device_kv_tokens is None else args.device_kv_tokens
     return CpuEngineConfig(model=model, device_kv_tokens=device, host_kv_tokens=args.host_kv_tokens,
                            link_gbps=args.link_gbps or None, chunk_tokens=args.chunk_tokens,
+                           idle_chunk_tokens=args.idle_chunk_tokens or None,
                            max_running=args.max_running, horizon=args.horizon, max_inflight=args.max_inflight,
                            threads=args.threads)
 

@@ -635,9 +635,12 @@ class ReplicaScheduler:
     def kv_ready(self, req: CacheRequest) -> bool:
         return all(n.gpu is GpuState.READY for n in req.waiting_on)
 
-    def next_batch(self, prefill_budget: int) -> Batch | None:
+    def next_batch(self, prefill_budget: int, idle_budget: int | None = None) -> Batch | None:
         """Admit what fits, then pick the next step: prefill chunks of requests whose KV is on the
         device (up to `prefill_budget` tokens), else one decode step of every decoding request.
+        `idle_budget`: the prefill budget instead while no running request decodes. Chunking bounds
+        how long a prefill step holds the decodes back; with none to hold, a longer chunk only saves
+        the engine a pass over its weights per chunk (None: `prefill_budget` always, as SGLang).
 
         None: nothing can run now (idle, or an FCFS batch waits for a load). While no request joins
         or leaves the running set and all of them decode, it is the same `Batch` object as the last
@@ -645,6 +648,8 @@ class ReplicaScheduler:
         if not self.admit() and self._decode_batch is not None:
             return self._decode_batch
         budget = prefill_budget
+        if idle_budget is not None and idle_budget > budget and all(r.prefilling for r in self.running):
+            budget = idle_budget
         prefill: list[tuple[CacheRequest, int]] = []
         decode: list[CacheRequest] = []
         blocked = False

@@ -237,6 +237,7 @@ def _profile_values(config: CpuEngineConfig, model: CpuModel, *, peak_flops: flo
         "decode_mbu": 1.0,
         "iteration_overhead_s": overhead,
         "chunked_prefill_tokens": config.chunk_tokens,
+        "idle_prefill_tokens": config.idle_chunk_tokens or 0,
         "max_running_requests": config.max_running,
         "host_kv_tokens": config.host_kv_tokens,
         "attention_mfu": attention_mfu,

@@ -80,6 +80,10 @@ class CpuEngineConfig:
     # on a GPU: the link is the real one there.
     link_gbps: float | None = 0.1
     chunk_tokens: int = 1024  # chunked prefill: at most this many prompt tokens per forward step
+    # ... while a request decodes; while none does, at most this many (None: `chunk_tokens` always).
+    # A chunk holds back the decodes, not a lone prompt, which then saves a pass over the weights per
+    # chunk; the bound keeps arrivals' admission (and their host loads) within a few seconds.
+    idle_chunk_tokens: int | None = 4096
     max_running: int = 16  # requests in the running batch
     horizon: int = 1  # prefetch agents at most this many steps ahead
     max_inflight: int = 4  # concurrent prefetch loads

@@ -91,6 +91,8 @@ class CpuEngine(BackgroundEngine):
         for name in sizes:
             if getattr(config, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(config, name)}")
+        if config.idle_chunk_tokens is not None and config.idle_chunk_tokens <= 0:
+            raise ValueError(f"idle_chunk_tokens must be positive or None, got {config.idle_chunk_tokens}")
         self.model = model if model is not None else CpuModel(config.model, threads=config.threads)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
@@ -259,7 +261,7 @@ class CpuEngine(BackgroundEngine):
         wake = self.scheduler.wake_at()
         if wake is not None and time.perf_counter() >= wake:  # a paused session's rank or prefetch is due
             self.scheduler.tick()
-        batch = self.scheduler.next_batch(self.config.chunk_tokens)
+        batch = self.scheduler.next_batch(self.config.chunk_tokens, self.config.idle_chunk_tokens)
         if batch is None:
             if not self.busy:
                 return False

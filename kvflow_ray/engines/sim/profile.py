@@ -43,6 +43,9 @@ class Profile:
     # Unset in the GPU profiles (one efficiency for both); the CPU calibration fits it, because a CPU's
     # attention over a long context runs several times slower per FLOP than its matmuls.
     attention_mfu: float = 0.0
+    # The prefill budget of a step while no request decodes (`ReplicaScheduler.next_batch`'s
+    # `idle_budget`): the CPU engine's `idle_chunk_tokens`. 0 in the GPU profiles: SGLang chunks always.
+    idle_prefill_tokens: int = 0
 
     @property
     def gpu_kv_tokens(self) -> int:

@@ -167,7 +167,7 @@ class SimReplica:
         self.kick_pending = False
         if self.busy:
             return
-        batch = self.scheduler.next_batch(self.profile.chunked_prefill_tokens)
+        batch = self.scheduler.next_batch(self.profile.chunked_prefill_tokens, self.profile.idle_prefill_tokens or None)
         if batch is None:
             self._end_run()
             return
