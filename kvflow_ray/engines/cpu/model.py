@@ -241,7 +241,7 @@ def _runs_attention(q: Tensor, k: Tensor, v: Tensor, runs: list[tuple[int, int]]
     across them all (torch's fused one), no copy of the keys. What a decode step runs once per
     sequence and layer where a sequence shares a cached prefix (two runs or more): its operator
     count is what it costs."""
-    scores = torch.cat([torch.bmm(q, k[:, lo:hi].transpose(1, 2)) for lo, hi in runs], dim=-1)
+    scores = torch.cat(_run_scores(q, k, runs), dim=-1)
     return _weighted_values(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v, runs)
 
 
@@ -276,14 +276,18 @@ def _shared_runs_attention(scaled: Tensor, k: Tensor, v: Tensor, runs: list[list
     shared_probs, rest = [], []
     for j, i in enumerate(members):
         own = runs[i][1:]
-        scores = torch.cat([shared_scores[:, j * group:(j + 1) * group],
-                            *(torch.bmm(queries[j], k[:, a:b].transpose(1, 2)) for a, b in own)], dim=-1)
+        scores = torch.cat([shared_scores[:, j * group:(j + 1) * group], *_run_scores(queries[j], k, own)], dim=-1)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
         shared_probs.append(probs[..., :hi - lo])
         rest.append(_weighted_values(probs[..., hi - lo:], v, own))
     shared_out = torch.bmm(torch.cat(shared_probs, dim=1), v[:, lo:hi])  # [H, m * G, D]
     for j, i in enumerate(members):
         out[i, 0] = shared_out[:, j * group:(j + 1) * group].add_(rest[j]).reshape(-1, dim)
+
+
+def _run_scores(q: Tensor, k: Tensor, runs: list[tuple[int, int]]) -> list[Tensor]:
+    """Scaled queries ([H, G, D]) against each run's keys, as views of the pool: one [H, G, n] per run."""
+    return [torch.bmm(q, k[:, lo:hi].transpose(1, 2)) for lo, hi in runs]
 
 
 def _weighted_values(probs: Tensor, v: Tensor, runs: list[tuple[int, int]]) -> Tensor:
