@@ -31,7 +31,8 @@ bash scripts/check-plain-install.sh
 
 # Two workers by default (KVFLOW_TEST_WORKERS): most end-to-end tests wait on servers, Ray and the network
 # more than they compute. --dist loadfile keeps a file's tests (and its module fixtures: Ray clusters,
-# servers) on one worker. Tests marked `serial` compare two timings of this machine and run alone, after.
+# servers) on one worker. Tests marked `serial` compare timings of this machine (or a wall-clock-paced serving run
+# with the simulator) and run alone, after.
 # -v: each test's name as it starts and ends, so a slow one (the end-to-end tests take a minute each) reads as slow, not stuck
 WORKERS="${KVFLOW_TEST_WORKERS:-2}"
 if [ "$#" -gt 0 ]; then
