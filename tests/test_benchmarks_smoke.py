@@ -49,7 +49,8 @@ def test_paper_figures_quick_fig8(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # serving is paced by the wall clock (0.1 s per simulated second): a neighbour's stall moves its ratios
+# serving is paced by the wall clock (0.1 s per simulated second): a neighbour test's stall moves its ratios
+@pytest.mark.serial
 def test_serving_routes_as_the_simulator_does(tmp_path: Path) -> None:
     """`serve_routing.py --sim-parity --quick`: a small fleet scenario replayed through serving (real
     Ray, HTTP, simulated replicas) under two routing policies, every call served, and each device hit
