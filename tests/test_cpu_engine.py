@@ -80,7 +80,7 @@ def _config(policy: str, device: int, host: int = 8_000, **kw: Any) -> CpuEngine
 
 def _state(engine: CpuEngine) -> str:
     s, c = engine.scheduler, engine.cache
-    return (f"{len(s.waiting)} waiting, {len(s.running)} running, {engine._copies_inflight} copies in flight, "
+    return (f"{len(s.waiting)} waiting, {len(s.running)} running, {engine.copier.inflight} copies in flight, "
             f"free {c.free_tokens}, locked {c.tree.locked_gpu_tokens}, private {c.private_tokens}, "
             f"queued_reserved {s.queued_reserved}")
 
@@ -889,12 +889,12 @@ def test_a_prompt_diverging_inside_a_node_in_flight_keeps_its_uncached_tail(mode
         engine.generate(GenerateRequest(tokens=fixed + _tokens(5, 51), max_tokens=2, ignore_eos=True,
                                         workflow="wf", agent="a", fixed_prefix_tokens=100))
         _ok, writebacks = engine.cache.make_room(engine.cache.gpu_capacity)  # everything to the host
-        engine.write_back(writebacks)
+        engine.copier.write_back(writebacks)
         _drain(engine)
         assert engine.cache.tree.gpu_tokens == 0
         engine.apply_hints(Hints(prompts={("wf", "a"): fixed}, steps={"wf": {"a": 1}}))  # prefetch: LOADING
         engine.step()
-        assert engine._copies_inflight == 1
+        assert engine.copier.inflight == 1
         c_tokens = fixed[:60] + _tokens(40, 53)
         c = engine.submit(GenerateRequest(tokens=c_tokens, max_tokens=8, ignore_eos=True))
         _drain(engine)
@@ -940,7 +940,7 @@ def test_the_device_pool_never_falls_behind_the_cache_books() -> None:
         engine.step(timeout=0.001 if rng.random() < 0.5 else 0)
         books_free = engine.cache.gpu_capacity - engine.cache.used_tokens
         assert engine.device.free_slots >= books_free, f"step {step}"
-        if engine.scheduler.idle and engine._copies_inflight == 0 and engine._inbox.empty():
+        if engine.scheduler.idle and engine.copier.inflight == 0 and engine._inbox.empty():
             assert engine.device.free_slots == books_free, f"step {step}"
         failed = [req.error for req in live if req.error is not None]
         assert not failed, f"step {step}: {failed[0]}"

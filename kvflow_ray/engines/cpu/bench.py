@@ -19,8 +19,9 @@ from kvflow_ray.core.predict import Forecaster
 from kvflow_ray.core.scheduler import engine_policies
 from kvflow_ray.engines.base import GenerateRequest, Hints
 from kvflow_ray.engines.cpu.config import CpuEngineConfig
-from kvflow_ray.engines.cpu.engine import CpuEngine, CpuRequest
+from kvflow_ray.engines.cpu.engine import CpuEngine
 from kvflow_ray.engines.cpu.model import CpuModel
+from kvflow_ray.engines.cpu.requests import CpuRequest
 from kvflow_ray.engines.sim.agentic import SessionClient, SessionPlan, turns_of
 from kvflow_ray.engines.sim.replica import SimRequest
 from kvflow_ray.engines.sim.runner import pause_measures, summarise_run

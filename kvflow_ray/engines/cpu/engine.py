@@ -2,9 +2,9 @@
 `kvflow_ray.core` (`ReplicaScheduler` over a `TieredCache`).
 
 This file owns what an engine owns and nothing more: running the model on the batches the scheduler
-picks, placing KV in pool slots, and copying slots between the device and host pools. A request's
-forward pass attends over the stored KV of its cached prefix where it lies in the device pool and only
-computes the rest.
+picks and placing KV in pool slots; `PoolCopier` (copier.py) copies slots between the device and
+host pools. A request's forward pass attends over the stored KV of its cached prefix where it lies
+in the device pool and only computes the rest.
 
 Constrained decoding (`GenerateRequest.constraint`, a forced tool call): each output token is the
 model's most likely token (or a draw, when the request samples) among those `engines.constrained`
@@ -22,16 +22,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvflow_ray.core.kv_budget import KvBudget, PhaseMarkers, PhaseTracker, parse_scorer
+from kvflow_ray.core.kv_budget import PhaseMarkers, parse_scorer
 from kvflow_ray.core.policies import StepBook
 from kvflow_ray.core.radix import RadixNode
-from kvflow_ray.core.reuse import MAX_DOCUMENTS, MIN_PLACED, Placement, ReuseMethod, SegmentBook, parse_reuse
-from kvflow_ray.core.scheduler import CacheRequest, build_replica, resolve_policy
+from kvflow_ray.core.reuse import MIN_PLACED, Placement, SegmentBook
+from kvflow_ray.core.scheduler import build_replica, resolve_policy
 from kvflow_ray.engines.base import (
     BackgroundEngine,
     CacheEvent,
@@ -39,47 +38,21 @@ from kvflow_ray.engines.base import (
     GenerateResult,
     Hints,
     ended_turn,
-    request_tokens,
-    session_turn,
 )
-from kvflow_ray.engines.constrained import CANDIDATES, TokenConstraint, TokenTexts, check_constraint
+from kvflow_ray.engines.constrained import CANDIDATES
 from kvflow_ray.engines.cpu.config import CpuEngineConfig
-from kvflow_ray.engines.cpu.kv_budget import BudgetedKV, KeyScores, compact
-from kvflow_ray.engines.cpu.kv_pool import CopyJob, CopyStream, paced_link
+from kvflow_ray.engines.cpu.copier import PoolCopier
+from kvflow_ray.engines.cpu.kv_budget import compact
+from kvflow_ray.engines.cpu.kv_pool import paced_link
 from kvflow_ray.engines.cpu.model import GREEDY_TEMPERATURE, CpuModel, QueryCapture, sample
+from kvflow_ray.engines.cpu.requests import CpuRequest, RequestBuilder
 from kvflow_ray.engines.cpu.reuse import ReuseCounts, SegmentStore, check_reusable, prefill_reusing
 from kvflow_ray.engines.cpu.weights import RANDOM_MODEL_NAME
 from kvflow_ray.engines.events import CacheEventLog
-from kvflow_ray.engines.stops import StopTokens
 from kvflow_ray.engines.tokenizer import load_tokenizer
 
 # An unpaced link's rate for the scheduler's load-time estimates: RAM to RAM on a CPU, PCIe on a GPU
 NOMINAL_LINK_GBPS = {"cpu": 5.0, "cuda": 25.0}
-
-
-@dataclass(eq=False)
-class CpuRequest(CacheRequest):
-    temperature: float = 0.0
-    top_p: float = 1.0
-    # the request's stop strings over its output (set by the engine); it streams the tokens to on_token
-    stops: StopTokens | None = None
-    ignore_eos: bool = False
-    constraint: TokenConstraint | None = None  # the grammar its output must spell (a forced tool call)
-    generator: torch.Generator | None = None
-    reuse: ReuseMethod | None = None  # how kept segments in its prompt are reused (None: exact, not at all)
-    reused: int = 0  # prompt tokens placed from segments and not recomputed
-    documents: tuple[tuple[int, ...], ...] = ()  # client-marked documents to keep as segments (under reuse)
-    kv: BudgetedKV | None = None  # its private KV under a budget (docs/design.md §13)
-    on_done: Callable[[CpuRequest], None] | None = None
-    out: list[int] = field(default_factory=list)
-    ctx: torch.Tensor | None = None  # device slot of the KV at each position (prompt, then output)
-    # its private slots: all it reserved while its prompt is computed, then those past the committed prefix
-    own: torch.Tensor | None = None
-    base: int = 0  # first position computed by this request (own[i] holds position base + i)
-    submitted_at: float = 0.0
-    result: GenerateResult | None = None
-    error: BaseException | None = None
-    finish_reason: str = "length"
 
 
 class CpuEngine(BackgroundEngine):
@@ -106,7 +79,14 @@ class CpuEngine(BackgroundEngine):
         # a history's copy back from the host: its bytes over the link (unpaced: a nominal rate)
         token_bytes = self.device.nbytes / config.device_kv_tokens
         link_bytes_per_s = (self.link_gbps or NOMINAL_LINK_GBPS[m.device.type]) * 1e9
-        self.scheduler = build_replica(policy, self, gpu_capacity=config.device_kv_tokens,
+        template = getattr(self.tokenizer, "chat_template", None)
+        phase_markers = PhaseMarkers.for_template(template, config.kv_phase_markers)
+        parse_scorer(config.kv_scorer)  # a bad default fails at start, not at the first request
+        # after the checks above: a setting they refuse leaves no copy thread behind
+        self.copier = PoolCopier(self.device, self.host, self.link_gbps,
+                                 loaded=lambda nodes, prefetch, dst: self.scheduler.load_done(nodes, prefetch, dst),
+                                 offloaded=lambda node, dst: self.scheduler.offload_done(node, dst))
+        self.scheduler = build_replica(policy, self.copier, gpu_capacity=config.device_kv_tokens,
                                        cpu_capacity=config.host_kv_tokens, clock=time.perf_counter, book=book,
                                        horizon=config.horizon, max_inflight=config.max_inflight,
                                        max_running=config.max_running, events=self.events, free_value=self._free_value,
@@ -116,20 +96,15 @@ class CpuEngine(BackgroundEngine):
         self.cache = self.scheduler.cache
         # kept segments (agents' outputs): ranked by the same step book; absent where the model's
         # decoder is not one `prefill_reusing` can run (requests asking for reuse are refused then)
-        self.cannot_reuse = check_reusable(self.model) if on_cpu else f"reuse runs on the CPU only, not {m.device}"
-        self.segments = None if self.cannot_reuse else SegmentStore(
+        cannot_reuse = check_reusable(self.model) if on_cpu else f"reuse runs on the CPU only, not {m.device}"
+        self.segments = None if cannot_reuse else SegmentStore(
             config.segment_kv_tokens, SegmentBook(config.segment_kv_tokens, self.book))
         self.reuse_counts = ReuseCounts()
-        template = getattr(self.tokenizer, "chat_template", None)
-        self.phase_markers = PhaseMarkers.for_template(template, config.kv_phase_markers)
-        parse_scorer(config.kv_scorer)  # a bad default fails at start, not at the first request
+        self.request_builder = RequestBuilder(config, self.model, self.tokenizer, self.model_name,
+                                              self.cache.gpu_capacity, cannot_reuse, phase_markers)
         self.compactions = 0
         self.dropped_tokens = 0
         self.compaction_s = 0.0
-        self._copies: queue.Queue[CopyJob] = queue.Queue()
-        self._copies_inflight = 0
-        self.h2d = CopyStream("h2d", self.link_gbps, self._copies)
-        self.d2h = CopyStream("d2h", self.link_gbps, self._copies)
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._loop: threading.Thread | None = None
         self._stop = threading.Event()
@@ -141,7 +116,6 @@ class CpuEngine(BackgroundEngine):
         self.requests_failed = 0
         self.requests_rejected = 0  # refused by `submit` (bad input): never queued
         self._callbacks: deque[CpuRequest] = deque()
-        self._token_texts: TokenTexts | None = None  # built at the first constrained request
 
     @property
     def model_name(self) -> str:
@@ -159,7 +133,7 @@ class CpuEngine(BackgroundEngine):
         """Queue a request (any thread). Raises ValueError, changing nothing, for a request that can
         never run: empty, too long for the model's context or the device pool, bad parameters."""
         try:
-            req = self._make_request(request, on_token)
+            req = self.request_builder.build(request, on_token)
         except ValueError:
             self.requests_rejected += 1
             raise
@@ -198,7 +172,7 @@ class CpuEngine(BackgroundEngine):
             "pool_bytes": self.device.nbytes + (self.host.nbytes if self.host else 0),
             "compute_s": self.compute_s,
             "forward_steps": self.forward_steps,
-            "copy_busy_s": {"h2d": self.h2d.busy_s, "d2h": self.d2h.busy_s},
+            "copy_busy_s": {"h2d": self.copier.h2d.busy_s, "d2h": self.copier.d2h.busy_s},
         }
 
     # ------------------------------------------------------------------ running
@@ -216,8 +190,7 @@ class CpuEngine(BackgroundEngine):
             self._wake.set()
             self._loop.join(timeout=30)
             self._loop = None
-        self.h2d.close()
-        self.d2h.close()
+        self.copier.close()
         self.device.release()
         if self.host is not None:
             self.host.release()
@@ -243,7 +216,7 @@ class CpuEngine(BackgroundEngine):
 
     @property
     def busy(self) -> bool:
-        return not (self.scheduler.idle and self._copies_inflight == 0 and self._inbox.empty())
+        return not (self.scheduler.idle and self.copier.inflight == 0 and self._inbox.empty())
 
     def step(self, timeout: float = 0.0) -> bool:
         """One scheduling iteration: take new requests and hints, land finished copies, run one forward
@@ -257,7 +230,7 @@ class CpuEngine(BackgroundEngine):
 
     def _step(self, timeout: float) -> bool:
         self._drain_inbox()
-        self._land_copies()
+        self.copier.land()
         wake = self.scheduler.wake_at()
         if wake is not None and time.perf_counter() >= wake:  # a paused session's rank or prefetch is due
             self.scheduler.tick()
@@ -265,8 +238,8 @@ class CpuEngine(BackgroundEngine):
         if batch is None:
             if not self.busy:
                 return False
-            if self._copies_inflight and timeout > 0:
-                self._land_copies(timeout)
+            if self.copier.inflight and timeout > 0:
+                self.copier.land(timeout)
             return True
         started = time.perf_counter()
         if batch.prefill:
@@ -280,61 +253,6 @@ class CpuEngine(BackgroundEngine):
         return True
 
     # ------------------------------------------------------------------ inbox
-    def _make_request(self, request: GenerateRequest, on_token: Callable[[int], None] | None = None
-                      ) -> CpuRequest:
-        budget = self._kv_budget(request)
-        tokens = request_tokens(request, model_name=self.model_name, encode=self.tokenizer.encode,
-                                vocab_size=self.model.vocab_size, max_context=self.model.max_context,
-                                device_tokens=self.cache.gpu_capacity, constrained=True, reuses=True,
-                                kv_budget=budget, budgets=True)
-        reuse = parse_reuse(request.reuse)
-        if len(request.documents) > MAX_DOCUMENTS or sum(len(d) for d in request.documents) > len(tokens):
-            raise ValueError(f"documents: at most {MAX_DOCUMENTS}, together no longer than the prompt")
-        if reuse.exact:
-            reuse = None
-        elif self.cannot_reuse:
-            raise ValueError(f"reuse {request.reuse!r}: {self.model_name} cannot reuse KV beyond the prefix "
-                             f"({self.cannot_reuse})")
-        constraint = None
-        if request.constraint is not None:
-            grammar = check_constraint(request.constraint, request.max_tokens)
-            if self._token_texts is None:  # once per engine (~0.15 s for a 49k vocabulary)
-                self._token_texts = TokenTexts(self.tokenizer.decode, self.model.vocab_size, self.tokenizer.encode)
-            constraint = TokenConstraint(grammar, self._token_texts)
-        kv = self._budgeted(request, budget)
-        if kv is not None and reuse is not None:
-            raise ValueError("kv_budget and reuse cannot be combined: a compacted request keeps no segment")
-        fixed = request.fixed_prefix_tokens
-        generator = None
-        if request.temperature > 0:
-            generator = torch.Generator().manual_seed(request.seed if request.seed is not None else 0)
-        return CpuRequest(workflow=request.workflow, agent=request.agent, tokens=tokens,
-                          fixed_len=fixed if fixed is not None else -1, max_new=request.max_tokens,
-                          cache_salt=request.cache_salt,
-                          temperature=request.temperature, top_p=request.top_p,
-                          stops=StopTokens(request.stop, self.tokenizer.decode, on_token),
-                          ignore_eos=request.ignore_eos, constraint=constraint, generator=generator,
-                          session=session_turn(request), reuse=reuse, submitted_at=time.perf_counter(),
-                          documents=tuple(tuple(int(t) for t in doc) for doc in request.documents),
-                          kv=kv, kv_budget=kv.budget if kv is not None else None)
-
-    def _kv_budget(self, request: GenerateRequest) -> KvBudget | None:
-        """The request's KV budget (its own, else the engine's default; None: unbudgeted)."""
-        tokens = request.kv_budget if request.kv_budget is not None else self.config.kv_budget
-        if tokens is None:
-            return None
-        if self.model.device.type != "cpu":
-            raise ValueError(f"kv_budget: KV budgets run on the CPU only, not {self.model.device}")
-        return KvBudget(tokens, self.config.kv_interval, self.config.kv_sinks)
-
-    def _budgeted(self, request: GenerateRequest, budget: KvBudget | None) -> BudgetedKV | None:
-        if budget is None:
-            if request.kv_scorer is not None:
-                raise ValueError("kv_scorer goes with a kv_budget (the call's, its tenant's or the engine's)")
-            return None
-        scorer = parse_scorer(request.kv_scorer or self.config.kv_scorer)
-        return BudgetedKV(budget, KeyScores(scorer, self.model.attn_scale), PhaseTracker(self.phase_markers))
-
     def _drain_inbox(self) -> None:
         while True:
             try:
@@ -356,46 +274,6 @@ class CpuEngine(BackgroundEngine):
         self.scheduler.apply_hints(hints.steps, hints.prompts, hints.retire, hints.salts, hints.elsewhere)
         if hints.retire and self.segments is not None:  # a finished workflow's outputs have no reader left
             self.segments.retire(list(hints.retire))
-
-    # ------------------------------------------------------------------ copies (the Copier protocol)
-    def load(self, nodes: list[RadixNode], tokens: int, prefetch: bool) -> None:
-        assert self.host is not None
-        dst = [self.device.alloc(len(node.key)) for node in nodes]
-        src = torch.cat([node.cpu_value for node in nodes])  # type: ignore[misc]
-
-        def done() -> None:
-            self.scheduler.load_done(nodes, prefetch, list(dst))
-
-        self._copy(self.h2d, CopyJob(self.host, src, self.device, torch.cat(dst), done, speculative=prefetch))
-
-    def write_back(self, nodes: list[RadixNode]) -> None:
-        if not nodes:
-            return
-        assert self.host is not None
-        for node in nodes:
-            dst = self.host.alloc(len(node.key))
-
-            def done(node: RadixNode = node, dst: torch.Tensor = dst) -> None:
-                self.scheduler.offload_done(node, dst)
-
-            self._copy(self.d2h, CopyJob(self.device, node.gpu_value, self.host, dst, done))  # type: ignore[arg-type]
-
-    def _copy(self, stream: CopyStream, job: CopyJob) -> None:
-        self._copies_inflight += 1
-        stream.submit(job)
-
-    def _land_copies(self, timeout: float = 0.0) -> None:
-        try:
-            job = self._copies.get(timeout=timeout) if timeout > 0 else self._copies.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._copies_inflight -= 1
-            job.on_done()
-            try:
-                job = self._copies.get_nowait()
-            except queue.Empty:
-                return
 
     def _free_value(self, node: RadixNode, tier: str, value: object) -> None:
         pool = self.device if tier == "gpu" else self.host
