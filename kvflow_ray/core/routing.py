@@ -769,6 +769,7 @@ class Applications:
                 del self._idle[oldest]
                 del self._apps[oldest]
 
+
     def _set_home(self, app: _Application, home: str | None) -> None:
         if app.inflight:
             self._count_home(app.home, -1)
@@ -819,9 +820,9 @@ class WorkflowRouter(WorkPricingRouter):
     already homed on a replica: an application sends a stream of calls to its home for as long as it
     runs, which the work in flight at its first call does not show, so new applications go where
     fewer streams are bound (two long applications homed together held a replica at twice the
-    fleet's mean concurrency). Which one wins depends on whether memory binds, which the router
-    measures: the *pressure* is the working sets of the applications with a call in flight (their
-    distinct fixed prompts) over the device KV of the fleet (the replicas report their pools).
+    fleet's mean concurrency). Which one wins depends on whether memory binds, which the router measures: the
+    *pressure* is the working sets of the applications with a call in flight (their distinct fixed
+    prompts) over the device KV of the fleet (the replicas report their pools).
     - Pressure below `sticky_pressure` (every hot prompt fits): the cheapest replica, or the home
       when it costs at most `slack` x the call's prompt tokens more. Spreading an application then
       costs one prefill per replica, and the price counts it.
@@ -909,9 +910,8 @@ class WorkflowRouter(WorkPricingRouter):
                 self._rehome = request
         costs = self.costs(request, fleet)
         if request.group and home is None and self.first_home and self.apps.busy_homed:  # a new application
-            surcharge = self.first_home * (len(request.tokens) or request.prefix_tokens)
-            costs = {replica: cost + surcharge * self.apps.busy_homed.get(replica, 0)
-                     for replica, cost in costs.items()}
+            bound = self.first_home * (len(request.tokens) or request.prefix_tokens)
+            costs = {replica: cost + bound * self.apps.busy_homed.get(replica, 0) for replica, cost in costs.items()}
         best = preferred(costs, request)
         if (home in costs and home != best and not sticky and self.within_bound(home, fleet)
                 and costs[home] <= costs[best] + self.slack * (len(request.tokens) or request.prefix_tokens)):
