@@ -261,45 +261,6 @@ def test_below_pressure_the_price_decides_and_an_idle_application_moves_from_a_b
         WorkflowRouter(load_bound=0.5)
 
 
-def test_a_new_application_is_homed_away_from_replicas_home_to_busy_ones() -> None:
-    """A new application's first call pays `first_home` x its prompt tokens on each replica per busy
-    application homed there: a is cheaper by less than that and home to one, so b wins; with
-    `first_home` 0 the price alone decides. An application's later calls pay nothing of it, and the
-    counts follow homes as applications start, end and move."""
-    from kvflow_ray.core.routing import WorkflowRouter
-
-    for first_home, expected in ((0.25, "b"), (0.0, "a")):
-        router = WorkflowRouter(first_home=first_home)
-        f = _pressed_fleet({"a": 0, "b": 0}, capacity=1_000_000)
-        busy = _call("t/busy", "q", 1000)
-        router.routed(busy, "a")
-        router.prefilled(busy, "a")
-        f.loads["a"] += 1
-        assert router.apps.busy_homed == {"a": 1}
-        new = _call("t/new", "n", 1000)
-        base = router.costs(new, f)
-        # other routers' KV on b, so that a is cheaper by 100 tokens: less than a quarter of the prompt
-        router.absorb({"work": {"b": [0.0, (base["a"] - base["b"] + 100) / (router.kv_weight * router.work.block)]}}, f)
-        costs = router.costs(new, f)
-        assert costs["b"] - costs["a"] == pytest.approx(100)
-        assert router.route(new, f).replica == expected
-    router = WorkflowRouter()
-    f = _pressed_fleet({"a": 0, "b": 0}, capacity=1_000_000)
-    first, second = _call("t/x", "p", 1000), _call("t/y", "q", 1000)
-    router.routed(first, "a")
-    assert router.route(_call("t/x", "p2", 1000), f).replica == "b"  # no term: a still prefills x's call
-    router.routed(second, "b")
-    assert router.apps.busy_homed == {"a": 1, "b": 1}
-    router.ended(first, "a")  # x is idle: a is home to no busy application
-    assert router.apps.busy_homed == {"b": 1}
-    router.routed(first, "b")  # x is busy again at home on a, though its call went to b
-    assert router.apps.busy_homed == {"a": 1, "b": 1}
-    router.removed("a")  # x has no home now; its call on a died with a
-    assert router.apps.busy_homed == {"b": 1}
-    with pytest.raises(ValueError, match="first_home"):
-        WorkflowRouter(first_home=-1)
-
-
 def test_a_home_that_left_is_replaced() -> None:
     from kvflow_ray.core.routing import WorkflowRouter
 

@@ -644,10 +644,9 @@ class _Application:
 class Applications:
     """The applications a router has seen (a tenant's workflow template: `RouteRequest.group`): each
     one's home replica, its working set (the distinct fixed prompts its calls sent, in tokens) and its
-    calls in flight; the fleet's hot working set, the working sets of the applications with a call in
-    flight; and how many of those each replica is home to (`busy_homed`). O(1) per call. Idle
-    applications beyond `max_idle` are forgotten, least recently used first (their next call is placed
-    afresh)."""
+    calls in flight; and the fleet's hot working set, the working sets of the applications with a call
+    in flight. O(1) per call. Idle applications beyond `max_idle` are forgotten, least recently used
+    first (their next call is placed afresh)."""
 
     def __init__(self, max_idle: int = 1 << 16) -> None:
         self.max_idle = max_idle
@@ -656,7 +655,6 @@ class Applications:
         # of their last word (`elsewhere`): memory binds when all of it together exceeds the fleet's
         self.hot_elsewhere = 0.0
         self._apps: dict[str, _Application] = {}
-        self.busy_homed: dict[str, int] = {}  # replica -> applications with a call in flight homed there
         self._idle: dict[str, None] = {}  # applications without a call in flight, least recently used first
         self._busy_elsewhere: set[str] = set()  # applications with a call in flight at another router
 
@@ -706,7 +704,7 @@ class Applications:
         for group, home in homes.items():
             app = self._apps.get(group)
             if app is not None:
-                self._set_home(app, home)
+                app.home = home
 
     def hot(self) -> dict[str, list[float]]:
         """application -> [its working set, 1] for those with a call in flight (for the other routers:
@@ -728,7 +726,7 @@ class Applications:
         if app is None:
             app = self._apps[request.group] = _Application()
         if app.home is None or rehome:
-            self._set_home(app, replica)
+            app.home = replica
         if request.prefix_hash and request.prefix_hash not in app.prompts:
             app.prompts[request.prefix_hash] = request.prefix_tokens
             app.tokens += request.prefix_tokens
@@ -737,7 +735,6 @@ class Applications:
         if not app.inflight:
             self._idle.pop(request.group, None)
             self.hot_tokens += app.tokens
-            self._count_home(app.home, 1)
         app.inflight[replica] = app.inflight.get(replica, 0) + 1
 
     def ended(self, request: RouteRequest, replica: str) -> None:
@@ -750,7 +747,7 @@ class Applications:
         (O(applications), rare)."""
         for group, app in list(self._apps.items()):
             if app.home == replica:
-                self._set_home(app, None)
+                app.home = None
             if replica in app.inflight:
                 self._leave(group, app, replica, app.inflight[replica])
 
@@ -762,28 +759,11 @@ class Applications:
         del app.inflight[replica]
         if not app.inflight:
             self.hot_tokens -= app.tokens
-            self._count_home(app.home, -1)
             self._idle[group] = None
             while len(self._idle) > self.max_idle:
                 oldest = next(iter(self._idle))
                 del self._idle[oldest]
                 del self._apps[oldest]
-
-
-    def _set_home(self, app: _Application, home: str | None) -> None:
-        if app.inflight:
-            self._count_home(app.home, -1)
-            self._count_home(home, 1)
-        app.home = home
-
-    def _count_home(self, home: str | None, delta: int) -> None:
-        if home is None:
-            return
-        left = self.busy_homed.get(home, 0) + delta
-        if left:
-            self.busy_homed[home] = left
-        else:
-            self.busy_homed.pop(home, None)
 
 
 def spread(homes: dict[str, str], replicas: Collection[str], busy: Container[str]) -> None:
@@ -816,11 +796,7 @@ class WorkflowRouter(WorkPricingRouter):
         + `kv_weight` x (KV tokens the calls in flight there hold, and the call's own not among them)
 
     and every application (a tenant's workflow template) has a **home**, the replica its first call
-    was priced to. That first call also pays `first_home` x its prompt tokens for each busy application
-    already homed on a replica: an application sends a stream of calls to its home for as long as it
-    runs, which the work in flight at its first call does not show, so new applications go where
-    fewer streams are bound (two long applications homed together held a replica at twice the
-    fleet's mean concurrency). Which one wins depends on whether memory binds, which the router measures: the
+    was priced to. Which one wins depends on whether memory binds, which the router measures: the
     *pressure* is the working sets of the applications with a call in flight (their distinct fixed
     prompts) over the device KV of the fleet (the replicas report their pools).
     - Pressure below `sticky_pressure` (every hot prompt fits): the cheapest replica, or the home
@@ -840,7 +816,7 @@ class WorkflowRouter(WorkPricingRouter):
     matrix row through every layer; a context token, one KV read per step): `kv_weight` 0.25 was
     chosen on `benchmarks/fleet.py`'s rate sweep (0.1-1.0 tried; Dynamo's `prefill_load_scale`, the
     same knob inverted, is swept there too); `load_bound` 2 and `sticky_pressure` 1 on its pressure
-    sweep (`docs/simulator.md`); `first_home` 0.25 on it too (0.25, 0.5 and 1 tried).
+    sweep (`docs/simulator.md`).
 
     What it knows that the peers' routers do not: which application a call belongs to, where each
     agent's fixed prompt is cached, exactly, from the router's location index (a replica it just
@@ -853,20 +829,16 @@ class WorkflowRouter(WorkPricingRouter):
     needs = frozenset({"tokens", "first_token", "load"})
 
     def __init__(self, host_credit: float = 0.75, kv_weight: float = 0.25, block_tokens: int = BLOCK_TOKENS,
-                 load_bound: float = 2.0, sticky_pressure: float = 1.0, slack: float = 1.0,
-                 first_home: float = 0.25) -> None:
+                 load_bound: float = 2.0, sticky_pressure: float = 1.0, slack: float = 1.0) -> None:
         if not 0 <= host_credit <= 1:
             raise ValueError(f"host_credit must be within [0, 1], got {host_credit}")
         if load_bound < 1:
             raise ValueError(f"load_bound must be >= 1, got {load_bound}")
-        if first_home < 0:
-            raise ValueError(f"first_home must be >= 0, got {first_home}")
         self.host_credit = host_credit
         self.kv_weight = kv_weight
         self.load_bound = load_bound
         self.sticky_pressure = sticky_pressure
         self.slack = slack
-        self.first_home = first_home
         self.work = WorkInFlight(block_tokens)
         self.apps = Applications()
         self._rehome: RouteRequest | None = None  # the call whose replica becomes its application's home
@@ -909,9 +881,6 @@ class WorkflowRouter(WorkPricingRouter):
             if sticky and not self.apps.busy(request.group):
                 self._rehome = request
         costs = self.costs(request, fleet)
-        if request.group and home is None and self.first_home and self.apps.busy_homed:  # a new application
-            bound = self.first_home * (len(request.tokens) or request.prefix_tokens)
-            costs = {replica: cost + bound * self.apps.busy_homed.get(replica, 0) for replica, cost in costs.items()}
         best = preferred(costs, request)
         if (home in costs and home != best and not sticky and self.within_bound(home, fleet)
                 and costs[home] <= costs[best] + self.slack * (len(request.tokens) or request.prefix_tokens)):
@@ -1025,9 +994,9 @@ def create_routing(text: str, seed: int = 0, settings: Mapping[str, object] | No
 @partial(ROUTING.register, "workflow")
 def _workflow(context: PolicyContext, *, host_credit: float = 0.75, kv_weight: float = 0.25,
               block_tokens: int = BLOCK_TOKENS, load_bound: float = 2.0, sticky_pressure: float = 1.0,
-              slack: float = 1.0, first_home: float = 0.25) -> RoutingPolicy:
+              slack: float = 1.0) -> RoutingPolicy:
     """the cheapest replica priced in tokens, or the application's home while memory binds (the workflow router)"""
-    return WorkflowRouter(host_credit, kv_weight, block_tokens, load_bound, sticky_pressure, slack, first_home)
+    return WorkflowRouter(host_credit, kv_weight, block_tokens, load_bound, sticky_pressure, slack)
 
 
 @partial(ROUTING.register, "prefix-affinity")
