@@ -53,8 +53,8 @@ def test_paper_figures_quick_fig8(tmp_path: Path) -> None:
 @pytest.mark.serial
 def test_serving_routes_as_the_simulator_does(tmp_path: Path) -> None:
     """`serve_routing.py --sim-parity --quick`: a small fleet scenario replayed through serving (real
-    Ray, HTTP, simulated replicas) under two routing policies, every call served, and each device hit
-    ratio within 5 points of the simulator's on the same scenario."""
+    Ray, HTTP, simulated replicas) under two routing policies (the first twice, by its mean), every call
+    served, and each device hit ratio within 5 points of the simulator's on the same scenario."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_routing.py"), "--sim-parity", "--quick",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "RAY_AUTH_MODE": "disabled"})
