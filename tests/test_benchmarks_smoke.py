@@ -261,6 +261,31 @@ def test_fleet_quick_pressure_point(tmp_path: Path) -> None:
     assert (tmp_path / "fleet.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_fleet_seeds_quick(tmp_path: Path) -> None:
+    """benchmarks/fleet_seeds.py --quick: one memory-bound point over two seeds, ours / K computed per
+    seed from that seed's own runs, each router over the no-capacity bound B, our placement alone over B."""
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fleet_seeds.py"), "--quick", "--no-progress",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "over every point and seed: ours / K" in proc.stdout
+    report = json.loads((tmp_path / "fleet_seeds.json").read_text())
+    (entry,) = report["points"]
+    assert entry["seeds"] == [0, 1] and entry["pressure"] == 2.0
+    latency = {(r["seed"], r["policy"], r["routing"]): r["latency_s"] for r in report["runs"]}
+    peers = ["ray-prefix", "sglang-cache-aware", "dynamo-kv", "llmd-precise"]
+    bounds = []
+    for seed, ratio in zip(entry["seeds"], entry["ours_over_k"], strict=True):
+        k = min(latency[seed, "kvflow", p] for p in peers)
+        assert ratio == pytest.approx(latency[seed, "kvflow", "workflow"] / k)
+        bounds.append(min(latency[seed, "infinite", r] for r in ["workflow", *peers, "workflow:sticky_pressure=0"]))
+    assert set(entry["memory_cost"]) == {"workflow", *peers}
+    assert entry["memory_cost"]["workflow"] == pytest.approx(
+        sum(latency[seed, "kvflow", "workflow"] / b for seed, b in zip([0, 1], bounds, strict=True)) / 2)
+    assert all(ratio >= 1.0 for ratio in entry["placement_over_b"])  # B is the lowest no-capacity run, this one too
+    assert (tmp_path / "fleet_seeds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def fleet_routers() -> list[str]:
     return _fleet_module().ROUTERS
 
