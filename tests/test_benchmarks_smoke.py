@@ -18,6 +18,14 @@ RESULT_KEYS = {"latency_s", "p99_latency_s", "gpu_hit_ratio", "cpu_hit_ratio", "
                "loaded_tokens", "prefetch_stall_s"}
 
 
+def _quick_run(script: str, out: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """`benchmarks/<script> --quick --no-progress <args> --out <out>`, which must exit 0."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--no-progress", *args,
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
 def test_paper_figures_quick_fig8(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--only", "fig8", "--out", str(tmp_path)],
@@ -132,9 +140,7 @@ def test_scale_quick(tmp_path: Path) -> None:
     """benchmarks/scale.py --quick: every section runs, lru and kvflow side by side, and writes its JSON
     and plot where told."""
     pytest.importorskip("matplotlib")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--quick", "--no-progress",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _quick_run("scale.py", tmp_path)
     rows = json.loads((tmp_path / "scale.json").read_text())["rows"]
     assert {row["bench"] for row in rows} == {"eviction", "prefetch", "simulator", "router", "admission"}
     assert {row["params"]["policy"] for row in rows if row["bench"] == "simulator"} == {"lru", "kvflow"}
@@ -145,10 +151,7 @@ def test_scale_quick(tmp_path: Path) -> None:
 def test_dynamic_quick(tmp_path: Path) -> None:
     """benchmarks/dynamic.py --quick --no-cpu: every section runs and reports what the targets read."""
     pytest.importorskip("matplotlib")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dynamic.py"), "--quick", "--no-cpu",
-                           "--no-progress", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _quick_run("dynamic.py", tmp_path, "--no-cpu")
     assert "prefetch used / issued" in proc.stdout and "static paper grids" in proc.stdout
     report = json.loads((tmp_path / "dynamic.json").read_text())
     assert report["grid"] and report["adversarial"] and report["drift"] and report["static"]
@@ -166,10 +169,7 @@ def test_queue_aware_quick(tmp_path: Path) -> None:
     """benchmarks/queue_aware.py --quick --no-cpu: every workload, the targets' ratios, the ablations
     and the decision cost are reported."""
     pytest.importorskip("matplotlib")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "queue_aware.py"), "--quick", "--no-cpu",
-                           "--no-progress", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _quick_run("queue_aware.py", tmp_path, "--no-cpu")
     assert "knee" in proc.stdout and "starvation" in proc.stdout and "cost queue-aware" in proc.stdout
     report = json.loads((tmp_path / "queue_aware.json").read_text())
     assert {row["workload"] for row in report["sim"]} == {"burst", "fanout", "fleet burst", "control"}
@@ -247,10 +247,7 @@ def test_fleet_targets_follow_issue_29() -> None:
 
 def test_fleet_quick_pressure_point(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fleet.py"), "--quick", "--sections", "pressure",
-                           "--pressures", "2", "--no-progress", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _quick_run("fleet.py", tmp_path, "--sections", "pressure", "--pressures", "2")
     assert "issue 29's target" in proc.stdout
     report = json.loads((tmp_path / "fleet.json").read_text())
     (entry,) = report["pressure"]
@@ -265,9 +262,7 @@ def test_fleet_seeds_quick(tmp_path: Path) -> None:
     """benchmarks/fleet_seeds.py --quick: one memory-bound point over two seeds, ours / K computed per
     seed from that seed's own runs, each router over the no-capacity bound B, our placement alone over B."""
     pytest.importorskip("matplotlib")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fleet_seeds.py"), "--quick", "--no-progress",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _quick_run("fleet_seeds.py", tmp_path)
     assert "over every point and seed: ours / K" in proc.stdout
     report = json.loads((tmp_path / "fleet_seeds.json").read_text())
     (entry,) = report["points"]
@@ -294,9 +289,7 @@ def test_agentic_quick(tmp_path: Path) -> None:
     """benchmarks/agentic.py --quick: every policy in each cell, the issue's target computed from the
     same run's oracle, best baseline and lru, the CPU engine's run, and the plot."""
     pytest.importorskip("matplotlib")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "agentic.py"), "--quick", "--no-progress",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _quick_run("agentic.py", tmp_path)
     assert "targets met:" in proc.stdout
     report = json.loads((tmp_path / "agentic.json").read_text())
     assert [c["pressure"] for c in report["cells"]] == [0.5, 2.0]
