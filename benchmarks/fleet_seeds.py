@@ -34,20 +34,13 @@ OURS = "workflow"
 PLACEMENT = "workflow:sticky_pressure=0"  # the workflow router's memory-bound placement, with no capacity limit
 PEERS = ["ray-prefix", "sglang-cache-aware", "dynamo-kv", "llmd-precise"]
 POLICY = "kvflow"
-LEAD = 0.97  # issue 29's T asks for at most 0.97 x K (where B + 0.3 (N - B) and 1.01 B are not the binding terms)
+LEAD = fleet.LEAD  # T asks for at most this x K (where B + 0.3 (N - B) and 1.01 B are not the binding terms)
 
 
 def points(replicas: list[int], quick: bool) -> list[dict[str, Any]]:
-    """fleet.py's points at pressure >= 2 (where its target applies), per replica count and rate."""
-    out = []
-    for count in replicas:
-        pressures = [2.0] if quick else [p for p in fleet.PRESSURES.get(count, fleet.PRESSURES[8]) if p >= 2]
-        for regime, rate in fleet.PRESSURE_RATES.items():
-            if quick and regime != "past knee":
-                continue
-            out += [{"section": "seeds", "replicas": count, "pressure": p, "regime": regime, "rate": rate,
-                     "clients": 64 if quick else fleet.pressure_clients(count)} for p in pressures]
-    return out
+    """fleet.py's pressure points at pressure >= 2 (where its target applies)."""
+    return [{**point, "section": "seeds"} for point in fleet.pressure_sweep(replicas, None, quick)
+            if point["pressure"] >= 2]
 
 
 def jobs(pts: list[dict[str, Any]], seeds: list[int]) -> list[tuple[dict[str, Any], str, str, int]]:
