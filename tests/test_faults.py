@@ -8,6 +8,7 @@ fail a workflow or have kvflow-ray answer a 500."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import shutil
@@ -73,10 +74,10 @@ def _post(url: str, body: dict[str, Any], timeout: float = 120, session: str | N
         return error.code, answer, {k.lower(): v for k, v in error.headers.items()}
 
 
-def _call(server: LocalServer, client_id: str, agent: str, text: str, timeout: float = 120
+def _call(server: LocalServer, client_id: str, agent: str, text: str, timeout: float = 120, max_tokens: int = 8
           ) -> tuple[int, dict[str, Any], dict[str, str]]:
     run = PEER.client(base_url=server.url + "/v1", client_id=client_id, register=False)
-    body = {"model": "default", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+    body = {"model": "default", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "messages": run.agent(agent).messages([{"role": "user", "content": text}]),
             "kvflow": run.metadata(agent)}
     return _post(server.url + "/v1/chat/completions", body, timeout, session=client_id)
@@ -411,3 +412,65 @@ def test_forty_clients_hanging_up_mid_stream(server: LocalServer) -> None:
     _assert_clean(_run_with_fault(server, "hangups", storm, at_s=1.0))
     router = get_router(create=False)
     _wait(lambda: not any(ray.get(router.replicas.remote()).values()), "a load counter stayed up after the hang-ups")
+
+
+@contextlib.contextmanager
+def _redeployed(server: LocalServer, **changes: Any) -> Iterator[AppConfig]:
+    """The module's stack redeployed with `changes` to its config for one test, then as it was (each
+    deploy starts a new router: the PEER template is registered again)."""
+    original = server.config
+    try:
+        server.deploy(original.model_copy(update=changes))
+        server.wait_ready(timeout_s=120)
+        status, body, _headers = _post(server.url + "/v1/workflows", PEER.spec.to_dict())
+        assert status == 200, body
+        yield server.config
+    finally:
+        server.deploy(original)
+        server.wait_ready(timeout_s=120)
+        status, body, _headers = _post(server.url + "/v1/workflows", PEER.spec.to_dict())
+        assert status == 200, body
+
+
+def test_a_replica_killed_under_a_call_that_spilled_to_it(server: LocalServer) -> None:
+    """With one call at a time per replica, a second call of the agent whose prompt replica A holds
+    spills to B (the router chose A; Serve found A full). B is killed under it: the call is retried,
+    and only B is forgotten. A, which the router chose but which did not fail, stays routable
+    throughout, so the calls after it are answered at once, not 503 until A's next heartbeat."""
+    with _redeployed(server, max_ongoing_requests=1):
+        router = get_router(create=False)
+        status, body, headers = _call(server, "spill", "planner", "warm up")
+        assert status == 200, body
+        chosen = headers["x-kvflow-replica"]
+        replicas = [a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"].startswith("SERVE_REPLICA::kvflow#EngineReplica#")]
+        assert chosen in replicas and len(replicas) == 2, (chosen, replicas)
+        (other,) = [name for name in replicas if name != chosen]
+        answers: list[tuple[int, dict[str, Any], dict[str, str]]] = []
+
+        def long_call() -> None:
+            answers.append(_call(server, "spill", "planner", "a long answer", max_tokens=4000))
+
+        actors = {name: ray.get_actor(f"SERVE_REPLICA::kvflow#EngineReplica#{name}", namespace="serve")
+                  for name in replicas}
+        threads = [threading.Thread(target=long_call) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        # both running: one on the chosen replica, the other spilled to the other one (Serve's count)
+        _wait(lambda: all(ray.get(a.get_num_ongoing_requests.remote()) == 1 for a in actors.values()),
+              "the second call did not spill", timeout_s=10)
+        ray.kill(actors[other], no_restart=True)
+        seen: list[dict[str, int]] = []
+        deadline = time.monotonic() + 8.0  # past the router's DEAD_QUIET_S: a wrongly blamed A shows
+        while time.monotonic() < deadline or any(t.is_alive() for t in threads):
+            seen.append(ray.get(router.replicas.remote()))
+            time.sleep(0.1)
+        for thread in threads:
+            thread.join()
+        assert [a[0] for a in answers] == [200, 200], answers
+        assert all(chosen in loads for loads in seen), "the replica the router chose was forgotten"
+        assert other not in seen[-1]
+        status, body, _headers = _call(server, "spill", "planner", "and now")
+        assert status == 200, body
+        # the retried call's count moved off the chosen replica: nothing stays counted there
+        _wait(lambda: not any(ray.get(router.replicas.remote()).values()), "a load counter stayed up after the calls")

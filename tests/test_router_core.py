@@ -352,11 +352,28 @@ def test_an_expired_client_is_forgotten_by_the_router_and_retired_where_it_was_h
 def test_a_call_retried_after_its_replica_died_is_one_call(router: RouterCore) -> None:
     first = router.start_call("acme", "c1", "planner", workflow="peer")
     router.remove_replica(first.replica)  # died under the call
-    again = router.start_call("acme", "c1", "planner", retry=True)
+    again = router.start_call("acme", "c1", "planner", retry_from=first.replica)
     assert again.replica != first.replica and router.loads[again.replica] == 1
     router.end_call("acme", "c1", "planner", again.replica)
     assert sum(router.loads.values()) == 0
     assert router.finish_client("acme", "c1") != []  # no call left in flight: retired at once
+
+
+def test_a_call_retried_from_a_live_replica_moves_there_from_it(router: RouterCore) -> None:
+    """The replica a call was counted on is alive (Serve ran the call on another one, which died):
+    the retry moves the call's count, so no load or entry is left behind on the first."""
+    first = router.start_call("acme", "c1", "planner", workflow="peer")
+    other = router.start_call("acme", "c2", "planner", workflow="peer")  # a second call in flight
+    loads = dict(router.loads)
+    again = router.start_call("acme", "c1", "planner", retry_from=first.replica)
+    assert sum(router.loads.values()) == sum(loads.values())  # moved, not added
+    if again.replica != first.replica:
+        assert router.loads[first.replica] == loads[first.replica] - 1
+    router.end_call("acme", "c1", "planner", again.replica)
+    router.end_call("acme", "c2", "planner", other.replica)
+    assert sum(router.loads.values()) == 0
+    assert router.clients.take_routed(("acme", "c1"), "planner", None) is None  # no entry left behind
+    assert router.finish_client("acme", "c1") != []
 
 
 def test_a_live_client_keeps_the_template_version_it_started_with(store: Store) -> None:

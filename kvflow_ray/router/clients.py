@@ -123,15 +123,12 @@ class Clients:
             live.pop(client_id, None)
 
     # ------------------------------------------------------------------ calls in flight
-    def started(self, client: Client, routed: Routed, retry: bool, live_replicas: Callable[[str], bool]) -> None:
-        """A call was routed. A retry replaces the call's entry on a replica that is gone and counts no
-        new call (one end ends both)."""
-        entries = self._routed.setdefault(client, [])
-        if retry:
-            entries[:] = [e for e in entries if e[0] != routed[0] or live_replicas(e[1])]
-        else:
+    def started(self, client: Client, routed: Routed, again: bool = False) -> None:
+        """A call was routed. `again`: a call already counted, routed anew after its engine replica died
+        under it (its earlier entry already taken): no new call."""
+        if not again:
             self.calls[client] += 1
-        entries.append(routed)
+        self._routed.setdefault(client, []).append(routed)
 
     def ended(self, client: Client) -> None:
         if self.calls[client] > 1:

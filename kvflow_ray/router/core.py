@@ -32,7 +32,7 @@ from kvflow_ray.core.graph import UnknownAgentError, WorkflowSpec, WorkflowState
 from kvflow_ray.core.predict import Forecaster, likely_reach
 from kvflow_ray.core.routing import DEFAULT_ROUTING, ROUTING, Fleet, RouteRequest, RoutingPolicy
 from kvflow_ray.engines.base import CacheEvent, Hints
-from kvflow_ray.router.clients import Clients
+from kvflow_ray.router.clients import Client, Clients
 from kvflow_ray.router.errors import (
     NoReplicaError,
     TenantLimitError,
@@ -191,11 +191,12 @@ class RouterCore:
 
     def start_call(self, tenant: str, client_id: str, agent: str, *, workflow: str | None = None,
                    prefix_hash: str | None = None, prefix_tokens: int = 0, cache_salt: str = "",
-                   retry: bool = False, tokens: Sequence[int] = (), max_new: int = 0) -> Route:
+                   retry_from: str | None = None, tokens: Sequence[int] = (), max_new: int = 0) -> Route:
         """An agent call arrives: update the client's state, pick a replica, compute the hints.
         `cache_salt`: the cache namespace of the tenant's requests (the engines' prompts for prefetch
         live there); `prefix_hash` is already salted. Every check runs before any state changes.
-        `retry`: the same call again, after its replica died under it (one end_call ends both).
+        `retry_from`: the same call again, after an engine replica died under it; the replica it was
+        counted on, dead or not (Serve may have run it elsewhere), lets go of it (one end_call ends it).
         `tokens` / `max_new`: the prompt's token ids and output budget, for policies that read them
         (prefix trees, block look-ups); without them a policy prices the fixed prompt alone."""
         started = time.perf_counter()
@@ -221,6 +222,8 @@ class RouterCore:
             raise UnknownAgentError(agent, spec.name, spec.agents)
         if not self.loads:
             raise NoReplicaError("no live engine replica to route to (starting up or all lost); retry shortly")
+        if retry_from is not None:
+            self._release(client, agent, retry_from)
         self.clients.touch(tenant, client_id, True, self._forget_client)
         record["salt"] = cache_salt
         deviation = not (agent in state.running or state.ready(agent) or (fresh and agent in spec.start_agents()))
@@ -236,7 +239,7 @@ class RouterCore:
         decision = self.policy.route(request, self.fleet)
         self.policy_seconds.append(time.perf_counter() - asked)
         self.policy.routed(request, decision.replica)
-        self.clients.started(client, (agent, decision.replica, request), retry, self.loads.__contains__)
+        self.clients.started(client, (agent, decision.replica, request), again=retry_from is not None)
         record["placement"][agent] = decision.replica
         record["home"] = decision.replica
         if prefix_hash:  # where this agent's prompt lives next time: for prefetch hints (below)
@@ -257,12 +260,8 @@ class RouterCore:
         client finished (or expired) meanwhile costs the call nothing: it still returns its answer,
         and a finished client retires once its last call has ended."""
         self.calls["end_call"] += 1
-        if replica is not None and self.loads.get(replica, 0) > 0:
-            self.loads[replica] -= 1
         client = (tenant, client_id)
-        call = self.clients.take_routed(client, agent, replica)
-        if call is not None:
-            self.policy.ended(call[2], call[1])
+        self._release(client, agent, replica)
         self.clients.ended(client)
         if client in self.clients.finishing:
             return self._finish(tenant, client_id) if client not in self.clients.calls else []
@@ -275,6 +274,15 @@ class RouterCore:
         self._save_client(tenant, client_id, spec, state, record)
         self.clients.touch(tenant, client_id, False, self._forget_client)
         return self._hints(tenant, workflow_key(tenant, client_id), state, spec, record)
+
+    def _release(self, client: Client, agent: str, replica: str | None) -> None:
+        """The oldest call of `agent` in flight on `replica` (any replica when None) stops counting
+        there: its load, while the replica lives, and its place in the routing policy's books."""
+        if replica is not None and self.loads.get(replica, 0) > 0:
+            self.loads[replica] -= 1
+        call = self.clients.take_routed(client, agent, replica)
+        if call is not None:
+            self.policy.ended(call[2], call[1])
 
     def prefilled(self, tenant: str, client_id: str, agent: str, replica: str, number: int | None = None) -> None:
         """The call's first token came back (its prompt is computed): for policies that count

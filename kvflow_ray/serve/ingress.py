@@ -60,7 +60,7 @@ from kvflow_ray.serve.openai_api import (
     tool_call_deltas,
     usage,
 )
-from kvflow_ray.serve.request_router import ROUTE_KWARG
+from kvflow_ray.serve.request_router import ROUTE_KWARG, replica_of
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="kvflow-ray", description="OpenAI-compatible, workflow-aware LLM serving")
@@ -546,10 +546,10 @@ class Ingress:
         for attempt in (1, 2):
             try:
                 outcome = await self.engine.generate.remote(engine_request, **self._route_kwargs(call))
-            except DEAD:
+            except DEAD as error:
                 if attempt == 2:
                     raise
-                await self._reroute(call)
+                await self._reroute(call, error)
                 continue
             if "error" in outcome:
                 raise _engine_error(outcome)
@@ -561,16 +561,21 @@ class Ingress:
         Serve's own router ignores it (and so does the replica, which only records it)."""
         return {ROUTE_KWARG: call.replica} if call is not None else {}
 
-    async def _reroute(self, call: _Call | None) -> None:
+    async def _reroute(self, call: _Call | None, error: BaseException) -> None:
+        """The call's engine replica died under it: that replica (named by the error; not the chosen
+        one when Serve found that full and the call spilled) is dropped, and the call routed again."""
         if call is None:
             return
-        logger.warning("replica %s died under a call of %s/%s; retrying elsewhere", call.replica, call.tenant,
-                       call.client_id)
-        await self.router.remove_replica(call.replica)
-        # the agent is still running (no deviation); the dead replica's load went with it
+        dead = replica_of(error)
+        logger.warning("replica %s died under a call of %s/%s (routed to %s); retrying", dead or "(unknown)",
+                       call.tenant, call.client_id, call.replica)
+        if dead is not None:  # else Serve's own death hook drops it (`WorkflowRequestRouter`)
+            await self.router.remove_replica(dead)
+        # the agent is still running (no deviation); the call's count moves off the replica it was routed to
         route = self.router.start_call(call.tenant, call.client_id, call.agent, workflow=call.workflow,
                                        prefix_hash=call.prefix_hash, prefix_tokens=call.prefix_tokens,
-                                       cache_salt=call.salt, retry=True, tokens=call.tokens, max_new=call.max_new)
+                                       cache_salt=call.salt, retry_from=call.replica, tokens=call.tokens,
+                                       max_new=call.max_new)
         call.replica, call.outcome = route.replica, route.outcome
 
     async def _close(self, call: _Call | None, release: Callable[[], None]) -> None:

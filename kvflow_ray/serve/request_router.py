@@ -14,11 +14,16 @@ backoff, and skipping dead replicas.
 - A replica that dies, or leaves the set Serve routes to, is dropped from the router actor at once
   (`on_replica_actor_died`, `update_replicas`: Serve's own seams), and from every ingress's router with
   its next sync, without waiting for its heartbeats to stop.
+- A call that fails because its replica died names the dead actor, not the replica: `replica_of` says
+  which replica that actor was, so the ingress drops the one that died, which is not the chosen one
+  when the call had spilled.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -28,6 +33,16 @@ if TYPE_CHECKING:
 
 ROUTE_KWARG = "kvflow_replica"
 logger = logging.getLogger(__name__)
+# The replicas Serve routes to from this process, by their actors' ids (hex) -> Serve's unique id: Serve
+# runs this router in the process of the handle's owner (the ingress), so the ingress reads it there.
+_REPLICA_OF_ACTOR: dict[str, str] = {}
+
+
+def replica_of(error: BaseException) -> str | None:
+    """The replica whose actor a dead-actor error names (`RayActorError.actor_id`), or None: the error
+    names no actor, or one this process does not route to."""
+    actor = getattr(error, "actor_id", None)
+    return _REPLICA_OF_ACTOR.get(actor) if isinstance(actor, str) else None
 
 
 def _drop_from_workflow_router(name: str) -> None:
@@ -41,13 +56,18 @@ def _drop_from_workflow_router(name: str) -> None:
 
 
 class WorkflowRequestRouter(RequestRouter):
-    _known: frozenset[str] = frozenset()  # the replicas Serve routes to now (unique ids)
+    _actors: Mapping[str, str] = MappingProxyType({})  # the replicas Serve routes to now: unique id -> actor id
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        current = frozenset(r.replica_id.unique_id for r in replicas)
-        gone, self._known = self._known - current, current
+        current = {r.replica_id.unique_id: r.actor_id.hex() for r in replicas}
+        gone = {name: actor for name, actor in self._actors.items() if name not in current}
+        self._actors = current
         super().update_replicas(replicas)
-        for name in gone:
+        # Serve's controller reports a dead replica gone after its calls in flight have failed (they
+        # fail as the actor dies), so each failed call could still be told whose it was
+        _REPLICA_OF_ACTOR.update({actor: name for name, actor in current.items()})
+        for name, actor in gone.items():
+            _REPLICA_OF_ACTOR.pop(actor, None)
             _drop_from_workflow_router(name)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
