@@ -414,16 +414,26 @@ def test_forty_clients_hanging_up_mid_stream(server: LocalServer) -> None:
     _wait(lambda: not any(ray.get(router.replicas.remote()).values()), "a load counter stayed up after the hang-ups")
 
 
+def _engine_replicas() -> list[str]:
+    """The engine replicas alive now (Serve's unique ids)."""
+    return [a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::kvflow#EngineReplica#")]
+
+
 @contextlib.contextmanager
 def _redeployed(server: LocalServer, **changes: Any) -> Iterator[AppConfig]:
-    """The module's stack redeployed with `changes` to its config for one test, then as it was (each
-    deploy starts a new router: the PEER template is registered again)."""
+    """The module's stack redeployed with `changes` to its config for one test, once its router routes
+    to the new replicas only; then as it was (each deploy starts a new router: the PEER template is
+    registered again; the last test's replicas stay in its view until they are pruned)."""
     original = server.config
     try:
         server.deploy(original.model_copy(update=changes))
         server.wait_ready(timeout_s=120)
         status, body, _headers = _post(server.url + "/v1/workflows", PEER.spec.to_dict())
         assert status == 200, body
+        # the new router restores the old replicas' names from Redis; they go once silent (STALE_REPLICA_S)
+        _wait(lambda: set(ray.get(get_router(create=False).replicas.remote())) == set(_engine_replicas()),
+              "the replaced replicas stayed in the router's view")
         yield server.config
     finally:
         server.deploy(original)
@@ -442,14 +452,13 @@ def test_a_replica_killed_under_a_call_that_spilled_to_it(server: LocalServer) -
         status, body, headers = _call(server, "spill", "planner", "warm up")
         assert status == 200, body
         chosen = headers["x-kvflow-replica"]
-        replicas = [a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(all_namespaces=True)
-                    if a["name"].startswith("SERVE_REPLICA::kvflow#EngineReplica#")]
+        replicas = _engine_replicas()
         assert chosen in replicas and len(replicas) == 2, (chosen, replicas)
         (other,) = [name for name in replicas if name != chosen]
         answers: list[tuple[int, dict[str, Any], dict[str, str]]] = []
 
         def long_call() -> None:
-            answers.append(_call(server, "spill", "planner", "a long answer", max_tokens=4000))
+            answers.append(_call(server, "spill", "planner", "a long answer", max_tokens=2000))
 
         actors = {name: ray.get_actor(f"SERVE_REPLICA::kvflow#EngineReplica#{name}", namespace="serve")
                   for name in replicas}
@@ -461,7 +470,7 @@ def test_a_replica_killed_under_a_call_that_spilled_to_it(server: LocalServer) -
               "the second call did not spill", timeout_s=10)
         ray.kill(actors[other], no_restart=True)
         seen: list[dict[str, int]] = []
-        deadline = time.monotonic() + 8.0  # past the router's DEAD_QUIET_S: a wrongly blamed A shows
+        deadline = time.monotonic() + 3.0  # a replica blamed by the retry is gone from then for DEAD_QUIET_S
         while time.monotonic() < deadline or any(t.is_alive() for t in threads):
             seen.append(ray.get(router.replicas.remote()))
             time.sleep(0.1)
