@@ -30,6 +30,7 @@ ray = pytest.importorskip("ray")
 from kvflow_ray.client import Workflow  # noqa: E402
 from kvflow_ray.client.loadgen import iteration_stages  # noqa: E402
 from kvflow_ray.client.workflow import SESSION_HEADER  # noqa: E402
+from kvflow_ray.serve import replica_actors  # noqa: E402
 from kvflow_ray.serve.app import LocalServer  # noqa: E402
 from kvflow_ray.serve.config import AppConfig  # noqa: E402
 from kvflow_ray.serve.router_actor import get_router  # noqa: E402
@@ -483,3 +484,26 @@ def test_a_replica_killed_under_a_call_that_spilled_to_it(server: LocalServer) -
         assert status == 200, body
         # the retried call's count moved off the chosen replica: nothing stays counted there
         _wait(lambda: not any(ray.get(router.replicas.remote()).values()), "a load counter stayed up after the calls")
+
+
+def test_a_dead_actors_error_names_its_replica(server: LocalServer) -> None:
+    """What the ingress reads of a call that failed on a dead replica: the error's actor id, which the
+    request router recorded for the replica (a real actor, killed, and a call to it)."""
+
+    @ray.remote(num_cpus=0)
+    class Doomed:
+        def ping(self) -> str:
+            return "pong"
+
+    doomed = Doomed.remote()
+    assert ray.get(doomed.ping.remote()) == "pong"
+    replica_actors.record({"doomed-replica": doomed._actor_id.hex()})
+    try:
+        ray.kill(doomed, no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError) as failed:
+            ray.get(doomed.ping.remote(), timeout=30)
+        assert replica_actors.replica_of(failed.value) == "doomed-replica"
+        assert replica_actors.replica_of(RuntimeError("no actor named")) is None
+    finally:
+        replica_actors.forget([doomed._actor_id.hex()])
+    assert replica_actors.replica_of(failed.value) is None

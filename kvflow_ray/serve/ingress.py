@@ -60,7 +60,8 @@ from kvflow_ray.serve.openai_api import (
     tool_call_deltas,
     usage,
 )
-from kvflow_ray.serve.request_router import ROUTE_KWARG, replica_of
+from kvflow_ray.serve.replica_actors import replica_of
+from kvflow_ray.serve.request_router import ROUTE_KWARG
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="kvflow-ray", description="OpenAI-compatible, workflow-aware LLM serving")

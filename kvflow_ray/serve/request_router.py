@@ -14,9 +14,12 @@ backoff, and skipping dead replicas.
 - A replica that dies, or leaves the set Serve routes to, is dropped from the router actor at once
   (`on_replica_actor_died`, `update_replicas`: Serve's own seams), and from every ingress's router with
   its next sync, without waiting for its heartbeats to stop.
-- A call that fails because its replica died names the dead actor, not the replica: `replica_of` says
-  which replica that actor was, so the ingress drops the one that died, which is not the chosen one
-  when the call had spilled.
+- A call that fails because its replica died names the dead actor, not the replica: the replicas'
+  actors are recorded in `replica_actors`, so the ingress drops the one that died, which is not the
+  chosen one when the call had spilled.
+
+Serve ships this module to the ingress by value (cloudpickle): what it shares with the ingress lives
+in modules it imports at call time.
 """
 
 from __future__ import annotations
@@ -33,16 +36,6 @@ if TYPE_CHECKING:
 
 ROUTE_KWARG = "kvflow_replica"
 logger = logging.getLogger(__name__)
-# The replicas Serve routes to from this process, by their actors' ids (hex) -> Serve's unique id: Serve
-# runs this router in the process of the handle's owner (the ingress), so the ingress reads it there.
-_REPLICA_OF_ACTOR: dict[str, str] = {}
-
-
-def replica_of(error: BaseException) -> str | None:
-    """The replica whose actor a dead-actor error names (`RayActorError.actor_id`), or None: the error
-    names no actor, or one this process does not route to."""
-    actor = getattr(error, "actor_id", None)
-    return _REPLICA_OF_ACTOR.get(actor) if isinstance(actor, str) else None
 
 
 def _drop_from_workflow_router(name: str) -> None:
@@ -59,15 +52,17 @@ class WorkflowRequestRouter(RequestRouter):
     _actors: Mapping[str, str] = MappingProxyType({})  # the replicas Serve routes to now: unique id -> actor id
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        from kvflow_ray.serve import replica_actors
+
         current = {r.replica_id.unique_id: r.actor_id.hex() for r in replicas}
         gone = {name: actor for name, actor in self._actors.items() if name not in current}
         self._actors = current
         super().update_replicas(replicas)
         # Serve's controller reports a dead replica gone after its calls in flight have failed (they
-        # fail as the actor dies), so each failed call could still be told whose it was
-        _REPLICA_OF_ACTOR.update({actor: name for name, actor in current.items()})
-        for name, actor in gone.items():
-            _REPLICA_OF_ACTOR.pop(actor, None)
+        # fail as the actor dies), so each failed call can still be told whose it was
+        replica_actors.record(current)
+        replica_actors.forget(gone.values())
+        for name in gone:
             _drop_from_workflow_router(name)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
