@@ -415,6 +415,38 @@ def test_forty_clients_hanging_up_mid_stream(server: LocalServer) -> None:
     _wait(lambda: not any(ray.get(router.replicas.remote()).values()), "a load counter stayed up after the hang-ups")
 
 
+def test_a_stream_whose_replica_dies_before_it_sent_anything_is_retried(server: LocalServer) -> None:
+    """A streamed call whose engine replica is killed before the stream carried anything (the simulated
+    engine sends its tokens at the end) is retried elsewhere, unseen: the client reads a whole answer
+    and [DONE], no error event; the dead replica is forgotten at once."""
+    router = get_router(create=False)
+    address = urllib.parse.urlsplit(server.url)
+    run = PEER.client(base_url=server.url + "/v1", client_id="stream-victim", register=False)
+    body = json.dumps({"model": "default", "max_tokens": 2000, "ignore_eos": True, "stream": True,
+                       "messages": run.agent("planner").messages([{"role": "user", "content": "go"}]),
+                       "kvflow": run.metadata("planner")})
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=120)
+    connection.request("POST", "/v1/chat/completions", body,
+                       {"Content-Type": "application/json", SESSION_HEADER: "stream-victim"})
+    response = connection.getresponse()
+    assert response.status == 200
+    victim = response.getheader("x-kvflow-replica")
+    actor = ray.get_actor(f"SERVE_REPLICA::kvflow#EngineReplica#{victim}", namespace="serve")
+    _wait(lambda: ray.get(actor.get_num_ongoing_requests.remote()) == 1, "the stream never reached its replica",
+          timeout_s=10)
+    ray.kill(actor, no_restart=True)
+    events = [line[len("data: "):] for line in response.read().decode().splitlines() if line.startswith("data: ")]
+    connection.close()
+    assert events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert not [c for c in chunks if "error" in c], chunks
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert victim not in ray.get(router.replicas.remote())
+    _wait(lambda: not any(ray.get(router.replicas.remote()).values()), "a load counter stayed up after the stream")
+    server.wait_ready(timeout_s=120)  # Serve replaced it
+
+
 def _engine_replicas() -> list[str]:
     """The engine replicas alive now (Serve's unique ids)."""
     return [a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(all_namespaces=True)

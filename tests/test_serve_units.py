@@ -159,6 +159,11 @@ def test_router_errors_map_to_http_statuses() -> None:
         error = _to_api_error(exc)
         assert error is not None and error.status == status and str(exc) in error.message
     assert _to_api_error(RuntimeError("a bug")) is None  # not a request error: a 500, logged
+    from ray.exceptions import ActorDiedError
+
+    lost = _to_api_error(ActorDiedError())  # an engine replica died under the call, after its retry
+    assert lost is not None and lost.status == 503 and lost.code == "replica_lost"
+    assert lost.headers == {"Retry-After": "1"} and "actor" not in lost.message.lower()  # nothing of Ray's
 
 
 def test_app_config_checks_tenants_and_sharing_groups_and_echoes_no_input() -> None:

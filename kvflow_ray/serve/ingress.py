@@ -16,6 +16,7 @@ cache namespace (`AppConfig.cache_salt`), so no tenant's KV, hit counts or routi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import hashlib
 import hmac
@@ -88,6 +89,9 @@ def _to_api_error(exc: BaseException) -> ApiError | None:
     exc = _cause(exc)
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, DEAD):  # an actor died under the request (an engine replica: after its one retry)
+        return ApiError(503, "a replica serving this request stopped; retry", kind="service_unavailable",
+                        code="replica_lost", headers={"Retry-After": "1"})
     if isinstance(exc, NoReplicaError):
         return ApiError(503, public_text(str(exc)), kind="service_unavailable", code="no_replica",
                         headers={"Retry-After": "1"})
@@ -579,6 +583,22 @@ class Ingress:
                                        max_new=call.max_new)
         call.replica, call.outcome = route.replica, route.outcome
 
+    async def _engine_items(self, call: _Call | None, engine_request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The engine's stream of the call. A replica that dies before the first item, when nothing has
+        reached the client yet, is dropped and the call retried once, as `_run` does."""
+        for attempt in (1, 2):
+            received = False
+            try:
+                stream = self.engine.options(stream=True).stream
+                async for item in stream.remote(engine_request, **self._route_kwargs(call)):
+                    received = True
+                    yield item
+                return
+            except DEAD as error:
+                if received or attempt == 2:
+                    raise
+                await self._reroute(call, error)
+
     async def _close(self, call: _Call | None, release: Callable[[], None]) -> None:
         release()
         self._end_call(call)
@@ -625,29 +645,29 @@ class Ingress:
             return out
 
         try:
-            stream = self.engine.options(stream=True).stream
-            async for item in stream.remote(engine_request, **self._route_kwargs(call)):
-                if "error" in item:
-                    yield f"data: {json.dumps(_engine_error(item).body())}\n\n"
-                    break
-                if "text" in item:
-                    for chunk in chunks(item["text"]):
+            async with contextlib.aclosing(self._engine_items(call, engine_request)) as items:
+                async for item in items:
+                    if "error" in item:
+                        yield f"data: {json.dumps(_engine_error(item).body())}\n\n"
+                        break
+                    if "text" in item:
+                        for chunk in chunks(item["text"]):
+                            yield f"data: {json.dumps(chunk)}\n\n"
+                        continue
+                    result = item["result"]
+                    for chunk in chunks("", final=True):
                         yield f"data: {json.dumps(chunk)}\n\n"
-                    continue
-                result = item["result"]
-                for chunk in chunks("", final=True):
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                reason = finish_reason(result["finish_reason"], bool(calls is not None and calls.calls))
-                yield "data: " + json.dumps(stream_chunk("", chat=parsed.chat, model=self.model_name,
-                                                         request_id=request_id,
-                                                         finish_reason=reason, first=first)) + "\n\n"
-                if parsed.include_usage:
-                    final = stream_chunk("", chat=parsed.chat, model=self.model_name, request_id=request_id)
-                    final["choices"] = []
-                    final["usage"] = usage(prompt_tokens, len(result["tokens"]),
-                                           result["gpu_hit_tokens"] + result["cpu_hit_tokens"],
-                                           result.get("reused_tokens", 0))
-                    yield f"data: {json.dumps(final)}\n\n"
+                    reason = finish_reason(result["finish_reason"], bool(calls is not None and calls.calls))
+                    yield "data: " + json.dumps(stream_chunk("", chat=parsed.chat, model=self.model_name,
+                                                             request_id=request_id,
+                                                             finish_reason=reason, first=first)) + "\n\n"
+                    if parsed.include_usage:
+                        final = stream_chunk("", chat=parsed.chat, model=self.model_name, request_id=request_id)
+                        final["choices"] = []
+                        final["usage"] = usage(prompt_tokens, len(result["tokens"]),
+                                               result["gpu_hit_tokens"] + result["cpu_hit_tokens"],
+                                               result.get("reused_tokens", 0))
+                        yield f"data: {json.dumps(final)}\n\n"
             yield "data: [DONE]\n\n"
         except Exception as exc:  # headers are sent: report in-band, as OpenAI does
             error = _to_api_error(exc)
