@@ -172,6 +172,19 @@ def _assert_clean(outcome: Outcome, proxy_errors: int = 0) -> None:
     assert len(outcome.proxy_errors) <= proxy_errors, outcome.proxy_errors
 
 
+ENGINE_ACTOR = "SERVE_REPLICA::kvflow#EngineReplica#"  # + Serve's unique id: an engine replica's actor name
+
+
+def _engine_actor(replica: str) -> Any:
+    return ray.get_actor(ENGINE_ACTOR + replica, namespace="serve")
+
+
+def _engine_replicas() -> list[str]:
+    """The engine replicas alive now (Serve's unique ids)."""
+    return [a["name"][len(ENGINE_ACTOR):] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(ENGINE_ACTOR)]
+
+
 def _router_stats() -> dict[str, Any]:
     return ray.get(get_router(create=False).stats.remote())
 
@@ -272,7 +285,7 @@ def test_a_killed_replica_is_forgotten_at_once_and_its_calls_retried(server: Loc
             assert time.monotonic() < deadline, "no replica had calls in flight"
             time.sleep(0.05)
         victim = max(busy, key=lambda name: busy[name])
-        ray.kill(ray.get_actor(f"SERVE_REPLICA::kvflow#EngineReplica#{victim}", namespace="serve"), no_restart=True)
+        ray.kill(_engine_actor(victim), no_restart=True)
         killed.append(victim)
 
     outcome = _run_with_fault(server, "replica", kill_replica)
@@ -431,7 +444,7 @@ def test_a_stream_whose_replica_dies_before_it_sent_anything_is_retried(server: 
     response = connection.getresponse()
     assert response.status == 200
     victim = response.getheader("x-kvflow-replica")
-    actor = ray.get_actor(f"SERVE_REPLICA::kvflow#EngineReplica#{victim}", namespace="serve")
+    actor = _engine_actor(victim)
     _wait(lambda: ray.get(actor.get_num_ongoing_requests.remote()) == 1, "the stream never reached its replica",
           timeout_s=10)
     ray.kill(actor, no_restart=True)
@@ -445,12 +458,6 @@ def test_a_stream_whose_replica_dies_before_it_sent_anything_is_retried(server: 
     assert victim not in ray.get(router.replicas.remote())
     _wait(lambda: not any(ray.get(router.replicas.remote()).values()), "a load counter stayed up after the stream")
     server.wait_ready(timeout_s=120)  # Serve replaced it
-
-
-def _engine_replicas() -> list[str]:
-    """The engine replicas alive now (Serve's unique ids)."""
-    return [a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith("SERVE_REPLICA::kvflow#EngineReplica#")]
 
 
 @contextlib.contextmanager
@@ -493,8 +500,7 @@ def test_a_replica_killed_under_a_call_that_spilled_to_it(server: LocalServer) -
         def long_call() -> None:
             answers.append(_call(server, "spill", "planner", "a long answer", max_tokens=2000))
 
-        actors = {name: ray.get_actor(f"SERVE_REPLICA::kvflow#EngineReplica#{name}", namespace="serve")
-                  for name in replicas}
+        actors = {name: _engine_actor(name) for name in replicas}
         threads = [threading.Thread(target=long_call) for _ in range(2)]
         for thread in threads:
             thread.start()
