@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 import kvflow_ray.engines.cpu.model as model_module  # noqa: E402
 from kvflow_ray.engines.cpu.kv_pool import KVPool  # noqa: E402
 from kvflow_ray.engines.cpu.model import CpuModel, ModelConfig, sample  # noqa: E402
+from kvflow_ray.engines.cpu.packed_linears import packable  # noqa: E402
 from kvflow_ray.engines.tokenizer import ByteTokenizer, HFTokenizer, format_chat, load_tokenizer  # noqa: E402
 
 # float32 differences between mathematically equal computations (different matmul shapes, cat orders) are ~1e-6.
@@ -202,6 +203,31 @@ def test_greedy_generation_matches_hf_generate(model: CpuModel) -> None:
         ctx = torch.cat([ctx, pool.alloc(1)])
         logits = model.decode(pool, [token], [ctx])[0]
     assert generated == expected.tolist()
+
+
+def test_the_engine_runs_packed_linear_weights_and_leaves_the_model_stock(model: CpuModel) -> None:
+    """On a CPU the engine's forwards compute every linear layer over its weight packed for oneDNN; the
+    model's other callers (`generate`) keep `nn.Linear`'s forward, after a block that failed too."""
+    if not packable(model.device, model.torch_dtype):
+        pytest.skip("oneDNN does not run here")
+    linears = [m for m in model.hf.modules() if type(m) is torch.nn.Linear]
+    assert model.packed is not None and len(model.packed) == len(linears) == 4 * 7 + 1  # lm_head too
+    x = torch.randn(3, linears[0].in_features)
+    stock = linears[0](x)
+    with model.linears():
+        assert all("forward" in vars(m) for m in linears)
+        packed = linears[0](x)
+    assert not any("forward" in vars(m) for m in linears)
+    torch.testing.assert_close(packed, stock, **TOL)
+    with pytest.raises(RuntimeError, match="inside"), model.linears():
+        raise RuntimeError("inside")
+    assert not any("forward" in vars(m) for m in linears)
+
+    unpacked = CpuModel(ModelConfig(packed_weights=False))
+    assert unpacked.packed is None
+    tokens = _tokens(40, 5)
+    logits = [_run(m, _pool(m), tokens)[0] for m in (model, unpacked)]
+    torch.testing.assert_close(logits[0], logits[1], **TOL)
 
 
 def test_bfloat16_builds_and_runs(model: CpuModel) -> None:

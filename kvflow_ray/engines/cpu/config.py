@@ -40,6 +40,9 @@ class ModelConfig:
     # where the model and the device KV pool live: "auto" is cuda when torch sees a GPU, else cpu
     # (the host pool is RAM either way, pinned on a GPU; docs/gpu.md)
     device: str = "auto"
+    # on a CPU, the engine's forwards run the linear layers over weights packed once for oneDNN's matmul
+    # (engines/cpu/packed_linears.py): faster, at the cost of one more copy of those weights in RAM
+    packed_weights: bool = True
 
     @classmethod
     def named(cls, model: str, **fields: object) -> ModelConfig:

@@ -9,7 +9,8 @@ is a view of the pool, so the past is never copied. Decoding sequences that shar
 cached prompt) score it and weight its values together, so a step reads the shared prefix once per layer. A
 prefill chunk attends over its cached past run by run and over itself causally, and merges the parts by their
 log-sum-exps. transformers runs everything else (embeddings, RoPE, MLPs, norms): any full-attention model whose
-attention goes through `ALL_ATTENTION_FUNCTIONS` works.
+attention goes through `ALL_ATTENTION_FUNCTIONS` works. On a CPU its linear layers run over weights packed
+once for oneDNN (`PackedLinears`), for the engine's forwards only.
 
 The model and the device pool live on one torch device (`ModelConfig.device`): the CPU by default, or a
 CUDA GPU (docs/gpu.md). Slot indices stay host-side int64 tensors, as the cache keeps them; a forward
@@ -21,6 +22,7 @@ path avoids the copy instead.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from transformers.utils import logging as hf_logging
 
 from kvflow_ray.engines.cpu.config import ModelConfig
 from kvflow_ray.engines.cpu.kv_pool import KVPool, slot_runs
+from kvflow_ray.engines.cpu.packed_linears import PackedLinears, packable
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -417,6 +420,8 @@ class CpuModel:
         else:
             hf = _pretrained(config.path, self.torch_dtype).to(self.device)
         self.hf: PreTrainedModel = hf.eval().requires_grad_(False)
+        self.packed = (PackedLinears(hf) if config.packed_weights and packable(self.device, self.torch_dtype)
+                       else None)
         last = _llama_style_last_layer(hf)
         if last is not None:
             last.register_forward_pre_hook(_last_position_only, with_kwargs=True)
@@ -458,6 +463,11 @@ class CpuModel:
             raise ValueError(f"the KV pool must be [n_layers, n_kv_heads, slots, head_dim] = [{want[0]}, {want[1]}, *, "
                              f"{want[2]}], got {list(pool.k.shape)}")
 
+    def linears(self) -> AbstractContextManager[None]:
+        """For the block, `hf`'s linear layers run the engine's kernels (packed weights where `packed`),
+        as every engine forward does; outside, they are stock."""
+        return self.packed.active() if self.packed is not None else nullcontext()
+
     def _input_ids(self, tokens: Sequence[int], shape: tuple[int, int]) -> Tensor:
         ids = torch.as_tensor(tokens, dtype=torch.long).view(shape)
         # A clear error here instead of an IndexError from deep inside the embedding.
@@ -473,9 +483,10 @@ class CpuModel:
         config = self.hf.config
         before, config._attn_implementation = config._attn_implementation, ATTENTION
         try:
-            # logits_to_keep=1: only the last position goes through lm_head (saves a [T, vocab] matmul in prefill)
-            out = self.hf(input_ids=ids, position_ids=positions.to(self.device), cache=_PoolCache(pages),
-                          use_cache=True, logits_to_keep=0 if every else 1, kvflow_pages=pages)
+            with self.linears():
+                # logits_to_keep=1: only the last position goes through lm_head (no [T, vocab] matmul in prefill)
+                out = self.hf(input_ids=ids, position_ids=positions.to(self.device), cache=_PoolCache(pages),
+                              use_cache=True, logits_to_keep=0 if every else 1, kvflow_pages=pages)
         finally:
             config._attn_implementation = before
         return (out.logits if every else out.logits[:, -1]).float().cpu()

@@ -144,50 +144,52 @@ def prefill_reusing(model: CpuModel, pool: KVPool, tokens: Sequence[int], slots:
         reused[lo + method.fresh_head(placement.length):hi] = True
     counts = ReuseCounts(reused=sum(p.length for p in placements), dense_layer_tokens=n * model.n_layers)
 
-    hf = model.hf
-    rotary, apply = _rotary(model)
-    ids = torch.as_tensor(list(tokens[start:]), dtype=torch.long)
-    positions = torch.arange(start, total)
-    # the tokens whose KV this layer computes (every one up to `full_layers`, then the fresh ones and
-    # the method's picks), and their hidden states
-    active = torch.arange(n) if method.full_layers > 0 else torch.nonzero(~reused).flatten()
-    hidden = hf.model.embed_tokens(ids[active])[None]
-    # causal by position, [queries, context]: changes only where the queries shrink (`keep`)
-    mask = torch.arange(total)[None, :] <= positions[active][:, None]
-    for index, layer in enumerate(hf.model.layers):
-        attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        shape = (1, len(active), -1, attn.head_dim)
-        q = attn.q_proj(x).view(shape).transpose(1, 2)
-        k = attn.k_proj(x).view(shape).transpose(1, 2)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
-        cos, sin = rotary(x, positions[active][None])
-        q, k = apply(q, k, cos, sin)
-        keep = None  # positions within `active` whose queries go on (None: all)
-        if index == method.check_layer:
-            was_reused = reused[active]
-            fresh_v = v[0].transpose(0, 1)  # [t, H, D]
-            stored_v = pool.v[index][:, region[active]].transpose(0, 1).to(fresh_v.dtype)
-            deviation = ((fresh_v - stored_v) ** 2).mean(dim=(1, 2))
-            candidates = torch.nonzero(was_reused).flatten()
-            picked = candidates[method.select(deviation[candidates].tolist())]
-            chosen = ~was_reused
-            chosen[picked] = True
-            keep = torch.nonzero(chosen).flatten()
-        pool.k[index].index_copy_(1, region[active], k[0].to(pool.k.dtype))
-        pool.v[index].index_copy_(1, region[active], v[0].to(pool.v.dtype))
-        counts.layer_tokens += len(active)
-        if keep is not None:
-            q, hidden, active, mask = q[:, :, keep], hidden[:, keep], active[keep], mask[keep]
-        keys = pool.k[index][:, slots][None].to(q.dtype)
-        values = pool.v[index][:, slots][None].to(q.dtype)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
-        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, len(active), -1))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    if int(active[-1]) != n - 1:
-        raise AssertionError("the region's last token must be computed in every layer")
-    computed = torch.zeros(n, dtype=torch.bool)
-    computed[active] = True
-    counts.recomputed = counts.reused - int((reused & ~computed).sum())  # placed, yet computed in every layer
-    logits = hf.lm_head(hf.model.norm(hidden[:, -1:]))
-    return logits[0, -1].float(), counts
+    # the engine's kernels, as its other forwards run (packed linear weights on a CPU)
+    with model.linears():
+        hf = model.hf
+        rotary, apply = _rotary(model)
+        ids = torch.as_tensor(list(tokens[start:]), dtype=torch.long)
+        positions = torch.arange(start, total)
+        # the tokens whose KV this layer computes (every one up to `full_layers`, then the fresh ones and
+        # the method's picks), and their hidden states
+        active = torch.arange(n) if method.full_layers > 0 else torch.nonzero(~reused).flatten()
+        hidden = hf.model.embed_tokens(ids[active])[None]
+        # causal by position, [queries, context]: changes only where the queries shrink (`keep`)
+        mask = torch.arange(total)[None, :] <= positions[active][:, None]
+        for index, layer in enumerate(hf.model.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            shape = (1, len(active), -1, attn.head_dim)
+            q = attn.q_proj(x).view(shape).transpose(1, 2)
+            k = attn.k_proj(x).view(shape).transpose(1, 2)
+            v = attn.v_proj(x).view(shape).transpose(1, 2)
+            cos, sin = rotary(x, positions[active][None])
+            q, k = apply(q, k, cos, sin)
+            keep = None  # positions within `active` whose queries go on (None: all)
+            if index == method.check_layer:
+                was_reused = reused[active]
+                fresh_v = v[0].transpose(0, 1)  # [t, H, D]
+                stored_v = pool.v[index][:, region[active]].transpose(0, 1).to(fresh_v.dtype)
+                deviation = ((fresh_v - stored_v) ** 2).mean(dim=(1, 2))
+                candidates = torch.nonzero(was_reused).flatten()
+                picked = candidates[method.select(deviation[candidates].tolist())]
+                chosen = ~was_reused
+                chosen[picked] = True
+                keep = torch.nonzero(chosen).flatten()
+            pool.k[index].index_copy_(1, region[active], k[0].to(pool.k.dtype))
+            pool.v[index].index_copy_(1, region[active], v[0].to(pool.v.dtype))
+            counts.layer_tokens += len(active)
+            if keep is not None:
+                q, hidden, active, mask = q[:, :, keep], hidden[:, keep], active[keep], mask[keep]
+            keys = pool.k[index][:, slots][None].to(q.dtype)
+            values = pool.v[index][:, slots][None].to(q.dtype)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, len(active), -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        if int(active[-1]) != n - 1:
+            raise AssertionError("the region's last token must be computed in every layer")
+        computed = torch.zeros(n, dtype=torch.bool)
+        computed[active] = True
+        counts.recomputed = counts.reused - int((reused & ~computed).sum())  # placed, yet computed in every layer
+        logits = hf.lm_head(hf.model.norm(hidden[:, -1:]))
+        return logits[0, -1].float(), counts
