@@ -16,7 +16,8 @@
    tokens/s, 8 concurrent streams' aggregate decode tokens/s (against `generate` on the 8 prompts as
    one left-padded batch), the same for 8 streams that start with one cached 2,048-token agent prompt
    (64 tokens of their own each; `generate` holds the prompt once per stream), and prefill tokens/s
-   of a 2,048-token prompt. Decode rates leave the
+   of a 2,048-token prompt; and one pass over the model's linear layers at 1, 8 and 2,048 rows, as
+   `generate` runs them (`F.linear`) and as the engine does (weights packed for oneDNN). Decode rates leave the
    prefill out: the engine's from the streams' first tokens to their end (it prefills waiting
    prompts before it decodes), generate's as the time for n tokens less the time for 1.
 
@@ -27,6 +28,7 @@ Run: python benchmarks/cpu_engine.py [--quick] [--sections random,real]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -179,6 +181,7 @@ def real_model_speed(path: str, repeats: int) -> dict[str, Any]:
     # an agent's prompt that every stream starts with (cached before they arrive), then each stream's own input
     agent_prompt = _prompt(tokenizer, SHARED_PROMPT, 7)
     sharing = [agent_prompt + _prompt(tokenizer, SHARED_OWN, 30 + i) for i in range(STREAMS)]
+    linear = linear_kernels(model) if model.packed is not None else None
     bar = tqdm(total=repeats, desc="real model", unit="round", file=sys.stderr, disable=None)
     for _ in range(repeats):
         with CpuEngine(config, model=model) as engine:
@@ -201,13 +204,51 @@ def real_model_speed(path: str, repeats: int) -> dict[str, Any]:
     median = {k: statistics.median(v) for k, v in rows.items()}
     return {"model": path, "params": model.n_params, "prompt_tokens": SPEED_PROMPT, "new_tokens": SPEED_NEW,
             "streams": STREAMS, "prefill_context": PREFILL_CONTEXT, "shared_prompt": SHARED_PROMPT,
-            "shared_own": SHARED_OWN, "repeats": repeats, "runs": rows,
+            "shared_own": SHARED_OWN, "repeats": repeats, "runs": rows, "linear_kernels": linear,
             "tokens_per_s": median,
             "ratios": {"decode_vs_hf": median["engine_decode"] / median["hf_decode"],
                        "batch_vs_hf": median["engine_batch"] / median["hf_batch"],
                        "batch_vs_own_single_decode": median["engine_batch"] / median["engine_decode"],
                        "shared_vs_hf": median["engine_shared"] / median["hf_shared"],
                        "prefill_vs_hf": median["engine_prefill"] / median["hf_prefill"]}}
+
+
+LINEAR_ROWS = (1, 8, 2048)  # one stream decoding, 8 streams decoding, a 2,048-token prefill
+LINEAR_SAMPLES = 9
+
+
+def linear_kernels(model: CpuModel) -> dict[str, Any]:
+    """One pass over every linear layer of the model (lm_head included) at each of `LINEAR_ROWS` rows, run
+    as `generate` runs it (`F.linear`) and as the engine does (`PackedLinears`), alternately; medians of
+    `LINEAR_SAMPLES` passes each, in ms."""
+    import statistics
+
+    import torch
+
+    linears = [m for m in model.hf.modules() if type(m) is torch.nn.Linear]
+    out: dict[str, Any] = {"layers": len(linears), "rows": {}}
+    for rows in LINEAR_ROWS:
+        inputs = {n: torch.randn(rows, n, dtype=model.torch_dtype) for n in {m.in_features for m in linears}}
+        times: dict[str, list[float]] = {"stock": [], "packed": []}
+        with torch.inference_mode():
+            for _ in range(LINEAR_SAMPLES + 1):  # the first of each is a warm-up
+                for kind in times:
+                    with model.linears() if kind == "packed" else contextlib.nullcontext():
+                        started = time.perf_counter()
+                        for m in linears:
+                            m(inputs[m.in_features])
+                        times[kind].append((time.perf_counter() - started) * 1e3)
+        stock, packed = (statistics.median(times[k][1:]) for k in ("stock", "packed"))
+        out["rows"][str(rows)] = {"stock_ms": stock, "packed_ms": packed, "packed_vs_stock": packed / stock}
+    return out
+
+
+def print_linear_kernels(r: dict[str, Any]) -> None:
+    print(f"  the {r['layers']} linear layers, one pass, F.linear vs the engine's packed oneDNN weights "
+          f"(median of {LINEAR_SAMPLES}):")
+    for rows, q in r["rows"].items():
+        print(f"    {rows:>5} rows: {q['stock_ms']:.1f} vs {q['packed_ms']:.1f} ms "
+              f"({q['packed_vs_stock']:.2f}x the time)")
 
 
 def print_policies(p: dict[str, Any]) -> None:
@@ -241,6 +282,8 @@ def print_real_model(r: dict[str, Any]) -> None:
               f"({x['shared_vs_hf']:.2f}x; pairs {_pairs(r, 'shared')})")
     print(f"  prefill at {r['prefill_context']} tokens: {t['engine_prefill']:.0f} vs {t['hf_prefill']:.0f} tokens/s "
           f"({x['prefill_vs_hf']:.2f}x; pairs {_pairs(r, 'prefill')})")
+    if "linear_kernels" in r:
+        print_linear_kernels(r["linear_kernels"])
 
 
 def _pairs(r: dict[str, Any], kind: str) -> str:

@@ -219,6 +219,10 @@ def test_the_engine_runs_packed_linear_weights_and_leaves_the_model_stock(model:
         packed = linears[0](x)
     assert not any("forward" in vars(m) for m in linears)
     torch.testing.assert_close(packed, stock, **TOL)
+    with model.linears():
+        with model.linears():
+            pass
+        assert all("forward" in vars(m) for m in linears)  # an inner block leaves them packed
     with pytest.raises(RuntimeError, match="inside"), model.linears():
         raise RuntimeError("inside")
     assert not any("forward" in vars(m) for m in linears)

@@ -48,6 +48,7 @@ class PackedLinears:
                             None if module.bias is None else module.bias.detach())
             for module in model.modules() if type(module) is torch.nn.Linear}
         self.packed_bytes = sum(m.weight.numel() * m.weight.element_size() for m in self._forwards)
+        self._active = False
 
     def __len__(self) -> int:
         return len(self._forwards)
@@ -55,11 +56,17 @@ class PackedLinears:
     @contextmanager
     def active(self) -> Iterator[None]:
         """The linear layers compute with the packed weights until the block ends (an instance `forward`
-        shadows the class's: `nn.Module.__call__` looks it up on the instance)."""
+        shadows the class's: `nn.Module.__call__` looks it up on the instance). A block inside another
+        changes nothing."""
+        if self._active:
+            yield
+            return
         for module, forward in self._forwards.items():
             module.forward = forward  # type: ignore[method-assign]
+        self._active = True
         try:
             yield
         finally:
+            self._active = False
             for module in self._forwards:
                 del module.forward
