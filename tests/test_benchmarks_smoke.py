@@ -129,7 +129,7 @@ def test_soak_tiny(tmp_path: Path) -> None:
         assert all(sample["rss"][label] > 0 for label in ["router", "ingress", *replicas])
     final = samples[-1]
     keys = final["redis"]["keys"]
-    assert keys.get("client", 0) == 0  # finished ones deleted, abandoned ones expired
+    assert keys.get("client", 0) == 0  # finished and abandoned clients' records expired
     # + 5: the replicas' heartbeats, the router's marker, the shared template, one to spare
     assert final["redis"]["dbsize"] <= final["live_clients"] + keys.get("loc", 0) + 5, keys
     plot = out.with_suffix(".png")

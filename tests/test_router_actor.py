@@ -66,6 +66,9 @@ async def _two_ingresses(router: object, settings: RouterSettings) -> None:
     hints = (await router.exchange.remote(route.replica, 5.0))["hints"]
     assert hints["steps"]["acme/c1"]["executor"] == 1  # next
     route = a.start_call("acme", "c1", "executor")
+    finished = a.start_call("acme", "c9", "planner", workflow="peer")  # a client a finishes
+    a.end_call("acme", "c9", "planner", finished.replica)
+    a.finish_client("acme", "c9")
     await _until(lambda: a.store.pending == 0, "ingress a never flushed its writes")
 
     before = await router.ping.remote()
@@ -86,7 +89,7 @@ async def _two_ingresses(router: object, settings: RouterSettings) -> None:
     assert set(await router.replicas.remote()) == {"r1", "r2"}
     assert await a.sync_now()
     stats = await router.stats.remote()
-    assert stats["start_calls"] == 3 and stats["calls_in_flight"] == 1 and stats["live_clients"] == 1
+    assert stats["start_calls"] == 4 and stats["calls_in_flight"] == 1 and stats["live_clients"] == 1  # c9 finished
 
     # ingress a is gone: b recalls c1 from Redis and goes on where a left it
     await _until(lambda: a.store.pending == 0, "ingress a never flushed its writes")
@@ -96,6 +99,12 @@ async def _two_ingresses(router: object, settings: RouterSettings) -> None:
     await b.template("acme", "peer")
     b.end_call("acme", "c1", "expresser", None)
     assert not b.start_call("acme", "c1", "reviewer").deviation
+    # c9's finish sent again through b, which never held it (the first answer lost with a): Redis keeps
+    # c9's record as finished, so it is answered as the first was, and c9 is not live here
+    await b.recall("acme", "c9")
+    b.finish_client("acme", "c9")
+    with pytest.raises(ValueError, match="unknown client"):
+        b.client_workflow("acme", "c9")
     # errors keep their type across Ray (a bad request is a ValueError)
     with pytest.raises(ValueError, match="unknown workflow 'nope'"):
         await b.template("acme", "nope")

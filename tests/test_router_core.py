@@ -121,13 +121,19 @@ def test_a_restarted_router_resumes_from_the_store(router: RouterCore) -> None:
     router.end_call("acme", "c1", "planner", route.replica)
     router.start_call("acme", "c1", "executor")
     before = _steps(router.start_call("acme", "c2", "planner", workflow="peer").hints, "acme/c2")
+    router.start_call("acme", "c3", "planner", workflow="peer")
+    router.end_call("acme", "c3", "planner")
+    router.finish_client("acme", "c3")
     restarted = RouterCore(router.store)  # a new actor: nothing in memory but the store
     restarted.add_replica("r1")
     hints = restarted.end_call("acme", "c1", "executor")
     steps = hints[0][1].steps["acme/c1"]
     assert steps == {"planner": 3, "executor": 4, "expresser": 1, "reviewer": 2}
     assert _steps(restarted.start_call("acme", "c2", "planner").hints, "acme/c2") == before
-    assert restarted.active_clients() == {"acme": 2}
+    assert restarted.active_clients() == {"acme": 2}  # c3's record says it finished: not live
+    assert restarted.finish_client("acme", "c3") == []  # a finish sent again is answered as the first was
+    with pytest.raises(UnknownClientError):
+        restarted.finish_client("acme", "c4")
 
 
 def test_replica_loss_moves_calls_elsewhere(router: RouterCore) -> None:

@@ -9,6 +9,7 @@ import pytest
 from redis_proc import RedisProcess
 
 from kvflow_ray.router.store import (
+    SWEEP_MIN_KEYS,
     BufferedStore,
     MemoryStore,
     RedisStore,
@@ -85,6 +86,23 @@ def test_idle_client_state_expires(store: Store) -> None:
     store.put_template("acme", "peer", SPEC)
     time.sleep(0.3)
     assert store.get_template("acme", "peer") == SPEC  # templates do not expire
+
+
+def test_the_embedded_store_drops_expired_keys_nobody_reads() -> None:
+    """Finished and abandoned clients' records expire unread: the dict keeps at most twice the live
+    keys (and SWEEP_MIN_KEYS), as Redis's own expiry keeps its memory to the live keys."""
+    now = [0.0]
+    store = MemoryStore(ttl_s=10, clock=lambda: now[0])
+    store.put_template("acme", "peer", SPEC)  # never expires
+    for i in range(20_000):
+        store.put_client("acme", f"c{i}", {"finished_at": i})
+        if i % 1000 == 999:
+            now[0] += 11  # the last thousand records are past their TTL
+    assert len(store._data) <= max(SWEEP_MIN_KEYS, 2 * 1001)
+    assert store.get_template("acme", "peer") == SPEC
+    assert [c for _tenant, c, _record in store.clients()] == []  # all expired: now[0] is past the last
+    store.put_client("acme", "live", {"workflow": "peer"})
+    assert store.get_client("acme", "live") == {"workflow": "peer"}
 
 
 def test_prefix_locations_and_replica_loss(store: Store) -> None:

@@ -16,6 +16,10 @@ from kvflow_ray.router.store import BufferedStore
 
 Client = tuple[str, str]  # (tenant, client id)
 FINISHED_REMEMBERED = 65_536  # finished clients remembered, so a finish sent again is answered as the first
+# A finished client's record in the store is this key alone (when it finished, seconds since the epoch); it
+# expires as every record does. Another ingress that recalls it knows the client was finished: a finish
+# sent again there (its answer lost with the ingress that took the first) is answered as the first was.
+FINISHED_AT = "finished_at"
 Routed = tuple[str, str, RouteRequest]  # (agent, replica, the request as the policy saw it)
 
 
@@ -42,6 +46,9 @@ class Clients:
         """What the store holds, once, at (re)start."""
         now = time.monotonic()
         for tenant, client_id, record in self.store.clients():
+            if FINISHED_AT in record:
+                self.finished((tenant, client_id))
+                continue
             self._live.setdefault(tenant, OrderedDict())[client_id] = now
             self.records[(tenant, client_id)] = record
 
@@ -55,9 +62,12 @@ class Clients:
 
     def adopt(self, tenant: str, client_id: str, record: dict[str, Any]) -> bool:
         """A client whose record another owner wrote (an ingress replica that is gone): live here now,
-        unless it is known here already or was finished here. Whether it was taken."""
+        unless it is known here already or was finished, here or by that owner. Whether it was taken."""
         client = (tenant, client_id)
         if client in self.records or self.was_finished(client):
+            return False
+        if FINISHED_AT in record:
+            self.finished(client)
             return False
         self.records[client] = record
         self._live.setdefault(tenant, OrderedDict())[client_id] = time.monotonic()
@@ -102,6 +112,12 @@ class Clients:
         """Live clients per tenant, from memory: O(tenants + what expired since the last count)."""
         self.expire_all(expired)
         return Counter({tenant: len(live) for tenant, live in self._live.items() if live})
+
+    def close(self, tenant: str, client_id: str) -> None:
+        """The client is finished: remembered here, and its record in the store replaced by a finished one."""
+        self.finishing.discard((tenant, client_id))
+        self.finished((tenant, client_id))
+        self.store.put_client(tenant, client_id, {FINISHED_AT: time.time()})
 
     def finished(self, client: Client) -> None:
         self._finished[client] = time.monotonic()

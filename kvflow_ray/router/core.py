@@ -327,9 +327,7 @@ class RouterCore:
         return hints
 
     def _finish(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:
-        self.clients.finishing.discard((tenant, client_id))
-        self.clients.finished((tenant, client_id))
-        self.store.delete_client(tenant, client_id)
+        self.clients.close(tenant, client_id)
         return self._forget_client(tenant, client_id)
 
     def _forget_client(self, tenant: str, client_id: str) -> list[tuple[str, Hints]]:

@@ -6,7 +6,9 @@ Both stores implement one contract (tests run it against both):
 - templates, client state and learned transition models are namespaced by tenant:
   `kvflow:{tenant}:template:{name}`, `kvflow:{tenant}:client:{client_id}`,
   `kvflow:{tenant}:model:{template}`; one tenant can never name another's keys;
-- client state expires after `ttl_s` without a write (an idle workflow is forgotten);
+- client state expires after `ttl_s` without a write (an idle workflow is forgotten); a finished
+  client's state is replaced by `{"finished_at": t}` (`router.clients.FINISHED_AT`), which expires
+  the same way, so any router can tell a finished client from one it never saw;
 - prefix locations (`kvflow:loc:{prefix_hash}` -> {replica: tier}) and heartbeats
   (`kvflow:replica:{name}`) are per deployment: they describe replicas, which all tenants share.
 Values are JSON documents, so state written by one router version can be read by the next.
@@ -74,7 +76,7 @@ class Store(Protocol):
     def delete_client(self, tenant: str, client_id: str) -> bool: ...
 
     def clients(self) -> Iterator[tuple[str, str, dict[str, Any]]]:
-        """Every live client of every tenant: what a restarted router reloads."""
+        """Every client record of every tenant, finished ones included: what a restarted router reloads."""
         ...
 
     def set_location(self, prefix_hash: str, replica: str, tier: str | None) -> None:
@@ -156,14 +158,21 @@ def _check_tier(tier: str | None) -> None:
         raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
 
 
+SWEEP_MIN_KEYS = 1024  # MemoryStore sweeps expired keys once it holds at least this many
+
+
 class MemoryStore:
-    """The embedded default: the Redis layout in a dict, with the same expiry semantics."""
+    """The embedded default: the Redis layout in a dict, with the same expiry semantics. As Redis
+    does, it drops expired keys nobody reads too (finished and abandoned clients' records): each time
+    the dict has doubled since the last sweep, so a write costs O(1) amortized and the dict stays
+    within twice the live keys."""
 
     def __init__(self, ttl_s: float = 3600.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
         self._clock = clock
         self._data: dict[str, tuple[float | None, Any]] = {}  # key -> (expires at, value)
         self._lock = threading.Lock()
+        self._sweep_at = SWEEP_MIN_KEYS
 
     def _get(self, key: str) -> Any:
         item = self._data.get(key)
@@ -177,6 +186,11 @@ class MemoryStore:
 
     def _set(self, key: str, value: Any, ttl: float | None = None) -> None:
         self._data[key] = (None if ttl is None else self._clock() + ttl, value)
+        if len(self._data) >= self._sweep_at:
+            now = self._clock()
+            for expired in [k for k, (at, _) in self._data.items() if at is not None and at <= now]:
+                del self._data[expired]
+            self._sweep_at = max(SWEEP_MIN_KEYS, 2 * len(self._data))
 
     def put_template(self, tenant: str, name: str, spec: dict[str, Any], ttl_s: float | None = None) -> None:
         with self._lock:
