@@ -547,19 +547,11 @@ class Ingress:
         return 0
 
     async def _run(self, call: _Call | None, engine_request: dict[str, Any]) -> dict[str, Any]:
-        """One engine call; a replica that dies under it is dropped and the call retried once."""
-        for attempt in (1, 2):
-            try:
-                outcome = await self.engine.generate.remote(engine_request, **self._route_kwargs(call))
-            except DEAD as error:
-                if attempt == 2:
-                    raise
-                await self._reroute(call, error)
-                continue
-            if "error" in outcome:
-                raise _engine_error(outcome)
-            return outcome
-        raise AssertionError("unreachable")
+        """One engine call, retried as `_engine_items` retries."""
+        (outcome,) = [item async for item in self._engine_items(call, engine_request, stream=False)]
+        if "error" in outcome:
+            raise _engine_error(outcome)
+        return outcome
 
     def _route_kwargs(self, call: _Call | None) -> dict[str, str]:
         """The router's choice, for the request router in place: `WorkflowRequestRouter` honours it,
@@ -583,14 +575,19 @@ class Ingress:
                                        max_new=call.max_new)
         call.replica, call.outcome = route.replica, route.outcome
 
-    async def _engine_items(self, call: _Call | None, engine_request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """The engine's stream of the call. A replica that dies before the first item, when nothing has
-        reached the client yet, is dropped and the call retried once, as `_run` does."""
+    async def _engine_items(self, call: _Call | None, engine_request: dict[str, Any], stream: bool = True
+                            ) -> AsyncIterator[dict[str, Any]]:
+        """The engine's items for the call: its stream, or (`stream` False) its one outcome. A replica that
+        dies under it before the first item, when nothing has reached the client yet, is dropped and the
+        call retried once."""
         for attempt in (1, 2):
             received = False
             try:
-                stream = self.engine.options(stream=True).stream
-                async for item in stream.remote(engine_request, **self._route_kwargs(call)):
+                if not stream:
+                    yield await self.engine.generate.remote(engine_request, **self._route_kwargs(call))
+                    return
+                items = self.engine.options(stream=True).stream.remote(engine_request, **self._route_kwargs(call))
+                async for item in items:
                     received = True
                     yield item
                 return
