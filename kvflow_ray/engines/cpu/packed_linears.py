@@ -47,7 +47,6 @@ class PackedLinears:
                                                                                      LAYOUT_ROWS),
                             None if module.bias is None else module.bias.detach())
             for module in model.modules() if type(module) is torch.nn.Linear}
-        self.packed_bytes = sum(m.weight.numel() * m.weight.element_size() for m in self._forwards)
         self._active = False
 
     def __len__(self) -> int:
