@@ -60,12 +60,14 @@ class PackedLinears:
         if self._active:
             yield
             return
+        # straight into the instances' dicts: `nn.Module.__setattr__` checks parameters and submodules
+        # first, which costs about 1.5 us a layer on every forward
         for module, forward in self._forwards.items():
-            module.forward = forward  # type: ignore[method-assign]
+            module.__dict__["forward"] = forward
         self._active = True
         try:
             yield
         finally:
             self._active = False
             for module in self._forwards:
-                del module.forward
+                del module.__dict__["forward"]
